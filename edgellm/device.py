@@ -1,0 +1,94 @@
+"""Device choice, default dtypes, timers that synchronise, and memory readings."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
+          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def pick_device(name: str = "auto") -> torch.device:
+    if name != "auto":
+        dev = torch.device(name)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is available")
+        if dev.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError("--device mps: Metal (MPS) is not available")
+        return dev
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """fp32 on CPU: bf16 GEMMs are several times slower without AVX-512-BF16/AMX (measured),
+    and decode reads weights through our quantized kernels anyway. bf16 on CUDA, fp16 on MPS."""
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "mps":
+        return torch.float16
+    return torch.float32
+
+
+def parse_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    if name in (None, "auto"):
+        return default_dtype(device)
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r} (choose from fp32, fp16, bf16)")
+    return DTYPES[name]
+
+
+def set_threads(n: int | None) -> None:
+    if n:
+        torch.set_num_threads(n)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def now(device: torch.device | None = None) -> float:
+    """A timestamp taken after the device has finished queued work."""
+    if device is not None:
+        synchronize(device)
+    return time.perf_counter()
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Max allocated on CUDA, current allocated on MPS, peak RSS of the process on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    if device.type == "mps":
+        return int(torch.mps.driver_allocated_memory())
+    return process_peak_rss()
+
+
+def process_peak_rss() -> int:
+    try:
+        import resource
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if os.uname().sysname == "Darwin" else peak * 1024)
+    except (ImportError, AttributeError):
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+
+
+def process_rss() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)

@@ -1,0 +1,270 @@
+"""Tokenizer (HF `tokenizers`), chat template (jinja2 sandbox) and a streaming detokenizer.
+
+Sources: a HF folder's tokenizer.json + tokenizer_config.json, or GGUF metadata — gpt2-style BPE
+(tokens + merges + the pre-tokenizer llama.cpp names in `tokenizer.ggml.pre`) or a llama
+SentencePiece vocab (tokens + scores, byte fallback).
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from .errors import ModelFormatError, TokenizerError
+
+# llama.cpp pre-tokenizer names → the split regex it applies before byte-level BPE.
+GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
+
+
+@dataclass
+class Tokenizer:
+    backend: Any  # tokenizers.Tokenizer
+    bos_id: int | None = None
+    eos_ids: set[int] = field(default_factory=set)
+    add_bos: bool = False
+    chat_template: str | None = None
+    bos_token: str = ""
+    eos_token: str = ""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            if not ids or ids[0] != self.bos_id:
+                ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: list[int], skip_special: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.backend.id_to_token(i)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise TokenizerError("this model has no chat template: use --raw to send the text as is")
+        return render_template(self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token, eos_token=self.eos_token)
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes BOS itself where the model wants one, as HF's apply_chat_template does.
+        return self.encode(self.render_chat(messages, add_generation_prompt), add_bos=False)
+
+    def stream(self) -> "StreamDecoder":
+        return StreamDecoder(self)
+
+
+# ------------------------------------------------------------------------------------------------
+# Chat templates run in jinja2's immutable sandbox: a model file cannot touch the host.
+# ------------------------------------------------------------------------------------------------
+def _raise(message: str) -> None:
+    raise TokenizerError(f"chat template: {message}")
+
+
+def render_template(template: str, **context: Any) -> str:
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template).render(**context)
+    except TemplateError as e:
+        raise TokenizerError(f"chat template failed: {e}") from e
+
+
+# ------------------------------------------------------------------------------------------------
+# Streaming: emit text as tokens arrive, never half a UTF-8 character; the pieces concatenate to
+# decode(all tokens). Decoding a short window [prefix, n) keeps each step O(window), not O(n).
+# ------------------------------------------------------------------------------------------------
+class StreamDecoder:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.prefix = 0  # window start: decoding starts here so context-dependent spacing is kept
+        self.read = 0  # tokens before this have been emitted
+
+    def push(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        return self._emit(final=False)
+
+    def flush(self) -> str:
+        return self._emit(final=True)
+
+    def _emit(self, final: bool) -> str:
+        done = self.tok.decode(self.ids[self.prefix:self.read])
+        full = self.tok.decode(self.ids[self.prefix:])
+        if not final and (full.endswith("\ufffd") or len(full) <= len(done)):
+            return ""  # an incomplete multi-byte character: wait for the next token
+        delta = full[len(done):]
+        self.prefix, self.read = self.read, len(self.ids)
+        return delta
+
+
+# ------------------------------------------------------------------------------------------------
+# Loading
+# ------------------------------------------------------------------------------------------------
+def load_tokenizer(source: Any) -> Tokenizer:
+    """`source`: a HF folder path, or a GGUFSource (edgellm.loading)."""
+    if isinstance(source, (str, Path)):
+        return tokenizer_from_folder(Path(source))
+    return tokenizer_from_gguf(source)
+
+
+def tokenizer_from_folder(folder: Path) -> Tokenizer:
+    from tokenizers import Tokenizer as Backend
+
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ModelFormatError(f"{folder}: no tokenizer.json (only fast-tokenizer folders are supported)")
+    try:
+        backend = Backend.from_file(str(path))
+    except Exception as e:
+        raise ModelFormatError(f"{path}: cannot read tokenizer ({str(e).splitlines()[0]})") from e
+    cfg = _json(folder / "tokenizer_config.json")
+    gen = _json(folder / "generation_config.json")
+    model_cfg = _json(folder / "config.json")
+    template = cfg.get("chat_template")
+    if isinstance(template, list):  # several named templates: use "default"
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+    bos_token = _token_text(cfg.get("bos_token"))
+    eos_token = _token_text(cfg.get("eos_token"))
+    bos_id = backend.token_to_id(bos_token) if bos_token else model_cfg.get("bos_token_id")
+    eos_ids = set()
+    for value in (gen.get("eos_token_id"), model_cfg.get("eos_token_id")):
+        eos_ids |= set(value if isinstance(value, list) else [value] if value is not None else [])
+    if eos_token and backend.token_to_id(eos_token) is not None:
+        eos_ids.add(backend.token_to_id(eos_token))
+    # The post-processor (if any) is where HF adds BOS; we add it ourselves to keep one code path.
+    add_bos = bool(cfg.get("add_bos_token", _post_processor_adds_bos(backend, bos_id)))
+    backend.post_processor = None
+    tok = Tokenizer(backend, bos_id, eos_ids, add_bos, template, bos_token or "", eos_token or "")
+    _add_end_of_turn_tokens(tok)
+    return tok
+
+
+def _post_processor_adds_bos(backend: Any, bos_id: int | None) -> bool:
+    if bos_id is None:
+        return False
+    return backend.encode("a").ids[:1] == [bos_id]
+
+
+def _json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelFormatError(f"{path}: not valid JSON ({e})") from e
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _add_end_of_turn_tokens(tok: Tokenizer) -> None:
+    """Chat models end a turn with a token that is not always the declared EOS."""
+    for text in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>", "</s>", "<end_of_turn>"):
+        i = tok.backend.token_to_id(text)
+        if i is not None and (text != "<|endoftext|>" or not tok.eos_ids):
+            tok.eos_ids.add(i)
+
+
+def tokenizer_from_gguf(src: Any) -> Tokenizer:
+    field = src.field
+    kind = field("tokenizer.ggml.model")
+    tokens = field("tokenizer.ggml.tokens")
+    if not tokens:
+        raise ModelFormatError(f"{src.path}: GGUF has no tokenizer (tokenizer.ggml.tokens)")
+    types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if kind == "gpt2":
+        backend = _gguf_bpe(tokens, field("tokenizer.ggml.merges") or [], field("tokenizer.ggml.pre") or "default")
+    elif kind == "llama":
+        backend = _gguf_spm(tokens, field("tokenizer.ggml.scores") or [0.0] * len(tokens), types,
+                            bool(field("tokenizer.ggml.add_space_prefix", True)))
+    else:
+        raise ModelFormatError(f"{src.path}: tokenizer model {kind!r} is not supported (gpt2, llama)")
+    from tokenizers import AddedToken
+
+    specials = [AddedToken(t, special=True, normalized=False)
+                for t, ty in zip(tokens, types) if ty in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)]
+    backend.add_special_tokens(specials)
+    bos_id = field("tokenizer.ggml.bos_token_id")
+    eos_id = field("tokenizer.ggml.eos_token_id")
+    eos_ids = {eos_id} if eos_id is not None else set()
+    eot = field("tokenizer.ggml.eot_token_id")
+    if eot is not None:
+        eos_ids.add(eot)
+    add_bos = field("tokenizer.ggml.add_bos_token")
+    tok = Tokenizer(backend, bos_id, eos_ids, bool(kind == "llama" if add_bos is None else add_bos),
+                    field("tokenizer.chat_template"),
+                    tokens[bos_id] if bos_id is not None else "", tokens[eos_id] if eos_id is not None else "")
+    _add_end_of_turn_tokens(tok)
+    return tok
+
+
+def _gguf_bpe(tokens: list[str], merges: list[str], pre: str) -> Any:
+    from tokenizers import Regex, Tokenizer as Backend, decoders, models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in ("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe"):
+        split = [pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"), byte_level]
+    elif pre in ("qwen2", "deepseek-r1-qwen"):
+        split = [pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"), byte_level]
+    elif pre in ("smollm", "starcoder", "refact", "codeshell"):  # digits one by one, then gpt2
+        split = [pre_tokenizers.Digits(individual_digits=True),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    else:
+        if pre not in ("default", "gpt2", "gpt-2"):
+            warnings.warn(f"GGUF pre-tokenizer {pre!r} is not known; using GPT-2's split")
+        split = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
+    backend.pre_tokenizer = pre_tokenizers.Sequence(split)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _gguf_spm(tokens: list[str], scores: list[float], types: list[int], add_space_prefix: bool) -> Any:
+    """A llama SentencePiece (BPE-type) vocab as a `tokenizers` BPE: merges are ranked by the score
+    of the merged piece, which is how sentencepiece picks the next merge."""
+    from tokenizers import Tokenizer as Backend, decoders, models, normalizers
+
+    vocab = {t: i for i, t in enumerate(tokens)}
+    merges = []
+    for piece, score in zip(tokens, scores):
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                merges.append((score, vocab[piece], left, right))
+    merges.sort(key=lambda m: (-m[0], m[1]))
+    unk = next((t for t, ty in zip(tokens, types) if ty == 2), None)
+    backend = Backend(models.BPE(vocab=vocab, merges=[(a, b) for _, _, a, b in merges], unk_token=unk,
+                                 fuse_unk=True, byte_fallback=True))
+    steps = [normalizers.Replace(" ", "\u2581")]
+    if add_space_prefix:
+        steps.insert(0, normalizers.Prepend("\u2581"))
+    backend.normalizer = normalizers.Sequence(steps)
+    dec = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        dec.append(decoders.Strip(content=" ", left=1, right=0))
+    backend.decoder = decoders.Sequence(dec)
+    return backend
