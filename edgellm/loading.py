@@ -11,6 +11,7 @@ import json
 import os
 import re
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -394,7 +395,12 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
     if cfg.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
     model.eval().requires_grad_(False)
-    model.setup_rope(min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings))
+    ctx = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    if cfg.sliding_window and ctx > cfg.sliding_window:
+        # beyond the window the model attends only to recent tokens; refuse rather than approximate
+        warnings.warn(f"context limited to the model's sliding window of {cfg.sliding_window} tokens")
+        ctx = cfg.sliding_window
+    model.setup_rope(ctx)
     tokenizer = load_tokenizer(path if path.is_dir() else src)
     types = Counter(src.tensor_type(n) for n in src.names())
     return LoadedModel(model, tokenizer, cfg, path, fmt, src.file_bytes, dict(types), time.perf_counter() - t0)

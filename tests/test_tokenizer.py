@@ -1,0 +1,67 @@
+"""Tokenizer loading, streaming detokenization and the sandboxed chat template."""
+import pytest
+
+from edgellm.errors import TokenizerError
+from edgellm.loading import load_model
+from edgellm.tokenizer import render_template
+
+TEXTS = {
+    "english": "The quick brown fox jumps over the lazy dog, again and again.",
+    "russian": "Съешь же ещё этих мягких французских булок, да выпей чаю.",
+    "chinese": "我能吞下玻璃而不伤身体。你好，世界！",
+    "emoji": "Rockets 🚀🚀 and faces 😀👍🏽👨‍👩‍👧 mixed with text.",
+    "code": "def f(x):\n    return {'a': [1, 2, 3]}[x]  # комментарий\n\tpass\n",
+}
+
+
+@pytest.mark.parametrize("name", list(TEXTS))
+def test_stream_decoder_concatenates_to_decode(bundled, name):
+    tok = bundled.tokenizer
+    ids = tok.encode(TEXTS[name])
+    stream = tok.stream()
+    pieces = [stream.push(i) for i in ids] + [stream.flush()]
+    for p in pieces:
+        assert "\ufffd" not in p  # never half a UTF-8 character
+    assert "".join(pieces) == tok.decode(ids) == TEXTS[name]
+
+
+def test_stream_decoder_on_tiny_tokenizer(tiny_llama):
+    tok = load_model(tiny_llama[0]).tokenizer
+    for text in TEXTS.values():
+        ids = tok.encode(text)
+        stream = tok.stream()
+        out = "".join(stream.push(i) for i in ids) + stream.flush()
+        assert out == tok.decode(ids)
+
+
+def test_gguf_and_folder_tokenizers_agree(tiny_llama):
+    folder, gguf_path = tiny_llama
+    a, b = load_model(folder).tokenizer, load_model(gguf_path).tokenizer
+    for text in TEXTS.values():
+        assert a.encode(text) == b.encode(text)
+    assert a.eos_ids == b.eos_ids
+
+
+def test_chat_template_is_sandboxed():
+    evil = "{{ ''.__class__.__mro__[1].__subclasses__() }}"
+    with pytest.raises(TokenizerError):
+        render_template(evil, messages=[])
+    with pytest.raises(TokenizerError):
+        render_template("{{ raise_exception('no system role') }}", messages=[])
+
+
+def test_spm_vocab_from_gguf_metadata():
+    """A llama SentencePiece vocab (tokens + scores + byte fallback) built from GGUF-style metadata."""
+    from edgellm.tokenizer import _gguf_spm
+
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + [
+        "▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "llo", "hello", "▁hello", "▁w", "or", "ld", "orld", "▁world"]
+    scores = [0.0] * 259 + [-1, -2, -2, -2, -2, -2, -2, -2, -3, -3, -4, -5, -1.5, -3, -3, -3, -2.5, -1.2]
+    types = [2, 3, 3] + [6] * 256 + [1] * 18
+    tok = _gguf_spm(tokens, scores, types, add_space_prefix=True)
+    enc = tok.encode("hello world", add_special_tokens=False)
+    assert enc.tokens == ["▁hello", "▁world"]
+    assert tok.decode(enc.ids) == "hello world"
+    emoji = tok.encode("hi😀", add_special_tokens=False)
+    assert "<0xF0>" in emoji.tokens  # unknown characters fall back to bytes
+    assert tok.decode(emoji.ids) == "hi😀"
