@@ -13,10 +13,13 @@ from .config import ModelConfig
 
 
 class KVCache:
-    def __init__(self, cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device | str,
+                 kv_format: str = "fp"):
+        if kv_format != "fp":
+            raise ValueError(f"KV format {kv_format!r} is not available yet")
         self.max_seq_len = max_seq_len
         self.n_layers = cfg.n_layers
-        self.kv_format = "fp"
+        self.kv_format = kv_format
         shape = (cfg.n_kv_heads, max_seq_len, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]

@@ -34,6 +34,23 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
 
+WEIGHT_FORMATS = ("fp", "int8", "int4")
+KV_FORMATS = ("fp", "int8", "int4")
+
+
+def add_format_options(p: argparse.ArgumentParser, draft: bool = False) -> None:
+    g = p.add_argument_group("formats")
+    g.add_argument("--weights", default="fp", choices=WEIGHT_FORMATS,
+                   help="quantize the weights in memory at load (default: fp = the compute dtype)")
+    g.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4/int8 group size")
+    g.add_argument("--kv", default="fp", choices=KV_FORMATS, help="KV-cache storage (default: fp)")
+    if draft:
+        g.add_argument("--draft", default="none",
+                       help="speculative decoding: none | self | self:int4 | self:int4:L<n> | lookup | MODEL")
+        g.add_argument("--draft-tokens", type=int, default=None, help="fix the draft length (default: adaptive)")
+        g.add_argument("--show-drafts", action="store_true", help="colour tokens that came from accepted drafts")
+
+
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
@@ -72,7 +89,27 @@ def load_from_args(args: argparse.Namespace, on_tensor=None):
     except (ValueError, RuntimeError) as e:
         raise EdgeLLMError(str(e)) from e
     ctx = args.ctx or DEFAULT_CTX
-    return load_model(args.model, device=device, dtype=dtype, max_seq_len=ctx, on_tensor=on_tensor)
+    weights = getattr(args, "weights", "fp")
+    loaded = load_model(args.model, device=device, dtype=dtype, max_seq_len=ctx, on_tensor=on_tensor,
+                        weights=weights, group_size=getattr(args, "group_size", 32))
+    return loaded
+
+
+def engine_from_args(args: argparse.Namespace, loaded):
+    """The Engine the options describe: KV format and draft proposer."""
+    from .cache import KVCache
+    from .generate import Engine
+
+    model = loaded.model
+    cache = KVCache(model.config, model.rope_len, model.dtype, model.device, kv_format=getattr(args, "kv", "fp"))
+    draft_spec = getattr(args, "draft", "none") or "none"
+    proposer = None
+    if draft_spec != "none":
+        from .speculative import make_proposer
+
+        proposer = make_proposer(draft_spec, loaded)
+    kwargs = {"draft": proposer, "draft_tokens": getattr(args, "draft_tokens", None)} if proposer else {}
+    return Engine(model, loaded.tokenizer, cache=cache, **kwargs)
 
 
 def prompt_ids(args: argparse.Namespace, tokenizer, text: str) -> list[int]:
@@ -97,7 +134,7 @@ def stats_line(stats) -> str:
 # ------------------------------------------------------------------------------------------------
 @command("run")
 def cmd_run(args: argparse.Namespace) -> int:
-    from .generate import Done, Engine, GenerationSettings
+    from .generate import Done, GenerationSettings
 
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.max_tokens < 1:
@@ -105,7 +142,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     loaded = load_from_args(args)
     tok = loaded.tokenizer
     ids = prompt_ids(args, tok, text)
-    engine = Engine(loaded.model, tok)
+    engine = engine_from_args(args, loaded)
     if args.truncate and len(ids) >= engine.max_seq_len:
         ids = ids[-(engine.max_seq_len - 1):]  # keep the end: the question is usually last
     settings = GenerationSettings(max_tokens=args.max_tokens, sampling=sampling_from_args(args),
@@ -199,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="generate an answer to one prompt")
     run.add_argument("prompt", help="the prompt text, or - to read stdin")
     add_model_options(run)
+    add_format_options(run, draft=True)
     add_sampling_options(run)
     run.add_argument("--raw", action="store_true", help="send the text as is, without the chat template")
     run.add_argument("--truncate", action="store_true", help="keep the end of a prompt longer than the context")
@@ -206,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="describe a model")
     add_model_options(info)
+    add_format_options(info)
     info.add_argument("--json", action="store_true")
 
     for extend in EXTENSIONS:

@@ -380,10 +380,13 @@ def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch
 
 def load_model(arg: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
-               on_tensor: Callable[[str], None] | None = None) -> LoadedModel:
+               on_tensor: Callable[[str], None] | None = None, weights: str = "fp",
+               group_size: int = 32) -> LoadedModel:
     """Load weights + tokenizer. `max_seq_len` sizes the RoPE table (default: the model's context)."""
     from .tokenizer import load_tokenizer
 
+    if weights not in ("fp", "int8", "int4"):
+        raise UnsupportedModelError(f"weight format {weights!r} is not supported (fp, int8, int4)")
     t0 = time.perf_counter()
     path = resolve_model(arg)
     device = torch.device(device)

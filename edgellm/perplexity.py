@@ -1,0 +1,150 @@
+"""`edgellm perplexity`: chunked perplexity as llama-perplexity computes it, and KL divergence /
+top-1 agreement against a full-precision reference (as its --kl-divergence does).
+
+The text is tokenised once and cut into windows of --ctx tokens; each window is evaluated from an
+empty cache and only its second half is scored, so every scored token sees at least ctx/2 tokens
+of context.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import EdgeLLMError, ModelNotFoundError
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    nll: float
+    tokens_scored: int
+    windows: int
+    ctx: int
+    kl_mean: float | None = None
+    kl_p99: float | None = None
+    top1_agreement: float | None = None
+    reference_perplexity: float | None = None
+
+
+def windows(ids: list[int], ctx: int, bos: int | None) -> list[list[int]]:
+    n = len(ids) // ctx
+    out = []
+    for i in range(n):
+        w = ids[i * ctx:(i + 1) * ctx]
+        if bos is not None:  # llama-perplexity starts each window with BOS when the model uses one
+            w = [bos] + w[1:]
+        out.append(w)
+    return out
+
+
+def window_logprobs(model, cache, window: list[int]) -> torch.Tensor:
+    cache.reset()
+    x = torch.tensor([window], dtype=torch.long, device=model.device)
+    logits = model(x, cache, 0, all_logits=True)[0]
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def evaluate(model, cache, tokenizer, ids: list[int], ctx: int, reference=None, progress=None) -> PerplexityResult:
+    """`reference`: an optional (model, cache) pair of the full-precision model for KL / top-1."""
+    bos = tokenizer.bos_id if tokenizer.add_bos else None
+    ws = windows(ids, ctx, bos)
+    if not ws:
+        raise EdgeLLMError(f"the text has {len(ids)} tokens, fewer than one window of --ctx {ctx}")
+    first = ctx // 2
+    nll_sum, ref_nll_sum, count = 0.0, 0.0, 0
+    kls: list[torch.Tensor] = []
+    agree = 0
+    with torch.inference_mode():
+        for w in ws:
+            lp = window_logprobs(model, cache, w)[first:ctx - 1]
+            target = torch.tensor(w[first + 1:], device=lp.device)
+            nll_sum -= lp.gather(-1, target[:, None]).sum().item()
+            count += target.numel()
+            if reference is not None:
+                ref_lp = window_logprobs(reference[0], reference[1], w)[first:ctx - 1]
+                ref_nll_sum -= ref_lp.gather(-1, target[:, None]).sum().item()
+                kls.append((ref_lp.exp() * (ref_lp - lp)).sum(-1).cpu())
+                agree += int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
+            if progress:
+                progress()
+    nll = nll_sum / count
+    res = PerplexityResult(math.exp(nll), nll, count, len(ws), ctx)
+    if reference is not None:
+        kl = torch.cat(kls)
+        res.kl_mean = float(kl.mean())
+        res.kl_p99 = float(kl.quantile(0.99))
+        res.top1_agreement = agree / count
+        res.reference_perplexity = math.exp(ref_nll_sum / count)
+    return res
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+def add_parser(sub) -> None:
+    from .cli import add_model_options, add_format_options
+
+    p = sub.add_parser("perplexity", help="perplexity (and KL vs full precision) over a text file")
+    add_model_options(p)
+    add_format_options(p)
+    p.add_argument("-f", "--file", required=True, help="text file to score (e.g. /usr/share/common-licenses/GPL-3)")
+    p.add_argument("--reference", choices=["fp"], default=None,
+                   help="also compare next-token distributions with the full-precision model (KL, top-1)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--max-windows", type=int, default=0, help="score only the first N windows (0 = all)")
+    p.set_defaults(ctx=None)
+
+
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    from rich.progress import Progress
+
+    from .cli import engine_from_args, load_from_args
+
+    path = Path(args.file)
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path}: no such file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise EdgeLLMError(f"{path}: not UTF-8 text") from e
+    ctx = args.ctx or 512
+    args.ctx = ctx
+    loaded = load_from_args(args)
+    engine = engine_from_args(args, loaded)
+    ids = loaded.tokenizer.encode(text, add_bos=False)
+    reference = None
+    if args.reference == "fp":
+        ref_args = copy.copy(args)
+        ref_args.weights, ref_args.kv, ref_args.draft = "fp", "fp", "none"
+        ref_args.dtype = "fp32"
+        ref_loaded = load_from_args(ref_args)
+        reference = (ref_loaded.model, engine_from_args(ref_args, ref_loaded).cache)
+    n_windows = len(ids) // ctx
+    if args.max_windows:
+        ids = ids[: args.max_windows * ctx]
+        n_windows = min(n_windows, args.max_windows)
+    with Progress(transient=True, disable=args.json or not sys.stderr.isatty()) as bar:
+        task = bar.add_task("scoring", total=n_windows)
+        res = evaluate(loaded.model, engine.cache, loaded.tokenizer, ids, ctx, reference,
+                       progress=lambda: bar.advance(task))
+    out = asdict(res) | {"model": str(loaded.path), "file": str(path),
+                         "weights": getattr(args, "weights", "fp"), "kv": getattr(args, "kv", "fp")}
+    if args.json:
+        print(json.dumps(out))
+    else:
+        line = f"perplexity {res.perplexity:.4f} over {res.tokens_scored} tokens ({res.windows} windows of {ctx})"
+        if res.kl_mean is not None:
+            line += (f" · reference ppl {res.reference_perplexity:.4f} · KL {res.kl_mean:.5f} "
+                     f"(p99 {res.kl_p99:.4f}) · top-1 agreement {100 * res.top1_agreement:.2f}%")
+        print(line)
+    return 0
+
+
+COMMANDS = {"perplexity": cmd_perplexity}

@@ -1,0 +1,56 @@
+"""`edgellm perplexity` against transformers' log-likelihood of the same windows."""
+import json
+import math
+import subprocess
+import sys
+
+import torch
+
+from edgellm.cache import KVCache
+from edgellm.loading import load_model
+from edgellm.perplexity import evaluate, windows
+from tests.fixtures.tiny import CORPUS
+
+
+def test_perplexity_matches_transformers(tiny_llama):
+    import transformers
+
+    folder = tiny_llama[0]
+    lm = load_model(folder, max_seq_len=64)
+    ids = lm.tokenizer.encode(CORPUS * 3)
+    ctx = 32
+    res = evaluate(lm.model, KVCache(lm.config, ctx, torch.float32, "cpu"), lm.tokenizer, ids, ctx)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for w in windows(ids, ctx, None):
+            lp = torch.log_softmax(hf(torch.tensor([w])).logits[0], -1)
+            for i in range(ctx // 2, ctx - 1):
+                nll -= lp[i, w[i + 1]].item()
+                n += 1
+    assert res.tokens_scored == n and res.windows == len(ids) // ctx
+    assert math.isclose(res.perplexity, math.exp(nll / n), rel_tol=1e-4)
+
+
+def test_kl_against_itself_is_zero_and_against_other_model_positive(tiny_models):
+    a = load_model(tiny_models["llama_gqa"][0], max_seq_len=32)
+    ids = a.tokenizer.encode(CORPUS * 2)
+    cache = KVCache(a.config, 32, torch.float32, "cpu")
+    same = evaluate(a.model, cache, a.tokenizer, ids, 32, reference=(a.model, KVCache(a.config, 32, torch.float32, "cpu")))
+    assert same.kl_mean < 1e-9 and same.top1_agreement == 1.0
+    b = load_model(tiny_models["mistral"][0], max_seq_len=32)  # same tokenizer, other weights
+    other = evaluate(a.model, cache, a.tokenizer, ids, 32, reference=(b.model, KVCache(b.config, 32, torch.float32, "cpu")))
+    assert other.kl_mean > 0.01 and other.top1_agreement < 1.0
+
+
+def test_perplexity_cli_json(tiny_llama, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(CORPUS * 3)
+    proc = subprocess.run([sys.executable, "-m", "edgellm.cli", "perplexity", "-m", str(tiny_llama[1]), "-f", str(text),
+                           "--ctx", "32", "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["perplexity"] > 1 and out["windows"] >= 1
+    missing = subprocess.run([sys.executable, "-m", "edgellm.cli", "perplexity", "-m", str(tiny_llama[1]), "-f",
+                              str(tmp_path / "none.txt")], capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 2 and "none.txt" in missing.stderr
