@@ -335,8 +335,6 @@ class LoadedModel:
 
 def open_source(path: Path) -> tuple[TensorSource, ModelConfig, str]:
     if path.is_dir():
-        if (path / "edgellm.json").is_file():
-            raise UnsupportedModelError(f"{path}: edgellm-quantized folders need edgellm.quant.convert")
         cfg_path = path / "config.json"
         if not cfg_path.is_file():
             ggufs = sorted(path.glob("*.gguf"))
@@ -356,32 +354,52 @@ def _magic(path: Path) -> bytes:
         return f.read(4)
 
 
-def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch.dtype,
-                     device: torch.device, on_tensor: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: torch.device,
+                     on_tensor: Callable[[str], None] | None = None, quant: Any = None):
+    """Our parameters from the source, one at a time → (float state dict, quantized tensors).
+    With `quant` (edgellm.quant.convert.QuantSettings), linears are quantized as they are read, so
+    a float copy of the whole model never exists."""
     plan = weight_plan(cfg, GGUF_NAMES if fmt == "gguf" else HF_NAMES, gguf_layout=fmt == "gguf")
     available = set(src.names())
     state: dict[str, torch.Tensor] = {}
+    qtensors: dict[str, Any] = {}
     for ours, parts in plan.parts.items():
         missing = [p for p in parts if p not in available]
         if missing:
             raise ModelFormatError(f"{src.path}: missing tensor {missing[0]}")
+        qfmt = quant.format_for(ours) if quant is not None else None
+        if qfmt is not None and fmt == "gguf":
+            from .quant.convert import try_exact_gguf
+
+            exact = try_exact_gguf([src.raw(p) for p in parts], qfmt, [plan.permute.get(p) for p in parts])
+            if exact is not None:
+                qtensors[ours] = exact
+                if on_tensor:
+                    on_tensor(ours)
+                continue
         pieces = []
         for name in parts:
-            t = src.get(name).to(dtype)
+            t = src.get(name).to(torch.float32 if qfmt else dtype)
             if name in plan.permute:
                 t = unpermute_rope_rows(t, plan.permute[name])
             pieces.append(t)
         tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
-        state[ours] = tensor.to(device).contiguous()
+        if qfmt is not None:
+            from .quant.convert import quantize_tensor
+
+            qtensors[ours] = quantize_tensor(tensor, qfmt, quant.search)
+        else:
+            state[ours] = tensor.to(device).contiguous()
         if on_tensor:
             on_tensor(ours)
-    return state
+    return state, qtensors
 
 
 def load_model(arg: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
                on_tensor: Callable[[str], None] | None = None, weights: str = "fp",
-               group_size: int = 32) -> LoadedModel:
+               group_size: int = 32, symmetric: bool = True, embeddings: str = "int8",
+               search: bool = True) -> LoadedModel:
     """Load weights + tokenizer. `max_seq_len` sizes the RoPE table (default: the model's context)."""
     from .tokenizer import load_tokenizer
 
@@ -390,23 +408,44 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
     t0 = time.perf_counter()
     path = resolve_model(arg)
     device = torch.device(device)
+    if path.is_dir() and (path / "edgellm.json").is_file():  # already quantized: load as stored
+        from .quant.convert import load_edgellm
+
+        model, tokenizer, cfg, file_bytes, types = load_edgellm(path, dtype, device)
+        _setup_context(model, cfg, max_seq_len)
+        return LoadedModel(model, tokenizer, cfg, path, "edgellm", file_bytes, types, time.perf_counter() - t0)
     src, cfg, fmt = open_source(path)
-    state = build_state_dict(src, cfg, fmt, dtype, device, on_tensor)
+    quant = None
+    if weights != "fp":
+        from .quant.convert import QuantSettings
+
+        quant = QuantSettings(weights=weights, group_size=group_size, symmetric=symmetric,
+                              embeddings=embeddings, search=search)
+    state, qtensors = build_state_dict(src, cfg, fmt, dtype, device, on_tensor, quant)
     with torch.device("meta"):
         model = Transformer(cfg)
-    model.load_state_dict(state, strict=not cfg.tie_embeddings, assign=True)
-    if cfg.tie_embeddings:
-        model.output.weight = model.tok_embeddings.weight
+    if qtensors:
+        from .quant.convert import install_quantized
+
+        install_quantized(model, qtensors, state, dtype, device)
+    else:
+        model.load_state_dict(state, strict=not cfg.tie_embeddings, assign=True)
+        if cfg.tie_embeddings:
+            model.output.weight = model.tok_embeddings.weight
     model.eval().requires_grad_(False)
+    _setup_context(model, cfg, max_seq_len)
+    tokenizer = load_tokenizer(path if path.is_dir() else src)
+    types = Counter(src.tensor_type(n) for n in src.names())
+    return LoadedModel(model, tokenizer, cfg, path, fmt, src.file_bytes, dict(types), time.perf_counter() - t0)
+
+
+def _setup_context(model: Transformer, cfg: ModelConfig, max_seq_len: int | None) -> None:
     ctx = min(max_seq_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     if cfg.sliding_window and ctx > cfg.sliding_window:
         # beyond the window the model attends only to recent tokens; refuse rather than approximate
         warnings.warn(f"context limited to the model's sliding window of {cfg.sliding_window} tokens")
         ctx = cfg.sliding_window
     model.setup_rope(ctx)
-    tokenizer = load_tokenizer(path if path.is_dir() else src)
-    types = Counter(src.tensor_type(n) for n in src.names())
-    return LoadedModel(model, tokenizer, cfg, path, fmt, src.file_bytes, dict(types), time.perf_counter() - t0)
 
 
 __all__ = ["load_model", "resolve_model", "bundled_model_path", "LoadedModel", "EdgeLLMError"]

@@ -33,6 +33,7 @@ class Tokenizer:
     chat_template: str | None = None
     bos_token: str = ""
     eos_token: str = ""
+    meta: dict[str, str] = field(default_factory=dict)  # GGUF tokenizer model and pre-tokenizer names
 
     @property
     def vocab_size(self) -> int:
@@ -153,9 +154,30 @@ def tokenizer_from_folder(folder: Path) -> Tokenizer:
     # The post-processor (if any) is where HF adds BOS; we add it ourselves to keep one code path.
     add_bos = bool(cfg.get("add_bos_token", _post_processor_adds_bos(backend, bos_id)))
     backend.post_processor = None
-    tok = Tokenizer(backend, bos_id, eos_ids, add_bos, template, bos_token or "", eos_token or "")
+    tok = Tokenizer(backend, bos_id, eos_ids, add_bos, template, bos_token or "", eos_token or "",
+                    meta=_gguf_names(backend))
     _add_end_of_turn_tokens(tok)
     return tok
+
+
+def _gguf_names(backend: Any) -> dict[str, str]:
+    """The names llama.cpp would give this tokenizer (for GGUF export)."""
+    spec = json.loads(backend.to_str())
+    model = spec.get("model", {})
+    if model.get("type") != "BPE":
+        return {"model": "unsupported"}
+    if model.get("byte_fallback"):
+        return {"model": "llama", "pre": "default"}
+    pre = json.dumps(spec.get("pre_tokenizer"))
+    if '"individual_digits": true' in pre:
+        name = "smollm"
+    elif "\\p{N}{1,3}" in pre:
+        name = "llama-bpe"
+    elif "\\p{N}|" in pre:
+        name = "qwen2"
+    else:
+        name = "default"
+    return {"model": "gpt2", "pre": name}
 
 
 def _post_processor_adds_bos(backend: Any, bos_id: int | None) -> bool:
@@ -215,7 +237,8 @@ def tokenizer_from_gguf(src: Any) -> Tokenizer:
     add_bos = field("tokenizer.ggml.add_bos_token")
     tok = Tokenizer(backend, bos_id, eos_ids, bool(kind == "llama" if add_bos is None else add_bos),
                     field("tokenizer.chat_template"),
-                    tokens[bos_id] if bos_id is not None else "", tokens[eos_id] if eos_id is not None else "")
+                    tokens[bos_id] if bos_id is not None else "", tokens[eos_id] if eos_id is not None else "",
+                    meta={"model": kind, "pre": field("tokenizer.ggml.pre") or "default"})
     _add_end_of_turn_tokens(tok)
     return tok
 
