@@ -422,14 +422,16 @@ def _add_tokenizer(w, tok) -> None:
     w.add_tokenizer_model(tok.meta["model"])
     w.add_tokenizer_pre(tok.meta.get("pre", "default"))
     w.add_token_list(tokens)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
     if tok.meta["model"] == "llama":
-        w.add_token_scores([0.0] * size)  # merges carry the priorities for BPE; SPM scores unknown here
+        # sentencepiece merges the pair whose result scores highest: score = -merge rank keeps our order
+        rank = {m.replace(" ", ""): -float(r) for r, m in reversed(list(enumerate(merges)))}
+        w.add_token_scores([rank.get(t, -1e6) for t in tokens])
         types = [3 if i in specials else 6 if t.startswith("<0x") and len(t) == 6 else 1 for i, t in enumerate(tokens)]
     else:
         types = [3 if i in specials else 1 for i in range(size)]
     w.add_token_types(types)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"].get("merges", [])]
-    if merges:
+    if merges and tok.meta["model"] == "gpt2":
         w.add_token_merges(merges)
     if tok.bos_id is not None:
         w.add_bos_token_id(tok.bos_id)
