@@ -44,6 +44,16 @@ class GenerationStats:
     finish_reason: str = ""  # eos | stop | length | context | stopped
     draft_proposed: int = 0
     draft_accepted: int = 0
+    # speculative decoding (zero / empty without a draft)
+    draft: str = ""  # the proposer's name
+    draft_rounds: int = 0  # verification passes that checked at least one draft
+    acceptance_rate: float = 0.0  # draft_accepted / draft_proposed
+    mean_accepted_length: float = 0.0  # accepted drafts per verification round
+    draft_gamma: int = 0  # the draft length asked for last (adaptive or fixed)
+    draft_gamma_history: list[int] = field(default_factory=list)  # γ asked for, per round
+    draft_s: float = 0.0  # time spent proposing
+    verify_s: float = 0.0  # time spent in the target's verification passes
+    speedup_estimate: float = 0.0  # the γ controller's expected tokens/s over plain decoding
 
     def to_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -105,18 +115,30 @@ class StopStringMatcher:
 class Engine:
     """A model, its tokenizer and its KV cache, generating for one user."""
 
-    def __init__(self, model, tokenizer, max_seq_len: int | None = None, cache: KVCache | None = None):
+    def __init__(self, model, tokenizer, max_seq_len: int | None = None, cache: KVCache | None = None,
+                 draft=None, draft_tokens: int | None = None):
+        """`draft`: a speculative proposer (edgellm.speculative), or None for plain decoding;
+        `draft_tokens`: a fixed draft length (None: adaptive, starting at 4)."""
         self.model = model
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len or model.rope_len
         self.cache = cache or KVCache(model.config, self.max_seq_len, model.dtype, model.device)
         self.cached_ids: list[int] = []  # the tokens whose K/V the cache holds, in order
         self.device = model.device
+        self.draft = draft
+        self.draft_tokens = draft_tokens
+        if draft is not None:
+            from .speculative import GammaController
+
+            GammaController(draft_tokens)  # validates draft_tokens now rather than at the first answer
+            draft.bind(self)
 
     # ------------------------------------------------------------------------------------------
     def reset(self) -> None:
         self.cache.reset()
         self.cached_ids = []
+        if self.draft is not None:
+            self.draft.reset()
 
     def check_fits(self, n_prompt: int) -> None:
         if n_prompt >= self.max_seq_len:
@@ -156,6 +178,9 @@ class Engine:
     def generate(self, prompt: list[int], settings: GenerationSettings | None = None,
                  stop: threading.Event | None = None) -> Iterator[Event]:
         settings = settings or GenerationSettings()
+        if self.draft is not None:
+            yield from self._generate_speculative(prompt, settings, stop)
+            return
         self.check_fits(len(prompt))
         stats = GenerationStats(prompt_tokens=len(prompt))
         sampler = Sampler(settings.sampling, self.device)
@@ -232,4 +257,139 @@ class Engine:
         n_decoded = len(stats.token_latencies_s)
         stats.decode_tok_s = n_decoded / stats.decode_s if stats.decode_s > 0 else 0.0
         stats.peak_memory_bytes = peak_memory_bytes(self.device)
+        yield Done(stats, "".join(text_parts), out_ids)
+
+    # ------------------------------------------------------------------------------------------
+    def _generate_speculative(self, prompt: list[int], settings: GenerationSettings,
+                              stop: threading.Event | None) -> Iterator[Event]:
+        """The plain loop's contract (events, stops, stats, cache state at the end), a round at a time:
+        the proposer guesses γ tokens, one target pass over [last token + guesses] checks them, and
+        the accepted guesses plus the target's own next token go through the plain path's stop checks
+        one by one. The cache then holds exactly what plain decoding of the emitted tokens leaves."""
+        from .speculative import GammaController, verify_greedy, verify_sampled
+
+        self.check_fits(len(prompt))
+        s = settings.sampling
+        stats = GenerationStats(prompt_tokens=len(prompt), draft=getattr(self.draft, "name", "draft"))
+        sampler = Sampler(s, self.device)
+        gamma_ctl = GammaController(self.draft_tokens)
+        penalty = s.repeat_penalty != 1.0
+        eos = set() if settings.ignore_eos else self.tokenizer.eos_ids
+        detok = self.tokenizer.stream()
+        stops = StopStringMatcher(settings.stop_strings)
+        P = len(prompt)
+        out_ids: list[int] = []
+        text_parts: list[str] = []
+
+        reset_peak_memory(self.device)
+        t0 = now(self.device)
+        reused = self._reuse_prefix(prompt)
+        stats.reused_tokens, stats.prefill_tokens = reused, P - reused
+        with torch.no_grad():
+            logits = self.prefill(prompt)
+        recent = None
+        if penalty:
+            recent = torch.tensor(prompt[-s.repeat_last_n:], dtype=torch.long, device=self.device)
+        pending: list[tuple[int, bool]] = [(int(sampler(logits, recent)), False)]  # (token, from a draft)
+        t_prev = t_first = t0
+        finish = ""
+        begun = False
+        try:
+            while True:
+                # -- emit this round's tokens exactly as the plain loop would --------------------
+                t_round = now()
+                share = (t_round - t_prev) / len(pending)  # a round's time, spread over its tokens
+                first_round = not stats.ttft_s
+                if first_round:
+                    t_first = t_round
+                    stats.ttft_s = stats.prefill_s = t_round - t0
+                for i, (tid, from_draft) in enumerate(pending):
+                    if not first_round:
+                        # the last token handled takes what is left, so the latencies sum to the time
+                        last = i + 1 == len(pending) or tid in eos
+                        stats.token_latencies_s.append(t_round - t_prev - share * i if last else share)
+                    if tid in eos:
+                        finish = "eos"
+                        break
+                    out_ids.append(tid)
+                    piece = stops.feed(detok.push(tid))
+                    text_parts.append(piece)
+                    yield Token(tid, piece, t_round - t0, from_draft)
+                    if stops.stopped:
+                        finish = "stop"
+                    elif stop is not None and stop.is_set():
+                        finish = "stopped"
+                    elif len(out_ids) >= settings.max_tokens:
+                        finish = "length"
+                    elif P + len(out_ids) - 1 >= self.max_seq_len:  # the plain loop's cache.length check
+                        finish = "context"
+                    if finish:
+                        if not first_round:
+                            stats.token_latencies_s[-1] = t_round - t_prev - share * i
+                        break
+                t_prev = t_round
+                if finish:
+                    break
+                # -- one round: propose, verify, roll back -----------------------------------------
+                context = prompt + out_ids
+                start = len(context) - 1  # the last token is not in the cache yet
+                if not begun:
+                    self.draft.begin(prompt, s, sampler)
+                    begun = True
+                gamma = min(gamma_ctl.gamma, settings.max_tokens - len(out_ids) - 1, self.max_seq_len - len(context))
+                t_a = now(self.device)
+                drafts: list[int] = []
+                q = None
+                if gamma > 0:
+                    with torch.no_grad():
+                        d, q = self.draft.propose(context, gamma)
+                    drafts = d.tolist()[:gamma]
+                    if q is not None:
+                        q = q[:len(drafts)]
+                t_b = now(self.device)
+                x = torch.tensor([[context[-1]] + drafts], dtype=torch.long, device=self.device)
+                with torch.no_grad():
+                    logits = self.model(x, self.cache, start, all_logits=True)[0]
+                history = context[-s.repeat_last_n:] if penalty else []
+                if s.greedy:
+                    n_ok, next_id = verify_greedy(logits, drafts, history, s)
+                else:
+                    n_ok, next_id = verify_sampled(logits, drafts, q, history, s, sampler)
+                t_c = now(self.device)
+                self.cache.truncate(start + n_ok + 1)  # keep [last, accepted drafts]; drop the rest
+                self.cached_ids.extend(([context[-1]] + drafts)[:n_ok + 1])
+                gamma_ctl.update(len(drafts), n_ok, t_b - t_a, t_c - t_b)
+                stats.draft_s += t_b - t_a
+                stats.verify_s += t_c - t_b
+                stats.draft_gamma_history.append(gamma)
+                if drafts:
+                    stats.draft_rounds += 1
+                    stats.draft_proposed += len(drafts)
+                    stats.draft_accepted += n_ok
+                pending = [(t, True) for t in drafts[:n_ok]] + [(next_id, False)]
+        finally:
+            # what plain decoding leaves: every emitted token but the last in the cache (all of them
+            # after EOS, which was computed from the last one); an interrupt leaves a valid prefix
+            if finish:
+                self.cache.truncate(min(self.cache.length, P + len(out_ids) - 1 + (finish == "eos")))
+            del self.cached_ids[self.cache.length:]
+        if not stops.stopped:
+            tail = stops.feed(detok.flush()) + stops.flush()
+            if tail:
+                text_parts.append(tail)
+                yield Token(-1, tail, now() - t0)
+        stats.finish_reason = finish
+        stats.generated_tokens = len(out_ids)
+        if not out_ids:
+            stats.ttft_s = stats.prefill_s = now(self.device) - t0
+        stats.prefill_tok_s = stats.prefill_tokens / stats.prefill_s if stats.prefill_s > 0 else 0.0
+        stats.decode_s = t_prev - t_first
+        n_decoded = len(stats.token_latencies_s)
+        stats.decode_tok_s = n_decoded / stats.decode_s if stats.decode_s > 0 else 0.0
+        stats.peak_memory_bytes = peak_memory_bytes(self.device)
+        if stats.draft_proposed:
+            stats.acceptance_rate = stats.draft_accepted / stats.draft_proposed
+            stats.mean_accepted_length = stats.draft_accepted / max(stats.draft_rounds, 1)
+        stats.draft_gamma = gamma_ctl.gamma
+        stats.speedup_estimate = gamma_ctl.speedup_estimate()
         yield Done(stats, "".join(text_parts), out_ids)

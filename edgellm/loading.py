@@ -384,12 +384,15 @@ def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch
                 t = unpermute_rope_rows(t, plan.permute[name])
             pieces.append(t)
         tensor = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        qt = None
         if qfmt is not None:
             from .quant.convert import quantize_tensor
 
-            qtensors[ours] = quantize_tensor(tensor, qfmt, quant.search)
+            qt = quantize_tensor(tensor, qfmt, quant.search)
+        if qt is not None:
+            qtensors[ours] = qt
         else:
-            state[ours] = tensor.to(device).contiguous()
+            state[ours] = tensor.to(dtype).to(device).contiguous()
         if on_tensor:
             on_tensor(ours)
     return state, qtensors

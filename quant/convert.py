@@ -67,21 +67,30 @@ class QuantSettings:
         return bits, group, bits == 8 or self.symmetric
 
 
-def quantize_tensor(w: torch.Tensor, fmt: tuple[int, int, bool], search: bool) -> QuantizedTensor:
+def quantize_tensor(w: torch.Tensor, fmt: tuple[int, int, bool], search: bool) -> QuantizedTensor | None:
+    """Quantize one weight; a tensor whose input dim is no multiple of the group falls back to a
+    smaller group (as llama.cpp falls back to another type), or stays float (None) if none fits."""
     bits, group, sym = fmt
-    return quantize(w.float(), bits, group or w.shape[1], symmetric=sym, search=search)
+    k = w.shape[1]
+    group = group or k
+    while k % group and group > 32:
+        group //= 2
+    if k % group:
+        return None
+    return quantize(w.float(), bits, group, symmetric=sym, search=search)
 
 
 def try_exact_gguf(parts: list[tuple[Any, Any, tuple[int, int]]], fmt: tuple[int, int, bool],
                    permute: list[int | None]) -> QuantizedTensor | None:
-    """Map raw GGUF blocks onto our format when every part has one exactly-mappable type whose bit
-    width is the one asked for (the group of GGUF blocks is 32 whatever was asked)."""
+    """Map raw GGUF blocks onto our format when every part has one exactly-mappable type of at most
+    the bit width asked for (the group of GGUF blocks is 32 whatever was asked)."""
     names = {p[1].name for p in parts}
     if len(names) != 1 or next(iter(names)) not in GGUF_EXACT:
         return None
     bits, sym = GGUF_EXACT[next(iter(names))]
-    if bits != fmt[0]:
-        return None
+    if bits > fmt[0]:
+        return None  # asked for fewer bits than stored: requantize
+    # stored with fewer (or as many) bits as asked: requantizing could only add error, so keep them
     pieces = []
     for (raw, ggml_type, shape), heads in zip(parts, permute):
         qt = from_gguf(raw, ggml_type, shape)
@@ -232,13 +241,10 @@ def save_edgellm(loaded, out: Path, settings: QuantSettings) -> Path:
         tensors[name + ".scales"] = qt.scales.contiguous().cpu()
         if qt.mins is not None:
             tensors[name + ".mins"] = qt.mins.contiguous().cpu()
-    for name, p in model.state_dict().items():
-        module = name.rsplit(".", 1)[0]
-        if module in quantized_tensors(model) or name.startswith("rope_"):
+    for name, p in model.state_dict().items():  # floats: norms, biases, unquantized matrices
+        if name.endswith((".codes", ".scales", ".mins")) or name.startswith("rope_"):
             continue
         if name == "output.weight" and model.config.tie_embeddings:
-            continue
-        if name.endswith((".codes", ".scales", ".mins")):
             continue
         tensors[name] = p.contiguous().cpu()
     tok = loaded.tokenizer

@@ -37,3 +37,14 @@ def bundled(bundled_path):
     from edgellm.loading import load_model
 
     return load_model(bundled_path, max_seq_len=2048)
+
+
+@pytest.fixture
+def exact_matmul():
+    """The C++ CPU kernel in its float-fma variant: exact to the dequantized reference (fp32 order)."""
+    from edgellm.kernels import matmul
+
+    saved = matmul.exact_matmul()
+    matmul.set_exact_matmul(True)
+    yield
+    matmul.set_exact_matmul(saved)

@@ -1,0 +1,524 @@
+"""Speculative decoding: draft proposers and exact verification (Leviathan et al. 2023; Chen et al. 2023).
+
+A proposer guesses the next k tokens cheaply; the target checks all of them in one forward pass over
+[last token + k drafts] (T = k+1), which at batch 1 costs little more than one decode step because
+decode is memory-bound. Acceptance is exact:
+  greedy    accept while draft == target argmax (after the repetition penalty the plain path applies);
+  sampling  accept draft d with probability min(1, p(d)/q(d)); on the first rejection draw from
+            norm(max(0, p - q)); when every draft is accepted, draw a bonus token from the last position.
+p and q come from `sampling.probabilities` with the same settings, so temperature / top-k / top-p / min-p
+are applied identically to both, and the emitted tokens follow exactly the target's distribution.
+
+Proposers (one interface, `propose(context_ids, k) -> (tokens [k'], probs [k', V] | None)`):
+  DraftModelProposer   any model edgellm loads that shares the target's tokenizer; its own KV cache,
+                       kept in sync with the accepted tokens by a common-prefix check (truncate on rejection).
+  SelfDraftProposer    an int4 (group 32) copy of the target's layers, optionally only the first n, sharing
+                       the target's embedding, norms and RoPE tables; by default it also reads the target's
+                       KV cache for the accepted context (no draft prefill, no second cache) and writes its
+                       K/V for the guessed positions there, which the verification pass then overwrites.
+  PromptLookupProposer n-gram match of the last tokens against prompt + text so far; no model, one-hot q.
+
+The engine (generate.py) owns the loop: it asks a `GammaController` how many drafts to request, runs
+the verification pass, rolls the cache back with `truncate`, and emits tokens through the same stop
+checks as the plain path, so stops inside an accepted run behave exactly as without speculation.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from .cache import KVCache
+from .errors import EdgeLLMError
+from .sampling import Sampler, SamplingSettings, apply_repeat_penalty, probabilities
+
+__all__ = ["Proposer", "DraftModelProposer", "SelfDraftProposer", "PromptLookupProposer", "GammaController",
+           "make_proposer", "build_self_draft", "check_tokenizers", "residual", "verify_greedy",
+           "verify_sampled", "GAMMA_MIN", "GAMMA_MAX", "GAMMA_START"]
+
+GAMMA_START, GAMMA_MIN, GAMMA_MAX = 4, 1, 16
+DRAFT_PREFILL_CHUNK = 512
+
+
+# ------------------------------------------------------------------------------------------------
+# The interface
+# ------------------------------------------------------------------------------------------------
+class Proposer:
+    """Guesses the next tokens. The engine calls `bind(engine)` once, `begin(...)` at the start of each
+    generation, then `propose(context, k)` once per round. Between two `begin` calls the context only
+    grows by appending (accepted tokens); a proposer may rely on that to keep its state in sync."""
+
+    name = "draft"
+
+    def bind(self, engine: Any) -> None:
+        """Called by Engine.__init__: the target model, its cache and device are `engine.model` etc."""
+        self.target_vocab = engine.model.config.vocab_size
+        self.device = engine.device
+
+    def begin(self, prompt: list[int], settings: SamplingSettings, sampler: Sampler) -> None:
+        self.settings, self.sampler = settings, sampler
+
+    def propose(self, context: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Up to k guessed next tokens (1-D long tensor, maybe fewer, maybe none) and the distribution
+        each was drawn from, [k', target vocab] (None: one-hot on the tokens, i.e. deterministic)."""
+        raise NotImplementedError
+
+    def reset(self) -> None:
+        """Forget any state tied to the engine's cache (Engine.reset)."""
+
+
+def _empty(device) -> tuple[torch.Tensor, None]:
+    return torch.empty(0, dtype=torch.long, device=device), None
+
+
+# ------------------------------------------------------------------------------------------------
+# Draft models
+# ------------------------------------------------------------------------------------------------
+def check_tokenizers(draft_tok: Any, target_tok: Any, draft_vocab: int, target_vocab: int,
+                     draft_name: str = "the draft model", target_name: str = "the target model") -> int:
+    """Refuse a draft whose token ids mean other strings than the target's. Returns the number of ids
+    compared (the common prefix of the two embedding tables: padding rows beyond it are never drafted)."""
+    n = min(draft_vocab, target_vocab)
+
+    def id_to_str(tok: Any) -> dict[int, str]:
+        backend = getattr(tok, "backend", None)
+        if backend is not None and hasattr(backend, "get_vocab"):
+            return {i: s for s, i in backend.get_vocab(with_added_tokens=True).items() if i < n}
+        return {i: s for i in range(n) if (s := tok.id_to_token(i)) is not None}
+
+    d, t = id_to_str(draft_tok), id_to_str(target_tok)
+    if not d or not t:
+        raise EdgeLLMError(f"{draft_name}: cannot read its tokenizer's vocabulary to check it against {target_name}")
+    bad = [i for i in sorted(set(d) | set(t)) if d.get(i) != t.get(i)]
+    if bad:
+        i = bad[0]
+        raise EdgeLLMError(
+            f"{draft_name}: its tokenizer does not match {target_name}'s ({len(bad)} of {n} token ids differ, "
+            f"first id {i}: {d.get(i)!r} vs {t.get(i)!r}); a draft model must share the target's tokenizer")
+    return n
+
+
+class DraftModelProposer(Proposer):
+    """A smaller model of the same tokenizer, with its own KV cache (or, `share_cache=True`, writing its
+    guesses into the target's cache: only for drafts whose layers mirror the target's, see SelfDraftProposer)."""
+
+    name = "model"
+
+    def __init__(self, model: Any, tokenizer: Any = None, target_tokenizer: Any = None,
+                 max_seq_len: int | None = None, share_cache: bool = False, name: str | None = None):
+        self.model = model
+        self.name = name or self.name
+        self.share_cache = share_cache
+        self.common_vocab = model.config.vocab_size
+        self._target_tokenizer_check = (tokenizer, target_tokenizer)
+        self.max_seq_len = max_seq_len
+        self.cache: KVCache | None = None
+        self.ids: list[int] = []  # tokens whose K/V the draft's own cache holds
+        self._trusted = 0  # ids[:_trusted] are known to equal the current context's prefix
+        self.settings, self.sampler = SamplingSettings(), None
+
+    def bind(self, engine: Any) -> None:
+        super().bind(engine)
+        tok, target_tok = self._target_tokenizer_check
+        if tok is not None and target_tok is not None:
+            self.common_vocab = check_tokenizers(tok, target_tok, self.model.config.vocab_size, self.target_vocab)
+        else:
+            self.common_vocab = min(self.model.config.vocab_size, self.target_vocab)
+        if self.share_cache:
+            self.cache = engine.cache
+        else:
+            n = min(self.max_seq_len or engine.max_seq_len, self.model.rope_len, engine.max_seq_len)
+            if self.cache is None or self.cache.max_seq_len != n:
+                self.cache = KVCache(self.model.config, n, self.model.dtype, self.model.device)
+        self.reset()
+
+    def reset(self) -> None:
+        if self.cache is not None and not self.share_cache:
+            self.cache.reset()
+        self.ids, self._trusted = [], 0
+
+    def begin(self, prompt: list[int], settings: SamplingSettings, sampler: Sampler) -> None:
+        """Prefill the draft's own cache with the prompt (only what its kept prefix lacks)."""
+        super().begin(prompt, settings, sampler)
+        self._trusted = 0  # a new prompt: compare the whole kept prefix once
+        if not self.share_cache and prompt and len(prompt) <= self.cache.max_seq_len:
+            with torch.no_grad():
+                self._sync(prompt)
+
+    # -- keeping the draft's own cache in step with the context --------------------------------------
+    def _sync(self, context: list[int]) -> torch.Tensor:
+        """Feed the draft the part of `context` its cache lacks; the logits after the last token [V_d]."""
+        m = min(len(self.ids), len(context) - 1, self.cache.length)
+        n = min(self._trusted, m)
+        while n < m and self.ids[n] == context[n]:
+            n += 1
+        self.cache.truncate(n)
+        del self.ids[n:]
+        logits = None
+        for i in range(n, len(context), DRAFT_PREFILL_CHUNK):
+            chunk = context[i:i + DRAFT_PREFILL_CHUNK]
+            x = torch.tensor([chunk], dtype=torch.long, device=self.model.device)
+            logits = self.model(x, self.cache, i)
+            self.ids.extend(chunk)
+        self._trusted = len(context)
+        return logits[0, -1]
+
+    def _room(self, context: list[int], k: int) -> int:
+        """How many drafts fit: feeding d1..d_{k-1} after the context must fit the cache."""
+        return min(k, self.cache.max_seq_len - len(context) + 1)
+
+    # -- proposing -----------------------------------------------------------------------------------
+    def propose(self, context: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        k = self._room(context, k)
+        if k <= 0 or not context:
+            return _empty(self.device)
+        with torch.no_grad():
+            return self._draft(context, k)
+
+    def _draft(self, context: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        s = self.settings
+        if self.share_cache:
+            start = len(context) - 1
+            if self.cache.length != start:
+                raise RuntimeError(f"shared-cache draft: the target cache holds {self.cache.length} positions, "
+                                   f"expected {start}")
+            x = torch.tensor([[context[-1]]], dtype=torch.long, device=self.model.device)
+            logits = self.model(x, self.cache, start)[0, -1]
+        else:
+            start = len(context) - 1
+            logits = self._sync(context)
+        penalty = s.repeat_penalty != 1.0
+        history = context[-s.repeat_last_n:] if penalty else []
+        tokens: list[torch.Tensor] = []
+        qs: list[torch.Tensor] = []
+        for i in range(k):
+            lg = logits[:self.common_vocab]
+            if penalty:
+                recent = torch.tensor(history[-s.repeat_last_n:] if history else [], dtype=torch.long,
+                                      device=lg.device)
+                lg = apply_repeat_penalty(lg, recent[recent < lg.shape[-1]], s.repeat_penalty)
+            if s.greedy:
+                tok = lg.argmax(-1)
+            else:
+                q = probabilities(lg, s)
+                tok = self.sampler.draw(q.to(self.sampler.generator.device)).to(lg.device)
+                qs.append(q)
+            tokens.append(tok)
+            if penalty:
+                history.append(int(tok))
+            if i + 1 < k:
+                logits = self.model(tok.view(1, 1), self.cache, start + 1 + i)[0, -1]
+        out = torch.stack(tokens)
+        if self.share_cache:
+            self.cache.truncate(start)  # the verification pass rewrites these positions with the target's K/V
+        else:
+            self.ids.extend(out[:-1].tolist())
+        probs = None
+        if qs:
+            probs = torch.stack(qs)
+            if probs.shape[-1] != self.target_vocab:
+                probs = F.pad(probs, (0, self.target_vocab - probs.shape[-1]))
+            probs = probs.to(self.device)
+        return out.to(self.device), probs
+
+
+# ------------------------------------------------------------------------------------------------
+# Self-draft: an int4 copy of the target (optionally its first n layers)
+# ------------------------------------------------------------------------------------------------
+def _quant_copy(module: torch.nn.Module, bits: int, group_size: int, symmetric: bool, search: bool):
+    """An int-`bits` copy of a linear (float or already quantized); an already quantized linear that is
+    at least as small is shared, not copied."""
+    from .quant.groups import quantize
+    from .quant.linear import QuantLinear
+
+    if isinstance(module, QuantLinear):
+        if module.bits <= bits and module.group_size <= group_size:
+            return module
+        with torch.no_grad():
+            w = module.dequantized_weight(torch.float32)
+            qt = quantize(w, bits, group_size, symmetric=symmetric or bits == 8, search=search)
+        bias = None if module.bias is None else module.bias.clone()
+        return QuantLinear(qt, bias)
+    return QuantLinear.from_linear(module, bits, group_size, symmetric=symmetric or bits == 8, search=search)
+
+
+def build_self_draft(target: torch.nn.Module, bits: int = 4, group_size: int = 32, n_layers: int | None = None,
+                     symmetric: bool = True, search: bool = True) -> torch.nn.Module:
+    """A Transformer whose layers are int4 (group 32) copies of the target's first `n_layers` layers and
+    whose embedding, norms and RoPE tables are the target's own tensors (not copies). The LM head is an
+    int4 copy too (it is the biggest single matrix of a small model). The target keeps its weights."""
+    from .model import Transformer
+
+    cfg = target.config
+    n = cfg.n_layers if n_layers is None else n_layers
+    if not 1 <= n <= cfg.n_layers:
+        raise EdgeLLMError(f"self-draft: {n} layers asked, the model has {cfg.n_layers}")
+    with torch.device("meta"):
+        draft = Transformer(dataclasses.replace(cfg, n_layers=n))
+    draft.tok_embeddings = target.tok_embeddings
+    draft.norm = target.norm
+    q = dict(bits=bits, group_size=group_size, symmetric=symmetric, search=search)
+    for i in range(n):
+        src, dst = target.layers[i], draft.layers[i]
+        dst.attention_norm, dst.ffn_norm = src.attention_norm, src.ffn_norm
+        dst.attention.wqkv = _quant_copy(src.attention.wqkv, **q)
+        dst.attention.wo = _quant_copy(src.attention.wo, **q)
+        dst.feed_forward.w13 = _quant_copy(src.feed_forward.w13, **q)
+        dst.feed_forward.w2 = _quant_copy(src.feed_forward.w2, **q)
+    draft.output = _quant_copy(target.output, **q)
+    draft.register_buffer("rope_cos", target.rope_cos, persistent=False)
+    draft.register_buffer("rope_sin", target.rope_sin, persistent=False)
+    draft.rope_len = target.rope_len
+    left = [name for name, t in list(draft.named_parameters()) + list(draft.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"self-draft left tensors unset: {left[:3]}")
+    return draft.eval().requires_grad_(False)
+
+
+class SelfDraftProposer(DraftModelProposer):
+    """The target's own int4 copy as the draft (`--draft self`, `self:int4`, `self:int4:L<n>`)."""
+
+    def __init__(self, target: torch.nn.Module, bits: int = 4, group_size: int = 32, n_layers: int | None = None,
+                 share_cache: bool = True, symmetric: bool = True, search: bool = True):
+        draft = build_self_draft(target, bits, group_size, n_layers, symmetric, search)
+        n = draft.config.n_layers
+        name = f"self:int{bits}" + (f":L{n}" if n != target.config.n_layers else "")
+        super().__init__(draft, share_cache=share_cache, name=name)
+        self.target = target
+
+    def bind(self, engine: Any) -> None:
+        if self.share_cache and engine.model is not self.target:
+            raise EdgeLLMError("a self-draft sharing the KV cache must be used with the model it was built from")
+        super().bind(engine)
+
+
+# ------------------------------------------------------------------------------------------------
+# Prompt lookup
+# ------------------------------------------------------------------------------------------------
+class PromptLookupProposer(Proposer):
+    """Find the last `n` tokens (n = max_ngram..min_ngram, longest first) earlier in prompt + output and
+    propose what followed their most recent earlier occurrence. Summaries, edits and code repeat their
+    input, so this costs nothing and is often right."""
+
+    name = "lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise EdgeLLMError(f"prompt lookup: bad n-gram range {min_ngram}..{max_ngram}")
+        self.ngrams = range(max_ngram, min_ngram - 1, -1)
+        self.reset()
+
+    def reset(self) -> None:
+        self.ids: list[int] = []
+        # n → {n-gram: start of its latest occurrence that has a following token}
+        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.ngrams}
+        self._trusted = 0
+
+    def begin(self, prompt: list[int], settings: SamplingSettings, sampler: Sampler) -> None:
+        super().begin(prompt, settings, sampler)
+        self._trusted = 0
+
+    def _sync(self, context: list[int]) -> None:
+        m = min(len(self.ids), len(context))
+        n = min(self._trusted, m)
+        while n < m and self.ids[n] == context[n]:
+            n += 1
+        if n < len(self.ids):  # the context diverged from what we indexed: start over (rare: new chat)
+            self.reset()
+        start = len(self.ids)
+        self.ids.extend(context[start:])
+        ids = self.ids
+        # an n-gram is indexed once the token after it exists (so the current suffix never matches itself)
+        for q in range(max(start, 1), len(ids)):
+            for n_ in self.ngrams:
+                if q - n_ >= 0:
+                    self.index[n_][tuple(ids[q - n_:q])] = q - n_
+        self._trusted = len(context)
+
+    def propose(self, context: list[int], k: int) -> tuple[torch.Tensor, None]:
+        self._sync(context)
+        if k > 0:
+            for n in self.ngrams:
+                if len(context) <= n:
+                    continue
+                p = self.index[n].get(tuple(context[-n:]))
+                if p is not None:
+                    cont = context[p + n:p + n + k]
+                    return torch.tensor(cont, dtype=torch.long, device=self.device), None
+        return _empty(self.device)
+
+
+# ------------------------------------------------------------------------------------------------
+# Verification
+# ------------------------------------------------------------------------------------------------
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The distribution to draw from after rejecting a draft: norm(max(0, p - q))."""
+    r = (p - q).clamp_min(0)
+    total = r.sum()
+    return r / total if float(total) > 0 else p  # zero mass: rejection had probability 0 (rounding)
+
+
+def _penalised(logits: torch.Tensor, history: list[int], drafts: list[int], s: SamplingSettings) -> torch.Tensor:
+    """Apply the repetition penalty to each row i with the tokens before position i, as the plain path does."""
+    if s.repeat_penalty == 1.0:
+        return logits
+    rows = []
+    for i in range(logits.shape[0]):
+        recent = (history + drafts[:i])[-s.repeat_last_n:]
+        rows.append(apply_repeat_penalty(logits[i], torch.tensor(recent, dtype=torch.long, device=logits.device),
+                                         s.repeat_penalty))
+    return torch.stack(rows)
+
+
+def verify_greedy(logits: torch.Tensor, drafts: list[int], history: list[int],
+                  s: SamplingSettings) -> tuple[int, int]:
+    """logits [γ+1, V] of the target after [last, d1..dγ]. → (drafts accepted, the target's next token)."""
+    if s.repeat_penalty == 1.0:
+        best = logits.argmax(-1).tolist()
+    else:  # row by row, stopping at the first mismatch: the penalty depends on the accepted prefix
+        best = []
+        for i in range(logits.shape[0]):
+            best.append(int(_penalised(logits[i:i + 1], history + drafts[:i], [], s)[0].argmax()))
+            if i < len(drafts) and best[i] != drafts[i]:
+                break
+    for i, d in enumerate(drafts):
+        if best[i] != d:
+            return i, best[i]
+    return len(drafts), best[len(drafts)]
+
+
+def verify_sampled(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | None, history: list[int],
+                   s: SamplingSettings, sampler: Sampler) -> tuple[int, int]:
+    """Rejection sampling. logits [γ+1, V]; q [γ, V] the draft distributions (None: one-hot on the drafts).
+    → (drafts accepted, the next token drawn from the residual or, all accepted, from the last position)."""
+    p = probabilities(_penalised(logits, history, drafts, s), s)
+    g = len(drafts)
+    if g:
+        idx = torch.tensor(drafts, dtype=torch.long, device=p.device)[:, None]
+        p_d = p[:g].gather(1, idx).squeeze(1)
+        q_d = torch.ones_like(p_d) if q is None else q.gather(1, idx).squeeze(1)
+        u = torch.rand(g, generator=sampler.generator, device=sampler.generator.device).to(p.device)
+        rejected = (u * q_d >= p_d).tolist()  # accept with probability min(1, p/q)
+        for i, rej in enumerate(rejected):
+            if rej:
+                q_i = F.one_hot(idx[i, 0], p.shape[-1]).to(p.dtype) if q is None else q[i]
+                return i, int(sampler.draw(residual(p[i], q_i)))
+    return g, int(sampler.draw(p[g]))
+
+
+# ------------------------------------------------------------------------------------------------
+# Adaptive draft length
+# ------------------------------------------------------------------------------------------------
+class GammaController:
+    """Picks γ (drafts per round) to maximise expected tokens per second:
+        E[tokens | α, γ] = (1 - α^(γ+1)) / (1 - α)        (Leviathan et al. 2023, eq. 1)
+        cost(γ)          = γ · c_draft + c_verify(γ + 1)
+    α: acceptance rate, estimated from a decayed count of accepted drafts and of first rejections (the
+    drafts after a rejection are never tested, so proposed-minus-accepted would bias α low);
+    c_draft: decayed mean seconds per draft token; c_verify(T): decayed mean seconds of a verification
+    pass per T seen so far, linear between and beyond the measured T (prior slope VERIFY_SLOPE · c(T)
+    per extra token until two T have been measured). `fixed` pins γ (--draft-tokens N)."""
+
+    DECAY = 0.9
+    VERIFY_SLOPE = 0.05  # prior: each extra verified token costs 5% of a pass (memory-bound decode)
+    HYSTERESIS = 1.03
+
+    def __init__(self, fixed: int | None = None, start: int = GAMMA_START, lo: int = GAMMA_MIN, hi: int = GAMMA_MAX):
+        if fixed is not None and fixed < 1:
+            raise EdgeLLMError(f"--draft-tokens must be at least 1 (got {fixed})")
+        self.fixed, self.lo, self.hi = fixed, lo, hi
+        self.gamma = fixed if fixed is not None else start
+        self.succ, self.fail = 1.5, 1.0  # prior: α ≈ 0.6, forgotten after a few rounds
+        self.c_draft: float | None = None
+        self.c_verify: dict[int, float] = {}
+        self.history: list[int] = []
+
+    @property
+    def alpha(self) -> float:
+        return self.succ / (self.succ + self.fail)
+
+    def update(self, proposed: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        T = proposed + 1
+        old = self.c_verify.get(T)
+        self.c_verify[T] = verify_s if old is None else self.DECAY * old + (1 - self.DECAY) * verify_s
+        if proposed:
+            self.succ = self.DECAY * self.succ + accepted
+            self.fail = self.DECAY * self.fail + (1.0 if accepted < proposed else 0.0)
+            per = draft_s / proposed
+            self.c_draft = per if self.c_draft is None else self.DECAY * self.c_draft + (1 - self.DECAY) * per
+        if self.fixed is None:
+            self.gamma = self.choose()
+
+    def verify_cost(self, T: int) -> float:
+        pts = sorted(self.c_verify.items())
+        if not pts:
+            return 1.0
+        if len(pts) == 1:
+            t0, c0 = pts[0]
+            base = c0 / (1 + self.VERIFY_SLOPE * (t0 - 1))
+            return base * (1 + self.VERIFY_SLOPE * (T - 1))
+        xs = [t for t, _ in pts]
+        ys = [c for _, c in pts]
+        xm, ym = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - xm) ** 2 for x in xs)
+        slope = max(0.0, sum((x - xm) * (y - ym) for x, y in zip(xs, ys)) / var)
+        return max(ym + slope * (T - xm), 1e-9)
+
+    def expected_tokens(self, gamma: int, alpha: float | None = None) -> float:
+        a = min(max(self.alpha if alpha is None else alpha, 1e-3), 0.995)
+        return (1 - a ** (gamma + 1)) / (1 - a)
+
+    def rate(self, gamma: int) -> float:
+        """Expected tokens per second at this γ under the current estimates."""
+        cost = gamma * (self.c_draft or 0.0) + self.verify_cost(gamma + 1)
+        return self.expected_tokens(gamma) / cost
+
+    def choose(self) -> int:
+        if self.c_draft is None:
+            return self.gamma
+        best = max(range(self.lo, self.hi + 1), key=self.rate)
+        if self.rate(best) > self.HYSTERESIS * self.rate(self.gamma):
+            return best
+        return self.gamma
+
+    def speedup_estimate(self) -> float:
+        """Expected tokens per second at the current γ over one plain decode step per token."""
+        if self.c_draft is None:
+            return 1.0
+        return self.rate(self.gamma) * self.verify_cost(1)
+
+
+# ------------------------------------------------------------------------------------------------
+# From the command line
+# ------------------------------------------------------------------------------------------------
+SELF_SPEC = re.compile(r"^self(?::int(?P<bits>4|8))?(?::[lL](?P<layers>\d+))?$")
+
+
+def make_proposer(spec: str | None, target_loaded: Any, loader: Callable[..., Any] | None = None) -> Proposer | None:
+    """`--draft` → a proposer: none | self | self:int4 | self:int8 | self:int4:L<n> | lookup | MODEL
+    (a model path or hub id, loaded on the target's device and dtype; its tokenizer must match)."""
+    spec = (spec or "none").strip()
+    if spec in ("", "none"):
+        return None
+    if spec == "lookup":
+        return PromptLookupProposer()
+    m = SELF_SPEC.match(spec)
+    if m:
+        layers = int(m["layers"]) if m["layers"] else None
+        n_total = target_loaded.model.config.n_layers
+        if layers is not None and not 1 <= layers <= n_total:
+            raise EdgeLLMError(f"--draft {spec}: the model has {n_total} layers (use L1..L{n_total})")
+        return SelfDraftProposer(target_loaded.model, bits=int(m["bits"] or 4), n_layers=layers)
+    if spec.startswith("self"):
+        raise EdgeLLMError(f"--draft {spec}: expected self, self:int4, self:int8 or self:int4:L<n>")
+    if loader is None:
+        from .loading import load_model as loader
+    target = target_loaded.model
+    draft = loader(spec, device=target.device, dtype=target.dtype, max_seq_len=target.rope_len)
+    name = str(getattr(draft, "path", spec))
+    check_tokenizers(draft.tokenizer, target_loaded.tokenizer, draft.model.config.vocab_size,
+                     target.config.vocab_size, f"draft {name}", str(getattr(target_loaded, "path", "the target")))
+    return DraftModelProposer(draft.model, draft.tokenizer, target_loaded.tokenizer, name=f"model:{name}")

@@ -1,0 +1,384 @@
+"""Attention against the KV cache, read in place: flash-decoding in torch (CPU/MPS) + dispatch.
+
+Storages (one per layer, preallocated for max_seq_len S; positions [0, kv_len) are valid):
+  FloatKV(k, v)                                    k, v [Hkv, S, D] fp32/bf16/fp16
+  Int8KV(k, k_scale, v, v_scale, group)            codes int8 [Hkv, S, D], scales [Hkv, S, D//group];
+                                                   x = code * scale
+  Int4KV(k, k_scale, k_min, v, v_scale, v_min, group)
+                                                   uint8 [Hkv, S, D//2], split-halves nibbles (byte j:
+                                                   element j low, element j + D/2 high, see kv_quant);
+                                                   scale/min [Hkv, S, D//group]; x = code * scale + min
+
+`attention(q, store, kv_len, q_start, scale)`: query row i sits at absolute position q_start + i and
+attends keys 0..q_start+i (causal against the cache). GQA: query heads h*g..h*g+g-1 share KV head h;
+their g*T query rows are one matrix against that head's keys, so K/V are never repeated.
+
+The torch implementation splits the KV sequence into tiles of `split` positions (flash-decoding,
+Dao et al. 2023): each tile yields a partial output, its row max and its sum of exponentials, and the
+partials are combined with log-sum-exp weights. A quantized tile is dequantized into a buffer of one
+tile, so nothing cache-sized is ever allocated. Long query blocks (prefill on top of a kept prefix)
+are processed `q_block` rows at a time, which bounds the score matrix at Hkv × g·q_block × split.
+
+No host syncs: every branch depends on Python ints (lengths, positions), never on tensor values.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from .kv_quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+
+# fp32 bytes of work per KV tile in the torch path (see auto_split): 6 MiB is 8192 positions of the
+# SmolLM2 shape (3 KV heads × 64) and stays in the last-level cache.
+TILE_BYTES = 6 << 20
+# A float cache up to this length with one query goes to F.scaled_dot_product_attention: measured
+# faster than our matmuls below ~1k positions (one fused call), slower above.
+SDPA_MAX_LEN = 768
+# Query rows per block when T is large (prefill chunks); bounds the fp32 score matrix.
+DEFAULT_Q_BLOCK = 256
+# Finite "minus infinity": a row whose keys in one tile are all masked gets a finite running max, so
+# exp() never sees inf - inf; its tile weight exp(m_tile - m_max) is exactly 0 at the combine.
+_NEG = torch.finfo(torch.float32).min
+
+
+# ---------------------------------------------------------------------------------------------------
+# Storages
+# ---------------------------------------------------------------------------------------------------
+class FloatKV(NamedTuple):
+    k: torch.Tensor  # [Hkv, S, D]
+    v: torch.Tensor
+
+    @classmethod
+    def empty(cls, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> "FloatKV":
+        shape = (n_kv_heads, max_seq_len, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one position occupies in this layer (K and V, all KV heads)."""
+        return _bytes_per_token(self)
+
+
+class Int8KV(NamedTuple):
+    k: torch.Tensor        # int8 [Hkv, S, D]
+    k_scale: torch.Tensor  # [Hkv, S, D // group] fp16 or fp32
+    v: torch.Tensor
+    v_scale: torch.Tensor
+    group: int
+
+    @classmethod
+    def empty(cls, n_kv_heads: int, max_seq_len: int, head_dim: int, group: int | None = None,
+              scale_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "Int8KV":
+        group = head_dim if group is None else group
+        _check_layout(head_dim, group, packed=False)
+        codes = (n_kv_heads, max_seq_len, head_dim)
+        scales = (n_kv_heads, max_seq_len, head_dim // group)
+        z = functools.partial(torch.zeros, device=device)
+        return cls(z(codes, dtype=torch.int8), z(scales, dtype=scale_dtype),
+                   z(codes, dtype=torch.int8), z(scales, dtype=scale_dtype), group)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return _bytes_per_token(self)
+
+
+class Int4KV(NamedTuple):
+    k: torch.Tensor        # uint8 [Hkv, S, D // 2], split-halves nibbles
+    k_scale: torch.Tensor  # [Hkv, S, D // group]
+    k_min: torch.Tensor    # [Hkv, S, D // group]
+    v: torch.Tensor
+    v_scale: torch.Tensor
+    v_min: torch.Tensor
+    group: int
+
+    @classmethod
+    def empty(cls, n_kv_heads: int, max_seq_len: int, head_dim: int, group: int = 32,
+              scale_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "Int4KV":
+        _check_layout(head_dim, group, packed=True)
+        codes = (n_kv_heads, max_seq_len, head_dim // 2)
+        scales = (n_kv_heads, max_seq_len, head_dim // group)
+        z = functools.partial(torch.zeros, device=device)
+        return cls(z(codes, dtype=torch.uint8), z(scales, dtype=scale_dtype), z(scales, dtype=scale_dtype),
+                   z(codes, dtype=torch.uint8), z(scales, dtype=scale_dtype), z(scales, dtype=scale_dtype),
+                   group)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return _bytes_per_token(self)
+
+
+KVStore = Union[FloatKV, Int8KV, Int4KV]
+
+
+def _check_layout(head_dim: int, group: int, packed: bool) -> None:
+    if group <= 0 or head_dim % group:
+        raise ValueError(f"group size {group} does not divide the head dim {head_dim}")
+    if packed and head_dim % 2:
+        raise ValueError(f"int4 packing needs an even head dim, got {head_dim}")
+
+
+def _bytes_per_token(store: KVStore) -> int:
+    return sum(t[:, 0].numel() * t.element_size() for t in store if isinstance(t, torch.Tensor))
+
+
+def head_dim_of(store: KVStore) -> int:
+    return store.k.shape[-1] * (2 if isinstance(store, Int4KV) else 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------------
+def write_kv(store: KVStore, k_new: torch.Tensor, v_new: torch.Tensor, start: int) -> None:
+    """Quantize (if the storage asks) and write k_new, v_new [Hkv, T, D] at positions [start, start+T).
+
+    Temporaries are the size of the new tokens only; the storage is updated in place."""
+    end = start + k_new.shape[1]
+    if end > store.k.shape[1]:
+        raise ValueError(f"positions [{start}, {end}) do not fit a cache of {store.k.shape[1]}")
+    if isinstance(store, FloatKV):
+        store.k[:, start:end].copy_(k_new)
+        store.v[:, start:end].copy_(v_new)
+    elif isinstance(store, Int8KV):
+        sd = store.k_scale.dtype
+        for x, codes, scales in ((k_new, store.k, store.k_scale), (v_new, store.v, store.v_scale)):
+            c, s = quantize_int8(x, store.group, sd)
+            codes[:, start:end].copy_(c)
+            scales[:, start:end].copy_(s)
+    elif isinstance(store, Int4KV):
+        sd = store.k_scale.dtype
+        for x, codes, scales, mins in ((k_new, store.k, store.k_scale, store.k_min),
+                                       (v_new, store.v, store.v_scale, store.v_min)):
+            c, s, m = quantize_int4(x, store.group, sd)
+            codes[:, start:end].copy_(c)
+            scales[:, start:end].copy_(s)
+            mins[:, start:end].copy_(m)
+    else:
+        raise TypeError(f"unknown KV storage {type(store).__name__}")
+
+
+def dequantize_kv(store: KVStore, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V of positions [start, end) in fp32 (tests, references and debugging; attention never
+    calls this on the whole cache)."""
+    return _tile(store, 0, start, end, None), _tile(store, 1, start, end, None)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        from . import triton_attention  # noqa: F401  (imports triton)
+    except Exception:  # ImportError, or a triton that cannot initialise on this machine
+        return False
+    return True
+
+
+def attention(q: torch.Tensor, store: KVStore, kv_len: int, q_start: int, scale: float) -> torch.Tensor:
+    """q [1, Hq, T, D] at positions [q_start, q_start+T) → [1, Hq, T, D] in q's dtype.
+
+    CUDA with triton importable → the Triton flash-decoding kernel; otherwise the torch one."""
+    if q.is_cuda and triton_available():
+        from .triton_attention import triton_attention
+
+        return triton_attention(q, store, kv_len, q_start, scale)
+    return attention_torch(q, store, kv_len, q_start, scale)
+
+
+def attention_torch(q: torch.Tensor, store: KVStore, kv_len: int, q_start: int, scale: float, *,
+                    split: int | None = None, q_block: int = DEFAULT_Q_BLOCK) -> torch.Tensor:
+    """The torch flash-decoding implementation (any device). See the module docstring.
+
+    split: KV positions per tile (None: sized by TILE_BYTES); q_block: query rows per block."""
+    _, n_q_heads, T, D = q.shape
+    n_kv = store.k.shape[0]
+    if n_q_heads % n_kv:
+        raise ValueError(f"{n_q_heads} query heads do not group over {n_kv} KV heads")
+    if not 0 < kv_len <= store.k.shape[1]:
+        raise ValueError(f"kv_len {kv_len} outside the cache (1..{store.k.shape[1]})")
+    g = n_q_heads // n_kv
+    n = min(kv_len, q_start + T)
+    if (T == 1 and split is None and n <= SDPA_MAX_LEN and isinstance(store, FloatKV)
+            and store.k.dtype == q.dtype):
+        # Short float cache, one query: SDPA's single fused call beats a few matmul launches.
+        return F.scaled_dot_product_attention(q, store.k[None, :, :n], store.v[None, :, :n], scale=scale,
+                                              enable_gqa=g > 1)
+    cdt = _compute_dtype(q, store)
+    # The softmax scale goes into q once (T·D work instead of T·kv_len).
+    qs = (q[0] if q.dtype == cdt else q[0].to(cdt)) * scale
+    if T <= q_block:
+        out = _attend_rows(qs.reshape(n_kv, g * T, D), store, n, q_start, T, split)
+        return out.view(1, n_q_heads, T, D).to(q.dtype)
+    qs = qs.reshape(n_kv, g, T, D)
+    out = torch.empty(n_kv, g, T, D, dtype=cdt, device=q.device)
+    for r0 in range(0, T, q_block):
+        r1 = min(T, r0 + q_block)
+        rows = qs[:, :, r0:r1].reshape(n_kv, g * (r1 - r0), D)
+        ob = _attend_rows(rows, store, min(kv_len, q_start + r1), q_start + r0, r1 - r0, split)
+        out[:, :, r0:r1] = ob.view(n_kv, g, r1 - r0, D)
+    return out.view(1, n_q_heads, T, D).to(q.dtype)
+
+
+def _compute_dtype(q: torch.Tensor, store: KVStore) -> torch.dtype:
+    # CPU: fp32 everywhere (half matmuls are slow without AVX-512, and dequantized tiles are fp32).
+    # Other devices keep a half-precision float cache in its dtype (matmuls accumulate in fp32).
+    if q.device.type != "cpu" and isinstance(store, FloatKV):
+        return store.k.dtype
+    return torch.float32
+
+
+def auto_split(store: KVStore, n_kv: int, rows: int, head_dim: int) -> int:
+    """KV positions per tile: as many as fit TILE_BYTES of fp32 work per tile (the dequantized K or V
+    tile, Hkv·split·D, and the score matrix, Hkv·rows·split), in multiples of 256. Measured on CPU:
+    longer tiles always won (fewer launches, one combine), so the cap is memory, not speed."""
+    in_place = isinstance(store, FloatKV) and store.k.dtype == torch.float32
+    per_pos = 4 * n_kv * max(rows, 0 if in_place else head_dim)
+    return max(256, TILE_BYTES // per_pos // 256 * 256)
+
+
+def _attend_rows(qr: torch.Tensor, store: KVStore, n: int, pos0: int, t_rows: int, split: int | None
+                 ) -> torch.Tensor:
+    """qr [Hkv, R, D] (R = g·t_rows rows in (g, t) order, row t at position pos0 + t, already scaled)
+    against keys [0, n) → [Hkv, R, D] in qr's dtype."""
+    n_kv, R, D = qr.shape
+    if split is None:
+        split = auto_split(store, n_kv, R, D)
+    n_tiles = -(-n // split)
+    fold = _folds_scales(store)
+    ws = None if isinstance(store, FloatKV) and store.k.dtype == qr.dtype else _Workspace(
+        store, n_kv, min(split, n), D, qr.dtype, qr.device)
+    # The int4 min term: q·(c·s + m) = s·(q·c) + m·Σq.
+    qsum = qr.sum(-1, keepdim=True) if fold and isinstance(store, Int4KV) else None
+
+    if n_tiles == 1:
+        s = _scores(qr, store, 0, n, ws, fold, qsum)
+        _mask(s, 0, n, pos0, t_rows)
+        p = torch.softmax(s, dim=-1)
+        return _pv(p, store, 0, n, ws, fold)
+
+    # Flash-decoding: per-tile partials written straight into stacked buffers, one LSE combine.
+    m = torch.empty(n_tiles, n_kv, R, 1, dtype=qr.dtype, device=qr.device)
+    l = torch.empty_like(m)
+    o = torch.empty(n_tiles, n_kv, R, D, dtype=qr.dtype, device=qr.device)
+    for i in range(n_tiles):
+        a, b = i * split, min(n, (i + 1) * split)
+        s = _scores(qr, store, a, b, ws, fold, qsum)
+        _mask(s, a, b, pos0, t_rows)
+        torch.amax(s, dim=-1, keepdim=True, out=m[i])
+        p = s.sub_(m[i]).exp_()
+        torch.sum(p, dim=-1, keepdim=True, out=l[i])
+        o[i] = _pv(p, store, a, b, ws, fold)
+    m_max = m.amax(0)
+    w = m.sub_(m_max).exp_()  # [n_tiles, Hkv, R, 1]
+    return (o.mul_(w).sum(0)).div_(l.mul_(w).sum(0))
+
+
+def _folds_scales(store: KVStore) -> bool:
+    """Per-token scales (group == head dim): the scale (and min) is constant along the dot product,
+    so it is applied to the [R, L] scores / probabilities instead of the [L, D] tile, saving one fp32
+    pass over each tile (two for int4). Measured: with two or more groups per row the extra small
+    matmuls cost more than the passes they save, so smaller groups dequantize the tile fully."""
+    return not isinstance(store, FloatKV) and store.group == head_dim_of(store)
+
+
+class _Workspace:
+    """The float K and V tile buffers (and int4's byte buffer), kept between calls: a fresh multi-MB
+    buffer per call costs page faults (measured ~30% of an int4 tile's time on CPU)."""
+    _cache: dict = {}
+
+    def __init__(self, store, n_kv, tile, D, dtype, device):
+        shape = (n_kv, tile, D)
+        self.k = self._get("k", shape, dtype, device)
+        self.v = self._get("v", shape, dtype, device)
+        self.u8 = self._get("u8", (n_kv, tile, D // 2), torch.uint8, device) if isinstance(store, Int4KV) else None
+
+    @classmethod
+    def _get(cls, name, shape, dtype, device) -> torch.Tensor:
+        key = (name, str(device), dtype)
+        numel = math.prod(shape)
+        flat = cls._cache.get(key)
+        if flat is None or flat.numel() < numel:
+            flat = cls._cache[key] = torch.empty(numel, dtype=dtype, device=device)
+        return flat[:numel].view(shape)
+
+
+def _tile(store: KVStore, which: int, a: int, b: int, ws: _Workspace | None, raw: bool = False
+          ) -> torch.Tensor:
+    """K (which=0) or V (which=1) of positions [a, b) as a float tile (in the workspace when given).
+    raw=True: codes only, as floats (int4: the row in element order, thanks to the split-halves
+    layout); the caller applies scales and mins."""
+    buf = None if ws is None else (ws.k, ws.v)[which]
+    out = None if buf is None else buf[:, : b - a]
+    if isinstance(store, FloatKV):
+        x = (store.k, store.v)[which][:, a:b]
+        if out is None:
+            return x.float()
+        return x if x.dtype == out.dtype else out.copy_(x)
+    if isinstance(store, Int8KV):
+        codes, scales = (store.k, store.k_scale) if which == 0 else (store.v, store.v_scale)
+        if raw:
+            return out.copy_(codes[:, a:b])
+        return dequantize_int8(codes[:, a:b], scales[:, a:b], store.group, out=out)
+    codes, scales, mins = ((store.k, store.k_scale, store.k_min) if which == 0
+                           else (store.v, store.v_scale, store.v_min))
+    if not raw:
+        return dequantize_int4(codes[:, a:b], scales[:, a:b], mins[:, a:b], store.group, out=out)
+    c, u8 = codes[:, a:b], ws.u8[:, : b - a]
+    half = c.shape[-1]
+    out[..., :half].copy_(torch.bitwise_and(c, 0xF, out=u8))
+    out[..., half:].copy_(torch.bitwise_right_shift(c, 4, out=u8))
+    return out
+
+
+def _scores(qr, store, a, b, ws, fold, qsum) -> torch.Tensor:
+    """q·k for keys [a, b) → [Hkv, R, b-a], a fresh tensor the caller may modify in place."""
+    if not fold:
+        return torch.bmm(qr, _tile(store, 0, a, b, ws).transpose(1, 2))
+    k = _tile(store, 0, a, b, ws, raw=True)
+    s = torch.bmm(qr, k.transpose(1, 2)).mul_(store.k_scale[:, a:b].transpose(1, 2))  # · [Hkv, 1, L]
+    if qsum is not None:
+        s.addcmul_(qsum, store.k_min[:, a:b].transpose(1, 2))
+    return s
+
+
+def _pv(p, store, a, b, ws, fold) -> torch.Tensor:
+    """p [Hkv, R, L] (may be modified) @ V of keys [a, b) → [Hkv, R, D]."""
+    if not fold:
+        return torch.bmm(p, _tile(store, 1, a, b, ws))
+    v = _tile(store, 1, a, b, ws, raw=True)
+    if isinstance(store, Int4KV):
+        # Σ_l p·(c·s + m) = (p·s) @ c + p @ m
+        pm = torch.bmm(p, store.v_min[:, a:b].to(p.dtype))  # [Hkv, R, 1]
+        return torch.bmm(p.mul_(store.v_scale[:, a:b].transpose(1, 2)), v).add_(pm)
+    return torch.bmm(p.mul_(store.v_scale[:, a:b].transpose(1, 2)), v)
+
+
+def _mask(s: torch.Tensor, a: int, b: int, pos0: int, t_rows: int) -> None:
+    """Causal mask in place on scores s [Hkv, g·t_rows, b-a]: row t (position pos0+t) sees keys ≤ pos0+t.
+    Decided on Python ints only: a tile entirely at or before pos0 needs no mask."""
+    if b - 1 <= pos0:
+        return
+    keys = torch.arange(a, b, device=s.device)
+    rows = torch.arange(pos0, pos0 + t_rows, device=s.device)
+    hide = keys[None, :] > rows[:, None]  # [t_rows, L]
+    n_kv, R, L = s.shape
+    s.view(n_kv, R // t_rows, t_rows, L).masked_fill_(hide, _NEG)
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, q_start: int,
+                        scale: float) -> torch.Tensor:
+    """Plain float64 softmax(QK^T)V with the causal mask against the cache, K/V repeated per query
+    head. For tests and benchmarks: q [1, Hq, T, D], k/v [Hkv, ≥kv_len, D] (already dequantized)."""
+    _, n_q_heads, T, D = q.shape
+    g = n_q_heads // k.shape[0]
+    kk = k[:, :kv_len].double().repeat_interleave(g, 0)
+    vv = v[:, :kv_len].double().repeat_interleave(g, 0)
+    s = (q[0].double() @ kk.transpose(1, 2)) * scale
+    pos = torch.arange(q_start, q_start + T, device=q.device)[:, None]
+    s = s.masked_fill(torch.arange(kv_len, device=q.device)[None, :] > pos, -math.inf)
+    return (torch.softmax(s, -1) @ vv)[None]

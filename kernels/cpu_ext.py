@@ -1,0 +1,310 @@
+"""Build-on-first-use loader for edgellm's C++ CPU kernels (int4/int8 weight-only GEMM for small M).
+
+`get_extension()` returns a module with
+
+    int4_gemm(x fp32 [M,K], codes uint8 [N,K/2], scales fp16 [N,K/G], mins fp16 [N,K/G] or empty, G) -> fp32 [M,N]
+    int8_gemm(x fp32 [M,K], codes int8 [N,K], scales fp16 [N,K/G], G) -> fp32 [M,N]
+
+(plus `int4_gemm_variant` / `int8_gemm_variant` taking a variant number, and `isa()`), or None when
+EDGELLM_NO_EXT=1 or the build is impossible (no compiler, no ninja, compile error: one warning, never an
+exception). The same functions are registered as torch ops, `torch.ops.edgellm_cpu.int4_gemm` etc., with
+fake implementations so `torch.compile` can trace them.
+
+The build (~20 s, one line on stderr) goes to
+`platformdirs.user_cache_dir("edgellm")/ext-torch<ver>-py<ver>-<isa>-<hash of sources and flags>`; later
+processes import the cached library directly (milliseconds), without running ninja again. A file lock
+keeps two processes from building into the same folder at once.
+
+This module imports nothing from the rest of edgellm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib.util
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from types import ModuleType
+from typing import Iterator
+
+import torch
+
+_NAME = "edgellm_cpu_kernels"
+_SOURCES = ("cpu_kernels.cpp", "cpu_bindings.cpp")
+_BUILD_VERSION = "1"  # bump to force a rebuild when the flags logic changes
+
+_state: dict[str, object] = {"tried": False, "ext": None}
+
+
+def get_extension() -> ModuleType | None:
+    """The compiled kernels, built on first use; None if disabled (EDGELLM_NO_EXT=1) or unavailable."""
+    if os.environ.get("EDGELLM_NO_EXT", "").strip() not in ("", "0"):
+        return None
+    if not _state["tried"]:
+        _state["tried"] = True
+        try:
+            _state["ext"] = _load()
+        except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path"
+            warnings.warn(
+                f"edgellm: C++ CPU kernels unavailable, using the slower torch path ({_one_line(exc)})",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return _state["ext"]  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------------------------------------ ISA
+def _cpu_flags() -> set[str]:
+    """CPU feature names as Linux spells them (avx2, fma, f16c, asimddp, ...), best effort."""
+    flags: set[str] = set()
+    system = platform.system()
+    try:
+        if system == "Linux":
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    key = line.split(":", 1)[0].strip().lower()
+                    if key in ("flags", "features"):
+                        flags.update(line.split(":", 1)[1].split())
+                        break
+        elif system == "Darwin":
+            if platform.machine() == "arm64":
+                out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_DotProd"],
+                                     capture_output=True, text=True, timeout=5).stdout.strip()
+                if out == "1":
+                    flags.add("asimddp")
+            else:
+                out = subprocess.run(["sysctl", "-n", "machdep.cpu.features", "machdep.cpu.leaf7_features"],
+                                     capture_output=True, text=True, timeout=5).stdout
+                flags.update(w.lower().replace(".", "_") for w in out.split())
+                if "fma" in flags or "fma3" in flags:
+                    flags.add("fma")
+                if "avx2" in flags:
+                    flags.add("f16c")  # every AVX2 Mac has F16C (sysctl spells it F16C too)
+        else:
+            cap = torch.backends.cpu.get_cpu_capability()
+            if cap in ("AVX2", "AVX512"):
+                flags.update({"avx2", "fma", "f16c"})
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return flags
+
+
+def _isa_and_flags() -> tuple[str, list[str]]:
+    """(tag, compiler flags) for the best kernel path this CPU runs. EDGELLM_EXT_ISA=scalar forces the
+    portable C++ path (for testing it)."""
+    machine = platform.machine().lower()
+    msvc = sys.platform == "win32"
+    if os.environ.get("EDGELLM_EXT_ISA", "").strip().lower() == "scalar":
+        return "scalar", ["/DEDGELLM_FORCE_SCALAR" if msvc else "-DEDGELLM_FORCE_SCALAR"]
+    flags = _cpu_flags()
+    if machine in ("x86_64", "amd64", "i686", "x86"):
+        if {"avx2", "fma", "f16c"} <= flags:
+            return "avx2", (["/arch:AVX2"] if msvc else ["-mavx2", "-mfma", "-mf16c"])
+        return "scalar", []
+    if machine in ("arm64", "aarch64"):
+        if "asimddp" in flags and not msvc:
+            return "neon-dotprod", ["-march=armv8.2-a+dotprod"]
+        return "neon", []
+    return "scalar", []
+
+
+def _openmp_flags() -> tuple[list[str], list[str]]:
+    """Compile/link flags so at::parallel_for runs on torch's OpenMP pool.
+
+    torch's Linux wheels load libgomp.so.1; an extension built with GCC's -fopenmp needs that same SONAME,
+    so the dynamic loader reuses torch's copy and torch.set_num_threads() governs our threads too. Without
+    OpenMP (macOS' Apple clang, or EDGELLM_EXT_OPENMP=0 to test that build) the kernels use a small
+    thread pool of their own."""
+    if os.environ.get("EDGELLM_EXT_OPENMP", "").strip() == "0":
+        return [], []
+    if sys.platform == "win32":
+        return ["/openmp"], []
+    if sys.platform == "darwin":
+        return [], []
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    if "clang" in version.lower():
+        return ["-fopenmp=libgomp"], ["-fopenmp=libgomp"]
+    return ["-fopenmp"], ["-fopenmp"]
+
+
+# ------------------------------------------------------------------------------------------------ build
+def _cache_root() -> Path:
+    override = os.environ.get("EDGELLM_EXT_CACHE")
+    if override:
+        return Path(override)
+    try:
+        import platformdirs
+
+        return Path(platformdirs.user_cache_dir("edgellm"))
+    except ImportError:  # platformdirs is a dependency, but never let a missing one cost the kernels
+        return Path.home() / ".cache" / "edgellm"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """Exclusive lock across processes (released by the OS if the holder dies)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+b") as f:
+        try:
+            import fcntl
+
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        except ImportError:  # Windows
+            import msvcrt
+
+            f.seek(0)
+            while True:
+                try:
+                    msvcrt.locking(f.fileno(), msvcrt.LK_LOCK, 1)
+                    break
+                except OSError:
+                    time.sleep(0.5)
+            try:
+                yield
+            finally:
+                f.seek(0)
+                msvcrt.locking(f.fileno(), msvcrt.LK_UNLCK, 1)
+
+
+def _ensure_ninja() -> None:
+    if shutil.which("ninja"):
+        return
+    try:  # the `ninja` wheel puts its binary in the venv's bin, which is not on PATH unless activated
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    if not shutil.which("ninja"):
+        raise RuntimeError("ninja not found (pip install ninja)")
+
+
+def _library_file(folder: Path) -> Path | None:
+    for suffix in (".so", ".pyd", ".dylib"):
+        p = folder / f"{_NAME}{suffix}"
+        if p.exists():
+            return p
+    return None
+
+
+def _import_library(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(_NAME, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _load() -> ModuleType:
+    here = Path(__file__).resolve().parent
+    sources = [here / s for s in _SOURCES]
+    isa, isa_flags = _isa_and_flags()
+    omp_cflags, omp_ldflags = _openmp_flags()
+    opt = ["/O2"] if sys.platform == "win32" else ["-O3"]
+    cflags = opt + ["-DNDEBUG"] + isa_flags + omp_cflags
+    key = hashlib.sha256()
+    for s in sources:
+        key.update(s.read_bytes())
+    key.update(repr((cflags, omp_ldflags, os.environ.get("CXX"), _BUILD_VERSION, sys.version)).encode())
+    pyver = f"{sys.version_info.major}{sys.version_info.minor}"
+    folder = _cache_root() / f"ext-torch{torch.__version__}-py{pyver}-{isa}-{key.hexdigest()[:12]}"
+    done = folder / "built.ok"
+
+    if done.exists() and (lib := _library_file(folder)) is not None:
+        module = _import_library(lib)
+    else:
+        with _file_lock(folder.with_name(folder.name + ".lock")):
+            if done.exists() and (lib := _library_file(folder)) is not None:  # another process built it
+                module = _import_library(lib)
+            else:
+                module = _build(folder, sources, isa, cflags, omp_ldflags)
+                done.write_text(f"{isa} {' '.join(cflags)}\n", encoding="utf-8")
+    _register_fakes()
+    return module
+
+
+def _build(folder: Path, sources: list[Path], isa: str, cflags: list[str], ldflags: list[str]) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "cl" if sys.platform == "win32" else "c++")
+    if shutil.which(cxx) is None:
+        raise RuntimeError(f"no C++ compiler ({cxx}) on PATH")
+    _ensure_ninja()
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"edgellm: compiling the CPU kernels for {isa} (once, ~20 s) ...", end="", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # cpp_extension's own notes (ABI, compiler version) are noise here
+            module = cpp_extension.load(
+                name=_NAME,
+                sources=[str(s) for s in sources],
+                extra_cflags=cflags,
+                extra_ldflags=ldflags,
+                build_directory=str(folder),
+                verbose=False,
+                is_python_module=True,
+            )
+    except BaseException:
+        print(" failed", file=sys.stderr, flush=True)
+        raise
+    print(f" done in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return module
+
+
+_fakes_registered = False
+
+
+def _register_fakes() -> None:
+    """Shape-only implementations so torch.compile / FakeTensor tracing can pass through the ops."""
+    global _fakes_registered
+    if _fakes_registered:
+        return
+    _fakes_registered = True
+    try:
+        register = torch.library.register_fake
+    except AttributeError:  # torch < 2.4
+        return
+
+    def int4(x, codes, scales, mins, group_size):
+        return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
+
+    def int4_v(x, codes, scales, mins, group_size, variant):
+        return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
+
+    def int8(x, codes, scales, group_size):
+        return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
+
+    def int8_v(x, codes, scales, group_size, variant):
+        return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
+
+    for name, fn in (("int4_gemm", int4), ("int4_gemm_variant", int4_v), ("int8_gemm", int8),
+                     ("int8_gemm_variant", int8_v)):
+        try:
+            register(f"edgellm_cpu::{name}", fn)
+        except Exception:  # noqa: BLE001 - compile support is optional; eager calls work without it
+            pass
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    # the compiler's first error line says more than the generic "Error building extension"
+    errors = [ln.strip() for ln in text if "error" in ln.lower()]
+    msg = errors[0] if errors else (text[0] if text else type(exc).__name__)
+    return msg[:300]

@@ -1,0 +1,881 @@
+// edgellm CPU weight-only matmul kernels: y[M,N] = x[M,K] @ dequant(W)[N,K]^T for small M (decode, verify).
+//
+// Weight format (fixed, see quant/groups.py):
+//   int4: codes uint8 [N, K/2], GGUF Q4_0/Q4_1 packing per block of 32 along K: byte j of a block's 16 bytes
+//         = code[j] | code[j+16] << 4; scales fp16 [N, K/G]; w = (code - 8) * scale, or code * scale + min
+//         when mins fp16 [N, K/G] is given.  G in {32, 64, 128}.
+//   int8: codes int8 [N, K]; scales fp16 [N, K/G]; w = code * scale.  G = 32/64/128 or G = K (per channel).
+//
+// Two approaches live here (benchmarks/kernels_cpu.py measures both):
+//   (a) "int-dot", llama.cpp's: quantize each 32-block of x to int8 with one fp32 scale, multiply int4/int8
+//       codes by int8 activations with integer dot products (AVX2 maddubs/madd, NEON sdot/smull), scale the
+//       per-block int32 sums by d_w * d_x.  Not bit-exact to the float reference: x is rounded to 8 bits,
+//       ~0.5% relative error on Gaussian x, as in llama.cpp.  The default ("auto"): on AVX2 it needs ~6
+//       vector ops per 32 weights against ~20 for (b), and measured several times faster at M = 1.
+//   (b) "float-fma": dequantize codes to fp32 in registers and FMA with the fp32 activations.  Exact up to
+//       fp32 summation order; kept as variant 2 for exactness checks and the benchmark.
+//
+// This file includes no Python/pybind and only ATen/Parallel.h (threads), so it compiles in a few seconds;
+// cpu_bindings.cpp holds the pybind module and the torch op registration.  With -DEDGELLM_STANDALONE it
+// compiles with no torch at all (tests/test_cpu_kernels.py builds it so to check the portable path, and
+// the NEON path under qemu).
+//
+// ISA paths, chosen at compile time from the target flags the builder passes:
+//   AVX2+FMA+F16C (x86-64), NEON (arm64; sdot when __ARM_FEATURE_DOTPROD), and portable scalar C++.
+//   No AVX-512 path: on Skylake-SP, the AVX-512 machine at hand, 512-bit integer multiplies issue on one
+//   port only, and counting ops per 8 blocks promised <10%; VNNI (vpdpbusd) would pay, but no machine
+//   here has it to test on.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || (defined(__FMA__) && defined(__F16C__)))
+#define EDGELLM_AVX2 1
+#include <immintrin.h>
+#elif !defined(EDGELLM_FORCE_SCALAR) && (defined(__aarch64__) || defined(_M_ARM64))
+#define EDGELLM_NEON 1
+#include <arm_neon.h>
+#else
+#define EDGELLM_SCALAR 1
+#endif
+
+#ifdef EDGELLM_STANDALONE
+namespace edgellm_par {
+template <class F>
+inline void parallel_for(int64_t begin, int64_t end, int64_t /*grain*/, const F& f) {
+  if (begin < end) f(begin, end);
+}
+}  // namespace edgellm_par
+#elif defined(_OPENMP)
+#include <ATen/Parallel.h>
+namespace edgellm_par {
+template <class F>
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  // at::parallel_for runs on torch's intra-op OpenMP pool (the extension is compiled with -fopenmp and
+  // links the same libgomp.so.1 torch loaded), so torch.set_num_threads() applies and the threads are
+  // already warm from torch's own ops.
+  at::parallel_for(begin, end, grain, f);
+}
+}  // namespace edgellm_par
+#else
+// No OpenMP in this build (e.g. Apple clang): at::parallel_for would run serially, so keep a small pool of
+// our own, sized by torch.get_num_threads().  Workers spin briefly before sleeping: decode calls arrive
+// every few tens of microseconds, and a condition-variable wake-up costs about that much.
+#include <ATen/Parallel.h>
+#include <atomic>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+namespace edgellm_par {
+class Pool {
+ public:
+  static Pool& get() {
+    static Pool* pool = new Pool();  // never destroyed: joining threads during static teardown can hang
+    return *pool;
+  }
+  void run(int ntasks, const std::function<void(int)>& fn) {
+    std::lock_guard<std::mutex> serial(run_mu_);
+    while ((int)threads_.size() < ntasks - 1) {
+      const int id = (int)threads_.size();
+      threads_.emplace_back([this, id] { worker(id); });
+      threads_.back().detach();
+    }
+    task_ = &fn;
+    ntasks_ = ntasks;
+    pending_.store((int)threads_.size(), std::memory_order_relaxed);
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      gen_.fetch_add(1, std::memory_order_release);
+    }
+    cv_.notify_all();
+    fn(0);
+    for (int spins = 0; pending_.load(std::memory_order_acquire) != 0; ++spins)
+      if (spins > 2000) std::this_thread::yield();
+  }
+
+ private:
+  void worker(int id) {
+    uint64_t seen = 0;
+    for (;;) {
+      for (int spins = 0; gen_.load(std::memory_order_acquire) == seen && spins < 100000; ++spins) {
+      }
+      if (gen_.load(std::memory_order_acquire) == seen) {
+        std::unique_lock<std::mutex> lk(mu_);
+        cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen; });
+      }
+      seen = gen_.load(std::memory_order_acquire);
+      if (id + 1 < ntasks_) (*task_)(id + 1);
+      pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+  }
+  std::mutex run_mu_, mu_;
+  std::condition_variable cv_;
+  std::vector<std::thread> threads_;
+  std::atomic<uint64_t> gen_{0};
+  std::atomic<int> pending_{0};
+  const std::function<void(int)>* task_ = nullptr;
+  int ntasks_ = 0;
+};
+
+template <class F>
+inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  if (begin >= end) return;
+  const int64_t range = end - begin;
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), (range + grain - 1) / std::max<int64_t>(grain, 1));
+  if (nt <= 1) {
+    f(begin, end);
+    return;
+  }
+  const int64_t chunk = (range + nt - 1) / nt;
+  const std::function<void(int)> task = [&](int i) {
+    const int64_t b = begin + i * chunk, e = std::min(end, b + chunk);
+    if (b < e) f(b, e);
+  };
+  Pool::get().run((int)nt, task);
+}
+}  // namespace edgellm_par
+#endif
+
+namespace edgellm {
+
+static constexpr int64_t QK = 32;  // block of the int4 packing and of the activation quantization
+
+// ---------------------------------------------------------------- fp16 -> fp32 (portable)
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    float v = (float)man * 5.9604644775390625e-08f;  // subnormal: man * 2^-24
+    std::memcpy(&bits, &v, 4);
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// ---------------------------------------------------------------- scratch buffers
+// One growing buffer per calling thread: the decode loop calls us ~120 times per token with the same
+// shapes, so after the first token there is no allocation here.
+static uint8_t* scratch(size_t bytes) {
+  static thread_local std::vector<uint8_t> buf;
+  if (buf.size() < bytes + 64) buf.resize(bytes + 64);
+  uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<uint8_t*>((p + 63) & ~uintptr_t(63));
+}
+
+// ---------------------------------------------------------------- group index of a 32-block
+struct GroupOf {
+  int shift;    // log2(blocks per group) when that is a power of two, else -1
+  int64_t bpg;  // blocks per group
+  explicit GroupOf(int64_t G) : shift(-1), bpg(G / 32) {
+    for (int s = 0; s < 40; ++s)
+      if ((int64_t(1) << s) == bpg) shift = s;
+  }
+  int64_t operator()(int64_t b) const { return shift >= 0 ? (b >> shift) : b / bpg; }
+};
+
+// ---------------------------------------------------------------- activation quantization (approach a)
+// Per row m and 32-block b:  q  int8 x / d rounded,  d = max|x| / 127,
+//                            s  = d * sum(q)   (for the asymmetric min term),
+//                            q8 = 8 * sum(q)   (int32, for the symmetric "- 8" offset).
+// The offset terms use the *quantized* x (s, q8), not the exact sum of x: the total error is then
+// sum_i w_i * (x_i - d q_i), proportional to the real weights, instead of also containing a
+// min * rounding-error term that does not cancel (llama.cpp makes the same choice).
+//
+// AVX2 byte layout: blocks 2p and 2p+1 sit in the two 128-bit lanes of one register (a 32-byte load of
+// the packed codes), so the 64 bytes at p*64 are [blk 2p x0..15 | blk 2p+1 x0..15 | blk 2p x16..31 |
+// blk 2p+1 x16..31].  The per-block scalars of a full 8-block chunk are stored in the order the
+// kernel's horizontal adds leave the block sums in: 0,2,4,6,1,3,5,7.  Other ISAs: natural order.
+struct XQ {
+  int64_t M, K, nb, nc, nfull;  // blocks, 8-block chunks (rounded up), full chunks
+  int8_t* q;
+  float* d;
+  float* s;
+  int32_t* q8;
+  const int8_t* qrow(int64_t m) const { return q + m * nc * 256; }
+  const float* drow(int64_t m) const { return d + m * nc * 8; }
+  const float* srow(int64_t m) const { return s + m * nc * 8; }
+  const int32_t* q8row(int64_t m) const { return q8 + m * nc * 8; }
+};
+
+static inline int64_t xq_off(int64_t b, int half /*0: x0..15, 1: x16..31*/) {
+#ifdef EDGELLM_AVX2
+  return (b >> 1) * 64 + half * 32 + (b & 1) * 16;
+#else
+  return b * 32 + half * 16;
+#endif
+}
+
+static inline int64_t xq_pos(int64_t b, int64_t nfull) {
+#ifdef EDGELLM_AVX2
+  if (b < nfull * 8) {
+    const int64_t j = b & 7;
+    return (b & ~int64_t(7)) + ((j & 1) ? 4 + (j >> 1) : (j >> 1));
+  }
+#else
+  (void)nfull;
+#endif
+  return b;
+}
+
+// Quantize one block of 32 floats; writes 16+16 bytes, returns d, stores sum(q) in *qsum.
+static inline float quantize_block(const float* x, int8_t* lo, int8_t* hi, int32_t* qsum) {
+#ifdef EDGELLM_AVX2
+  __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
+         v3 = _mm256_loadu_ps(x + 24);
+  const __m256 sgn = _mm256_set1_ps(-0.0f);
+  __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sgn, v0), _mm256_andnot_ps(sgn, v1)),
+                            _mm256_max_ps(_mm256_andnot_ps(sgn, v2), _mm256_andnot_ps(sgn, v3)));
+  __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const float d = amax / 127.0f;
+  const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id));  // round to nearest even
+  __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
+  __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, id));
+  __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, id));
+  __m256i s = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  *qsum = _mm_cvtsi128_si32(s4);
+  // packs interleave the 128-bit lanes; the final permute restores x order.
+  __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+  p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm_storeu_si128((__m128i*)lo, _mm256_castsi256_si128(p));
+  _mm_storeu_si128((__m128i*)hi, _mm256_extracti128_si256(p, 1));
+  return d;
+#else
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float d = amax / 127.0f;
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int32_t sum = 0;
+  for (int i = 0; i < 32; ++i) {
+    const int v = (int)std::nearbyint(x[i] * id);
+    sum += v;
+    if (i < 16) lo[i] = (int8_t)v; else hi[i - 16] = (int8_t)v;
+  }
+  *qsum = sum;
+  return d;
+#endif
+}
+
+// Requires K % 32 == 0.
+static XQ quantize_x(const float* x, int64_t M, int64_t K) {
+  XQ r;
+  r.M = M; r.K = K; r.nb = K / QK; r.nc = (r.nb + 7) / 8; r.nfull = r.nb / 8;
+  const size_t per = (size_t)(M * r.nc * 8);
+  const size_t qbytes = per * 32;
+  uint8_t* base = scratch(qbytes + 3 * per * 4 + 64);
+  r.q = reinterpret_cast<int8_t*>(base);
+  r.d = reinterpret_cast<float*>(base + qbytes);
+  r.s = reinterpret_cast<float*>(base + qbytes + per * 4);
+  r.q8 = reinterpret_cast<int32_t*>(base + qbytes + per * 8);
+  for (int64_t m = 0; m < M; ++m) {
+    int8_t* q = r.q + m * r.nc * 256;
+    float* d = r.d + m * r.nc * 8;
+    float* s = r.s + m * r.nc * 8;
+    int32_t* q8 = r.q8 + m * r.nc * 8;
+    for (int64_t b = r.nb; b < r.nc * 8; ++b) {  // padding (never read by the kernels; keep it defined)
+      std::memset(q + xq_off(b, 0), 0, 16);
+      std::memset(q + xq_off(b, 1), 0, 16);
+      d[b] = s[b] = 0.0f;
+      q8[b] = 0;
+    }
+    for (int64_t b = 0; b < r.nb; ++b) {
+      int32_t qs;
+      const float db = quantize_block(x + m * K + b * QK, q + xq_off(b, 0), q + xq_off(b, 1), &qs);
+      const int64_t p = xq_pos(b, r.nfull);
+      d[p] = db;
+      s[p] = db * (float)qs;
+      q8[p] = 8 * qs;
+    }
+  }
+  return r;
+}
+
+static inline void fill_w8(float* out, const uint16_t* srow, int64_t c, const GroupOf& gof) {
+  for (int j = 0; j < 8; ++j) out[j] = half_to_float(srow[gof(c * 8 + j)]);
+}
+
+#ifdef EDGELLM_AVX2
+// =================================================================================================== AVX2
+static inline float hsum_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+static inline __m256i load_2x128(const void* lo, const void* hi) {
+  return _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)lo)),
+                                 _mm_loadu_si128((const __m128i*)hi), 1);
+}
+
+// Per-block weight scales (or mins) of full chunk c, in the kernel's block order 0,2,4,6,1,3,5,7.
+static inline __m256 load_w8(const uint16_t* srow, int64_t c, int64_t G, const GroupOf& gof) {
+  __m256 v;
+  if (G == 32) {
+    v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(srow + c * 8)));
+  } else if (G == 64) {  // blocks 2g, 2g+1 share group g: natural order 0,0,1,1,2,2,3,3 -> permuted 0,1,2,3,0,1,2,3
+    __m128 g = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(srow + c * 4)));
+    return _mm256_set_m128(g, g);
+  } else if (G == 128) {  // natural 0,0,0,0,1,1,1,1 -> permuted 0,0,1,1,0,0,1,1
+    int32_t two;
+    std::memcpy(&two, srow + c * 2, 4);
+    __m128 g = _mm_cvtph_ps(_mm_cvtsi32_si128(two));
+    g = _mm_unpacklo_ps(g, g);
+    return _mm256_set_m128(g, g);
+  } else if (gof(c * 8) == gof(c * 8 + 7)) {  // one group covers the chunk (G >= 256, per channel)
+    return _mm256_set1_ps(_cvtsh_ss(srow[gof(c * 8)]));
+  } else {
+    alignas(32) float t[8];
+    fill_w8(t, srow, c, gof);
+    v = _mm256_load_ps(t);
+  }
+  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+}
+
+// ---- int4, approach (a).  T activation rows share each unpacked weight chunk.
+// Per full chunk (8 blocks, 128 bytes): 4 loads of 32 bytes = blocks (2k, 2k+1); maddubs of the u8 codes
+// (0..15) with the s8 activations gives int16 sums of 2 products; adding the lo/hi nibble halves and two
+// levels of hadd_epi16 sum 16 products per int16 lane, |.| <= 16*15*127 = 30480 < 32767, so nothing
+// saturates or wraps; one madd with ones finishes the 32-product block sums as int32, one per lane.
+template <int T, bool ASYM>
+static void q4_rows_dot(const XQ& xq, int64_t m0, const uint8_t* crow, const uint16_t* srow,
+                        const uint16_t* mrow, int64_t G, const GroupOf& gof, float* out, int64_t ldo) {
+  const int64_t nb = xq.nb, nfull = xq.nfull;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[T];
+  float tail[T];
+  for (int t = 0; t < T; ++t) { acc[t] = _mm256_setzero_ps(); tail[t] = 0.0f; }
+  for (int64_t c = 0; c < nfull; ++c) {
+    const uint8_t* wp = crow + c * 128;
+    __m256i lo[4], hi[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(wp + k * 32));
+      lo[k] = _mm256_and_si256(v, m4);                        // codes 0..15 of blk 2k | blk 2k+1
+      hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);  // codes 16..31
+    }
+    const __m256 dw = load_w8(srow, c, G, gof);
+    __m256 mw = _mm256_setzero_ps();
+    if (ASYM) mw = load_w8(mrow, c, G, gof);
+    for (int t = 0; t < T; ++t) {
+      const int8_t* xp = xq.qrow(m0 + t) + c * 256;
+      __m256i s[4];
+      for (int k = 0; k < 4; ++k)
+        s[k] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[k], _mm256_load_si256((const __m256i*)(xp + k * 64))),
+                                _mm256_maddubs_epi16(hi[k], _mm256_load_si256((const __m256i*)(xp + k * 64 + 32))));
+      __m256i h = _mm256_madd_epi16(
+          _mm256_hadd_epi16(_mm256_hadd_epi16(s[0], s[1]), _mm256_hadd_epi16(s[2], s[3])), ones);
+      const int64_t o = (m0 + t) * xq.nc * 8 + c * 8;
+      // symmetric: sum (code - 8) q = sum code q - 8 sum q, exactly, in int32
+      if (!ASYM) h = _mm256_sub_epi32(h, _mm256_load_si256((const __m256i*)(xq.q8 + o)));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(dw, _mm256_load_ps(xq.d + o)), acc[t]);
+      if (ASYM) acc[t] = _mm256_fmadd_ps(mw, _mm256_load_ps(xq.s + o), acc[t]);
+    }
+  }
+  // Tail blocks (K not a multiple of 256, e.g. K = 576 = 2 chunks + 2 blocks): pairs, then one single.
+  int64_t b = nfull * 8;
+  for (; b + 2 <= nb; b += 2) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(crow + b * 16));
+    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    const float dw0 = _cvtsh_ss(srow[gof(b)]), dw1 = _cvtsh_ss(srow[gof(b + 1)]);
+    const float mw0 = ASYM ? _cvtsh_ss(mrow[gof(b)]) : 0.0f, mw1 = ASYM ? _cvtsh_ss(mrow[gof(b + 1)]) : 0.0f;
+    for (int t = 0; t < T; ++t) {
+      const int8_t* xp = xq.qrow(m0 + t) + xq_off(b, 0);
+      const int64_t o = (m0 + t) * xq.nc * 8 + b;
+      const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256((const __m256i*)xp)),
+                                         _mm256_maddubs_epi16(hi, _mm256_load_si256((const __m256i*)(xp + 32))));
+      const __m256i p = _mm256_madd_epi16(s, ones);  // [blk b: 4 partial sums | blk b+1: 4]
+      const float s0 = dw0 * xq.d[o], s1 = dw1 * xq.d[o + 1];
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0)), acc[t]);
+      tail[t] += ASYM ? mw0 * xq.s[o] + mw1 * xq.s[o + 1] : -(s0 * (float)xq.q8[o] + s1 * (float)xq.q8[o + 1]);
+    }
+  }
+  if (b < nb) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)(crow + b * 16));
+    const __m128i m4s = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(v, m4s), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4s);
+    const float dw0 = _cvtsh_ss(srow[gof(b)]);
+    const float mw0 = ASYM ? _cvtsh_ss(mrow[gof(b)]) : 0.0f;
+    for (int t = 0; t < T; ++t) {
+      const int8_t* xp = xq.qrow(m0 + t) + xq_off(b, 0);
+      const int64_t o = (m0 + t) * xq.nc * 8 + b;
+      const __m128i s = _mm_add_epi16(_mm_maddubs_epi16(lo, _mm_loadu_si128((const __m128i*)xp)),
+                                      _mm_maddubs_epi16(hi, _mm_loadu_si128((const __m128i*)(xp + 32))));
+      const __m128 p = _mm_cvtepi32_ps(_mm_madd_epi16(s, _mm_set1_epi16(1)));
+      const float s0 = dw0 * xq.d[o];
+      acc[t] = _mm256_add_ps(acc[t], _mm256_insertf128_ps(_mm256_setzero_ps(), _mm_mul_ps(p, _mm_set1_ps(s0)), 0));
+      tail[t] += ASYM ? mw0 * xq.s[o] : -s0 * (float)xq.q8[o];
+    }
+  }
+  for (int t = 0; t < T; ++t) out[(m0 + t) * ldo] = hsum_ps(acc[t]) + tail[t];
+}
+
+// ---- int8, approach (a).  |w| * (x * sign w) == w * x; maddubs int16 pair sums reach 2*128*127 = 32512,
+// so each half gets its own madd before the int32 add, and the block sums come from hadd_epi32.
+static inline __m256i q8_pair_dot(__m256i wlo, __m256i ulo, __m256i whi, __m256i uhi, const int8_t* xp,
+                                  __m256i ones) {
+  const __m256i xa = _mm256_sign_epi8(_mm256_load_si256((const __m256i*)xp), wlo);
+  const __m256i xb = _mm256_sign_epi8(_mm256_load_si256((const __m256i*)(xp + 32)), whi);
+  return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ulo, xa), ones),
+                          _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, xb), ones));
+}
+
+template <int T>
+static void q8_rows_dot(const XQ& xq, int64_t m0, const int8_t* crow, const uint16_t* srow, int64_t G,
+                        const GroupOf& gof, float* out, int64_t ldo) {
+  const int64_t nb = xq.nb, nfull = xq.nfull;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < nfull; ++c) {
+    const int8_t* wp = crow + c * 256;
+    __m256i wlo[4], whi[4], ulo[4], uhi[4];
+    for (int k = 0; k < 4; ++k) {
+      const int8_t* b0 = wp + k * 64;  // blocks 2k and 2k+1
+      wlo[k] = load_2x128(b0, b0 + 32);        // codes 0..15 of blk 2k | blk 2k+1
+      whi[k] = load_2x128(b0 + 16, b0 + 48);   // codes 16..31
+      ulo[k] = _mm256_sign_epi8(wlo[k], wlo[k]);  // |w| (as u8: -128 -> 128)
+      uhi[k] = _mm256_sign_epi8(whi[k], whi[k]);
+    }
+    const __m256 dw = load_w8(srow, c, G, gof);
+    for (int t = 0; t < T; ++t) {
+      const int8_t* xp = xq.qrow(m0 + t) + c * 256;
+      __m256i p[4];
+      for (int k = 0; k < 4; ++k) p[k] = q8_pair_dot(wlo[k], ulo[k], whi[k], uhi[k], xp + k * 64, ones);
+      const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+      const int64_t o = (m0 + t) * xq.nc * 8 + c * 8;
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(dw, _mm256_load_ps(xq.d + o)), acc[t]);
+    }
+  }
+  int64_t b = nfull * 8;
+  for (; b + 2 <= nb; b += 2) {
+    const int8_t* b0 = crow + b * 32;
+    const __m256i wlo = load_2x128(b0, b0 + 32), whi = load_2x128(b0 + 16, b0 + 48);
+    const __m256i ulo = _mm256_sign_epi8(wlo, wlo), uhi = _mm256_sign_epi8(whi, whi);
+    const float dw0 = _cvtsh_ss(srow[gof(b)]), dw1 = _cvtsh_ss(srow[gof(b + 1)]);
+    for (int t = 0; t < T; ++t) {
+      const int64_t o = (m0 + t) * xq.nc * 8 + b;
+      const __m256i p = q8_pair_dot(wlo, ulo, whi, uhi, xq.qrow(m0 + t) + xq_off(b, 0), ones);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
+                               _mm256_set_m128(_mm_set1_ps(dw1 * xq.d[o + 1]), _mm_set1_ps(dw0 * xq.d[o])), acc[t]);
+    }
+  }
+  if (b < nb) {
+    const int8_t* b0 = crow + b * 32;
+    const __m128i wlo = _mm_loadu_si128((const __m128i*)b0), whi = _mm_loadu_si128((const __m128i*)(b0 + 16));
+    const __m128i ulo = _mm_sign_epi8(wlo, wlo), uhi = _mm_sign_epi8(whi, whi);
+    const __m128i one = _mm_set1_epi16(1);
+    const float dw0 = _cvtsh_ss(srow[gof(b)]);
+    for (int t = 0; t < T; ++t) {
+      const int64_t o = (m0 + t) * xq.nc * 8 + b;
+      const int8_t* xp = xq.qrow(m0 + t) + xq_off(b, 0);
+      const __m128i xa = _mm_sign_epi8(_mm_loadu_si128((const __m128i*)xp), wlo);
+      const __m128i xb = _mm_sign_epi8(_mm_loadu_si128((const __m128i*)(xp + 32)), whi);
+      const __m128i p = _mm_add_epi32(_mm_madd_epi16(_mm_maddubs_epi16(ulo, xa), one),
+                                      _mm_madd_epi16(_mm_maddubs_epi16(uhi, xb), one));
+      const __m128 f = _mm_mul_ps(_mm_cvtepi32_ps(p), _mm_set1_ps(dw0 * xq.d[o]));
+      acc[t] = _mm256_add_ps(acc[t], _mm256_insertf128_ps(_mm256_setzero_ps(), f, 0));
+    }
+  }
+  for (int t = 0; t < T; ++t) out[(m0 + t) * ldo] = hsum_ps(acc[t]);
+}
+
+// ---- int4, approach (b): dequantize a block to 4x8 fp32 in registers, FMA with fp32 x.
+template <int T>
+static void q4_rows_fma(const float* x, int64_t K, int64_t m0, const uint8_t* crow, const uint16_t* srow,
+                        const uint16_t* mrow, int64_t G, float* out, int64_t ldo) {
+  const int64_t ng = K / G, bpg = G / QK;
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  __m256 acc[T][2];
+  for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    const float dws = _cvtsh_ss(srow[g]);
+    const __m256 dw = _mm256_set1_ps(dws);
+    const __m256 mw = _mm256_set1_ps(mrow ? _cvtsh_ss(mrow[g]) : -8.0f * dws);
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      const __m128i v = _mm_loadu_si128((const __m128i*)(crow + b * 16));
+      const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+      const __m256 w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), dw, mw);
+      const __m256 w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), dw, mw);
+      const __m256 w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), dw, mw);
+      const __m256 w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), dw, mw);
+      for (int t = 0; t < T; ++t) {
+        const float* xp = x + (m0 + t) * K + b * QK;
+        acc[t][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xp), acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xp + 8), acc[t][1]);
+        acc[t][0] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xp + 16), acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xp + 24), acc[t][1]);
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) out[(m0 + t) * ldo] = hsum_ps(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+
+// ---- int8, approach (b).
+template <int T>
+static void q8_rows_fma(const float* x, int64_t K, int64_t m0, const int8_t* crow, const uint16_t* srow,
+                        int64_t G, float* out, int64_t ldo) {
+  const int64_t ng = K / G, bpg = G / QK;
+  __m256 acc[T][2];
+  for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    const __m256 dw = _mm256_set1_ps(_cvtsh_ss(srow[g]));
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      const int8_t* cp = crow + b * QK;
+      __m256 w[4];
+      for (int k = 0; k < 4; ++k)
+        w[k] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(cp + 8 * k)))), dw);
+      for (int t = 0; t < T; ++t) {
+        const float* xp = x + (m0 + t) * K + b * QK;
+        acc[t][0] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xp), acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xp + 8), acc[t][1]);
+        acc[t][0] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xp + 16), acc[t][0]);
+        acc[t][1] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xp + 24), acc[t][1]);
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) out[(m0 + t) * ldo] = hsum_ps(_mm256_add_ps(acc[t][0], acc[t][1]));
+}
+#endif  // EDGELLM_AVX2
+
+#ifdef EDGELLM_NEON
+// =================================================================================================== NEON
+static inline float h2f(const uint16_t* p) {
+  return vgetq_lane_f32(vcvt_f32_f16(vreinterpret_f16_u16(vld1_dup_u16(p))), 0);
+}
+
+static inline int32x4_t dot16(int32x4_t acc, int8x16_t a, int8x16_t b) {
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vdotq_s32(acc, a, b);
+#else
+  // int16 products of int8 x int8 (|.| <= 128*127); two summed per lane still fit int16.
+  int16x8_t p = vmull_s8(vget_low_s8(a), vget_low_s8(b));
+  p = vmlal_s8(p, vget_high_s8(a), vget_high_s8(b));
+  return vpadalq_s16(acc, p);
+#endif
+}
+
+template <int T, bool ASYM>
+static void q4_rows_dot(const XQ& xq, int64_t m0, const uint8_t* crow, const uint16_t* srow,
+                        const uint16_t* mrow, int64_t /*G*/, const GroupOf& gof, float* out, int64_t ldo) {
+  const int64_t nb = xq.nb;
+  const uint8x16_t m4 = vdupq_n_u8(0x0F);
+  float32x4_t acc[T];
+  float off[T];
+  for (int t = 0; t < T; ++t) { acc[t] = vdupq_n_f32(0.0f); off[t] = 0.0f; }
+  for (int64_t b = 0; b < nb; ++b) {
+    const float dw = h2f(srow + gof(b));
+    const float mw = ASYM ? h2f(mrow + gof(b)) : 0.0f;
+    const uint8x16_t v = vld1q_u8(crow + b * 16);
+    const int8x16_t lo = vreinterpretq_s8_u8(vandq_u8(v, m4));
+    const int8x16_t hi = vreinterpretq_s8_u8(vshrq_n_u8(v, 4));
+    for (int t = 0; t < T; ++t) {
+      const int8_t* xp = xq.qrow(m0 + t) + b * 32;
+      const int64_t o = (m0 + t) * xq.nc * 8 + b;
+      int32x4_t p = dot16(vdupq_n_s32(0), lo, vld1q_s8(xp));
+      p = dot16(p, hi, vld1q_s8(xp + 16));
+      const float sc = dw * xq.d[o];
+      acc[t] = vfmaq_n_f32(acc[t], vcvtq_f32_s32(p), sc);
+      off[t] += ASYM ? mw * xq.s[o] : -sc * (float)xq.q8[o];
+    }
+  }
+  for (int t = 0; t < T; ++t) out[(m0 + t) * ldo] = vaddvq_f32(acc[t]) + off[t];
+}
+
+template <int T>
+static void q8_rows_dot(const XQ& xq, int64_t m0, const int8_t* crow, const uint16_t* srow, int64_t /*G*/,
+                        const GroupOf& gof, float* out, int64_t ldo) {
+  const int64_t nb = xq.nb;
+  float32x4_t acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = vdupq_n_f32(0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const float dw = h2f(srow + gof(b));
+    const int8x16_t w0 = vld1q_s8(crow + b * 32), w1 = vld1q_s8(crow + b * 32 + 16);
+    for (int t = 0; t < T; ++t) {
+      const int8_t* xp = xq.qrow(m0 + t) + b * 32;
+      int32x4_t p = dot16(vdupq_n_s32(0), w0, vld1q_s8(xp));
+      p = dot16(p, w1, vld1q_s8(xp + 16));
+      acc[t] = vfmaq_n_f32(acc[t], vcvtq_f32_s32(p), dw * xq.d[(m0 + t) * xq.nc * 8 + b]);
+    }
+  }
+  for (int t = 0; t < T; ++t) out[(m0 + t) * ldo] = vaddvq_f32(acc[t]);
+}
+#endif  // EDGELLM_NEON
+
+// =================================================================================================== portable
+// Dequantize a block to fp32 once, then one dot per activation row (approach b; also the path for shapes the
+// vector kernels do not take: K or G not a multiple of 32).
+static void q4_rows_scalar(const float* x, int64_t M, int64_t K, const uint8_t* crow, const uint16_t* srow,
+                           const uint16_t* mrow, int64_t G, float* out, int64_t ldo) {
+  float w[QK];
+  float acc[16];
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t mt = std::min<int64_t>(16, M - m0);
+    for (int64_t m = 0; m < mt; ++m) acc[m] = 0.0f;
+    for (int64_t g = 0; g < K / G; ++g) {
+      const float d = half_to_float(srow[g]);
+      const float mn = mrow ? half_to_float(mrow[g]) : -8.0f * d;
+      for (int64_t b = g * (G / QK); b < (g + 1) * (G / QK); ++b) {
+        for (int j = 0; j < 16; ++j) {
+          const uint8_t byte = crow[b * 16 + j];
+          w[j] = (float)(byte & 0x0F) * d + mn;
+          w[j + 16] = (float)(byte >> 4) * d + mn;
+        }
+        for (int64_t m = 0; m < mt; ++m) {
+          const float* xp = x + (m0 + m) * K + b * QK;
+          float s = 0.0f;
+          for (int j = 0; j < QK; ++j) s += w[j] * xp[j];
+          acc[m] += s;
+        }
+      }
+    }
+    for (int64_t m = 0; m < mt; ++m) out[(m0 + m) * ldo] = acc[m];
+  }
+}
+
+static void q8_rows_scalar(const float* x, int64_t M, int64_t K, const int8_t* crow, const uint16_t* srow,
+                           int64_t G, float* out, int64_t ldo) {
+  // Any G dividing K, including per channel with K % 32 != 0.
+  float w[QK];
+  float acc[16];
+  for (int64_t m0 = 0; m0 < M; m0 += 16) {
+    const int64_t mt = std::min<int64_t>(16, M - m0);
+    for (int64_t m = 0; m < mt; ++m) acc[m] = 0.0f;
+    for (int64_t g = 0; g < K / G; ++g) {
+      const float d = half_to_float(srow[g]);
+      for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += QK) {
+        const int64_t len = std::min<int64_t>(QK, (g + 1) * G - k0);
+        for (int64_t j = 0; j < len; ++j) w[j] = (float)crow[k0 + j] * d;
+        for (int64_t m = 0; m < mt; ++m) {
+          const float* xp = x + (m0 + m) * K + k0;
+          float s = 0.0f;
+          for (int64_t j = 0; j < len; ++j) s += w[j] * xp[j];
+          acc[m] += s;
+        }
+      }
+    }
+    for (int64_t m = 0; m < mt; ++m) out[(m0 + m) * ldo] = acc[m];
+  }
+}
+
+// Portable approach (a): the int-dot arithmetic in plain C++, compiled on every target (it is the int-dot path
+// where there is no SIMD one, and variant 4 everywhere, so tests exercise it on any machine).  Reads the
+// activation layout through xq_off / xq_pos, so it agrees with whichever layout this build uses.
+static void q4_rows_dot_portable(const XQ& xq, int64_t m0, int64_t T, const uint8_t* crow, const uint16_t* srow,
+                                 const uint16_t* mrow, const GroupOf& gof, float* out, int64_t ldo) {
+  for (int64_t t = 0; t < T; ++t) {
+    const int8_t* q = xq.qrow(m0 + t);
+    float acc = 0.0f;
+    for (int64_t b = 0; b < xq.nb; ++b) {
+      const int8_t* qlo = q + xq_off(b, 0);
+      const int8_t* qhi = q + xq_off(b, 1);
+      int32_t s = 0;
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t byte = crow[b * 16 + j];
+        s += (int32_t)(byte & 0x0F) * qlo[j] + (int32_t)(byte >> 4) * qhi[j];
+      }
+      const int64_t o = (m0 + t) * xq.nc * 8 + xq_pos(b, xq.nfull);
+      const float sc = xq.d[o] * half_to_float(srow[gof(b)]);
+      acc += mrow ? (float)s * sc + half_to_float(mrow[gof(b)]) * xq.s[o] : (float)(s - xq.q8[o]) * sc;
+    }
+    out[(m0 + t) * ldo] = acc;
+  }
+}
+
+static void q8_rows_dot_portable(const XQ& xq, int64_t m0, int64_t T, const int8_t* crow, const uint16_t* srow,
+                                 const GroupOf& gof, float* out, int64_t ldo) {
+  for (int64_t t = 0; t < T; ++t) {
+    const int8_t* q = xq.qrow(m0 + t);
+    float acc = 0.0f;
+    for (int64_t b = 0; b < xq.nb; ++b) {
+      const int8_t* qlo = q + xq_off(b, 0);
+      const int8_t* qhi = q + xq_off(b, 1);
+      int32_t s = 0;
+      for (int j = 0; j < 16; ++j) s += (int32_t)crow[b * 32 + j] * qlo[j] + (int32_t)crow[b * 32 + 16 + j] * qhi[j];
+      acc += (float)s * xq.d[(m0 + t) * xq.nc * 8 + xq_pos(b, xq.nfull)] * half_to_float(srow[gof(b)]);
+    }
+    out[(m0 + t) * ldo] = acc;
+  }
+}
+
+#if !defined(EDGELLM_AVX2) && !defined(EDGELLM_NEON)
+template <int T, bool ASYM>
+static void q4_rows_dot(const XQ& xq, int64_t m0, const uint8_t* crow, const uint16_t* srow,
+                        const uint16_t* mrow, int64_t /*G*/, const GroupOf& gof, float* out, int64_t ldo) {
+  q4_rows_dot_portable(xq, m0, T, crow, srow, ASYM ? mrow : nullptr, gof, out, ldo);
+}
+
+template <int T>
+static void q8_rows_dot(const XQ& xq, int64_t m0, const int8_t* crow, const uint16_t* srow, int64_t /*G*/,
+                        const GroupOf& gof, float* out, int64_t ldo) {
+  q8_rows_dot_portable(xq, m0, T, crow, srow, gof, out, ldo);
+}
+#endif
+
+// =================================================================================================== drivers
+// Activation rows per pass over a weight row: the unpacked weights are reused across TILE rows from
+// registers; further tiles re-read the (L1-resident) packed row, never main memory.
+static constexpr int TILE = 4;
+
+static int64_t grain_for(int64_t K, int64_t M) {
+  // Keep each thread's share above ~32K weights x rows: below that, waking threads costs more than it saves.
+  return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K * std::min<int64_t>(M, 4)));
+}
+
+enum Variant { AUTO = 0, INT_DOT = 1, FLOAT_FMA = 2, SCALAR = 3, INT_DOT_PORTABLE = 4 };
+
+template <bool ASYM>
+static void q4_dot_range(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
+                         const uint16_t* mins, int64_t N, int64_t G, float* out, int64_t n0, int64_t n1) {
+  const int64_t ng = K / G;
+  const GroupOf gof(G);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* crow = codes + n * (K / 2);
+    const uint16_t* srow = scales + n * ng;
+    const uint16_t* mrow = ASYM ? mins + n * ng : nullptr;
+    int64_t m = 0;
+    for (; m + TILE <= M; m += TILE) q4_rows_dot<TILE, ASYM>(xq, m, crow, srow, mrow, G, gof, out + n, N);
+    switch (M - m) {
+      case 3: q4_rows_dot<3, ASYM>(xq, m, crow, srow, mrow, G, gof, out + n, N); break;
+      case 2: q4_rows_dot<2, ASYM>(xq, m, crow, srow, mrow, G, gof, out + n, N); break;
+      case 1: q4_rows_dot<1, ASYM>(xq, m, crow, srow, mrow, G, gof, out + n, N); break;
+      default: break;
+    }
+  }
+}
+
+void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
+             const uint16_t* mins, int64_t N, int64_t G, float* out, int variant) {
+  if (M <= 0 || N <= 0) return;
+  const int64_t ng = K / G;
+  if (variant == AUTO) variant = INT_DOT;
+#if !defined(EDGELLM_AVX2)
+  if (variant == FLOAT_FMA) variant = SCALAR;
+#endif
+  if (K % QK != 0 || G % QK != 0) variant = SCALAR;
+  if (variant == INT_DOT_PORTABLE) {
+    const XQ xq = quantize_x(x, M, K);
+    edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
+      const GroupOf gof(G);
+      for (int64_t n = n0; n < n1; ++n)
+        q4_rows_dot_portable(xq, 0, M, codes + n * (K / 2), scales + n * ng, mins ? mins + n * ng : nullptr, gof,
+                             out + n, N);
+    });
+    return;
+  }
+  if (variant == INT_DOT) {
+    const XQ xq = quantize_x(x, M, K);
+    edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
+      if (mins) q4_dot_range<true>(xq, M, K, codes, scales, mins, N, G, out, n0, n1);
+      else q4_dot_range<false>(xq, M, K, codes, scales, mins, N, G, out, n0, n1);
+    });
+    return;
+  }
+#ifdef EDGELLM_AVX2
+  if (variant == FLOAT_FMA) {
+    edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* crow = codes + n * (K / 2);
+        const uint16_t* srow = scales + n * ng;
+        const uint16_t* mrow = mins ? mins + n * ng : nullptr;
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) q4_rows_fma<2>(x, K, m, crow, srow, mrow, G, out + n, N);
+        if (m < M) q4_rows_fma<1>(x, K, m, crow, srow, mrow, G, out + n, N);
+      }
+    });
+    return;
+  }
+#endif
+  edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      q4_rows_scalar(x, M, K, codes + n * (K / 2), scales + n * ng, mins ? mins + n * ng : nullptr, G, out + n, N);
+  });
+}
+
+void q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* codes, const uint16_t* scales, int64_t N,
+             int64_t G, float* out, int variant) {
+  if (M <= 0 || N <= 0) return;
+  const int64_t ng = K / G;
+  if (variant == AUTO) variant = INT_DOT;
+#if !defined(EDGELLM_AVX2)
+  if (variant == FLOAT_FMA) variant = SCALAR;
+#endif
+  // The vector paths need 32-blocks that do not straddle groups.
+  if (K % QK != 0 || G % QK != 0) variant = SCALAR;
+  if (variant == INT_DOT_PORTABLE) {
+    const XQ xq = quantize_x(x, M, K);
+    edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
+      const GroupOf gof(G);
+      for (int64_t n = n0; n < n1; ++n) q8_rows_dot_portable(xq, 0, M, codes + n * K, scales + n * ng, gof, out + n, N);
+    });
+    return;
+  }
+  if (variant == INT_DOT) {
+    const XQ xq = quantize_x(x, M, K);
+    edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
+      const GroupOf gof(G);
+      for (int64_t n = n0; n < n1; ++n) {
+        const int8_t* crow = codes + n * K;
+        const uint16_t* srow = scales + n * ng;
+        int64_t m = 0;
+        for (; m + TILE <= M; m += TILE) q8_rows_dot<TILE>(xq, m, crow, srow, G, gof, out + n, N);
+        switch (M - m) {
+          case 3: q8_rows_dot<3>(xq, m, crow, srow, G, gof, out + n, N); break;
+          case 2: q8_rows_dot<2>(xq, m, crow, srow, G, gof, out + n, N); break;
+          case 1: q8_rows_dot<1>(xq, m, crow, srow, G, gof, out + n, N); break;
+          default: break;
+        }
+      }
+    });
+    return;
+  }
+#ifdef EDGELLM_AVX2
+  if (variant == FLOAT_FMA) {
+    edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const int8_t* crow = codes + n * K;
+        const uint16_t* srow = scales + n * ng;
+        int64_t m = 0;
+        for (; m + 2 <= M; m += 2) q8_rows_fma<2>(x, K, m, crow, srow, G, out + n, N);
+        if (m < M) q8_rows_fma<1>(x, K, m, crow, srow, G, out + n, N);
+      }
+    });
+    return;
+  }
+#endif
+  edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) q8_rows_scalar(x, M, K, codes + n * K, scales + n * ng, G, out + n, N);
+  });
+}
+
+const char* isa_name() {
+#if defined(EDGELLM_AVX2)
+  return "avx2";
+#elif defined(EDGELLM_NEON) && defined(__ARM_FEATURE_DOTPROD)
+  return "neon-dotprod";
+#elif defined(EDGELLM_NEON)
+  return "neon";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace edgellm

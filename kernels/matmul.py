@@ -1,0 +1,243 @@
+"""Weight-only int8 / int4 matmul on group-quantized weights, per device.
+
+Works on raw tensors in the packed format of `edgellm.quant.groups` (imports nothing of edgellm's):
+  int8: codes int8 [N, K],                 w = codes * scale
+  int4: codes uint8 [N, K//2] (GGUF Q4 block nibble order), w = (codes - 8) * scale   (symmetric)
+                                                            w = codes * scale + min  (asymmetric)
+  scales / mins: float16 [N, K // group_size]. Dequantization is done in float32, in exactly that
+  order, so a GGUF Q8_0/Q4_0/Q4_1 import dequantizes bit for bit like `gguf.quants.dequantize`.
+
+Dispatch (`int8_linear` / `int4_linear`):
+  CPU, M <= 16 tokens: the C++ kernel of `kernels/cpu_ext.py` when it builds (reads the codes once).
+  CPU otherwise: float GEMM on a dequantized weight — the caller's cached copy (`dense=`) or one
+  dequantized for this call. torch's own CPU packed kernels (`_weight_int4pack_mm_for_cpu`,
+  `_weight_int8pack_mm`) measured 28x / 10x slower than fp32 F.linear on a 1536x576 matvec on our
+  AVX2 CPU (4,350 / 1,580 µs vs 157 µs), so they are never used on CPU.
+  CUDA / MPS: torch's tinygemm int4 kernel and `_weight_int8pack_mm` on weights repacked once by
+  `pack_for_device` (the caller keeps the pack), for small M only; larger M and shapes they cannot
+  take dequantize into the compute dtype and use the float GEMM. Measured on an H100, torch 2.11, µs
+  (bf16 F.linear | tinygemm int4 g32 | int8pack per channel | dequantize + F.linear, int8 g32):
+    4096x4096  M=1:   22 |   25 |   127 | 167
+    4096x4096  M=16:  21 |   24 |   615 | 167
+    4096x4096  M=512: 25 |  593 | 18834 | 178
+    14336x4096 M=1:   43 |   40 |   281 | 543
+  so tinygemm serves M <= 16 and `_weight_int8pack_mm` only M == 1 (a naive kernel; int8 on CUDA is
+  ~6x slower than bf16 either way: a fused GEMV kernel is the next step there).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+CPU_KERNEL_MAX_M = 16  # above this, the float GEMM on a dequantized weight wins (compute-bound)
+TINYGEMM_MAX_M = 16  # tinygemm int4 (CUDA/MPS): ~bf16 speed at M <= 16, 20x slower than it at M = 512
+INT8PACK_MAX_M = 1  # torch's int8pack kernel beats dequantize+GEMM at M = 1 only (see above)
+BLOCK = 32  # int4 codes are packed in GGUF Q4 blocks of 32 along K
+
+_cpu_ext_state: dict[str, object] = {}
+# The C++ kernel's default rounds x to int8 per 32-block (llama.cpp's numerics, ~0.5% relative error per
+# product, 2.4x faster than float-fma here). EDGELLM_EXACT_MATMUL=1 or `set_exact_matmul(True)` selects
+# float-fma: exact to the dequantized reference up to fp32 summation order.
+_INT_DOT_OR_AUTO, _FLOAT_FMA = 0, 2
+_variant = {"v": _FLOAT_FMA if os.environ.get("EDGELLM_EXACT_MATMUL", "") not in ("", "0") else _INT_DOT_OR_AUTO}
+_NO_MINS = torch.empty(0, dtype=torch.float16, device="cpu")  # the C++ kernel takes an empty tensor for "no mins"
+
+
+# ------------------------------------------------------------------------------------------------
+# Dequantization (the reference every path is measured against)
+# ------------------------------------------------------------------------------------------------
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K//2] → codes uint8 [N, K] in 0..15. Block b, byte j holds codes b*32+j (low nibble)
+    and b*32+j+16 (high nibble), as in GGUF Q4_0/Q4_1."""
+    n, half = packed.shape
+    blocks = packed.reshape(n, half // 16, 16)
+    return torch.cat((blocks & 0x0F, blocks >> 4), dim=-1).reshape(n, half * 2)
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes (any integer dtype, values 0..15) [N, K], K % 32 == 0 → uint8 [N, K//2]."""
+    n, k = codes.shape
+    blocks = codes.to(torch.uint8).reshape(n, k // BLOCK, 2, 16)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, group_size: int,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    n, k = codes.shape
+    w = codes.to(torch.float32).reshape(n, k // group_size, group_size) * scales.to(torch.float32).unsqueeze(-1)
+    return w.reshape(n, k).to(dtype)
+
+
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    n = codes.shape[0]
+    k = codes.shape[1] * 2
+    q = unpack_int4(codes).to(torch.float32).reshape(n, k // group_size, group_size)
+    s = scales.to(torch.float32).unsqueeze(-1)
+    if mins is None:
+        w = (q - 8.0) * s
+    else:
+        w = q * s + mins.to(torch.float32).unsqueeze(-1)  # two roundings, like numpy: no FMA
+    return w.reshape(n, k).to(dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# The CPU extension (written separately; optional)
+# ------------------------------------------------------------------------------------------------
+def cpu_extension():
+    """The built C++ module, or None (not written yet, no compiler, disabled). Looked up once."""
+    if "ext" not in _cpu_ext_state:
+        try:
+            from .cpu_ext import get_extension
+
+            _cpu_ext_state["ext"] = get_extension()
+        except ImportError:
+            _cpu_ext_state["ext"] = None
+    return _cpu_ext_state["ext"]
+
+
+def set_cpu_extension(ext) -> None:
+    """Override the lookup: None disables the C++ kernel (tests of the float path, benchmarks)."""
+    _cpu_ext_state["ext"] = ext
+
+
+def set_exact_matmul(exact: bool) -> None:
+    """True: the CPU kernel multiplies in fp32 (exact); False: int8-rounded activations (fast)."""
+    _variant["v"] = _FLOAT_FMA if exact else _INT_DOT_OR_AUTO
+
+
+def exact_matmul() -> bool:
+    return _variant["v"] == _FLOAT_FMA
+
+
+def has_cpu_kernel() -> bool:
+    return cpu_extension() is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# Device packs (CUDA / MPS): repacked once, never per call
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class DevicePack:
+    """Weights in the layout of torch's device kernels. kind: 'int4_tinygemm' or 'int8_channel'."""
+
+    kind: str
+    weight: torch.Tensor  # tinygemm int32 [N/8, K/(16*t), 32, t/2] | int8 [N, K]
+    scales: torch.Tensor  # tinygemm [K/g, N, 2] (scale, zero) | [N] per-channel scales
+    group_size: int
+    dtype: torch.dtype  # activations are cast to this for the kernel
+    max_m: int  # the kernel serves inputs of at most this many rows; larger ones dequantize + GEMM
+
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+
+def _tinygemm_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    # CUDA tinygemm takes bfloat16 activations and scales only; MPS takes the activation dtype.
+    return torch.bfloat16 if device.type == "cuda" else dtype
+
+
+def pack_int4_tinygemm(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
+                       dtype: torch.dtype) -> DevicePack | None:
+    """Repack our int4 codes for `torch.ops.aten._weight_int4pack_mm` (CUDA / MPS), or None where the
+    kernel cannot take the shape. tinygemm reads an int4 value as q - 8 and computes
+    w = (q - 8) * scale + zero, so: symmetric → zero = 0; asymmetric (w = q*s + m) → zero = m + 8*s."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    if n % 8 or group_size not in (32, 64, 128):
+        return None
+    inner_k_tiles = next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
+    if inner_k_tiles is None:
+        return None
+    q = unpack_int4(codes)
+    # the kernel's input is uint8 [N, K/2] with the even k in the HIGH nibble (torchao's convention)
+    tiny = ((q[:, ::2] << 4) | q[:, 1::2]).contiguous()
+    packed = torch.ops.aten._convert_weight_to_int4pack(tiny, inner_k_tiles)
+    s = scales.to(torch.float32)
+    z = torch.zeros_like(s) if mins is None else mins.to(torch.float32) + 8.0 * s
+    kdtype = _tinygemm_dtype(codes.device, dtype)
+    sz = torch.stack((s, z), dim=-1).transpose(0, 1).contiguous().to(kdtype)  # [K/g, N, 2]
+    return DevicePack("int4_tinygemm", packed, sz, group_size, kdtype, TINYGEMM_MAX_M)
+
+
+def pack_int8_channel(codes: torch.Tensor, scales: torch.Tensor, group_size: int,
+                      dtype: torch.dtype) -> DevicePack | None:
+    """`_weight_int8pack_mm` takes one scale per output channel only: group-wise int8 returns None."""
+    n, k = codes.shape
+    if group_size != k or (codes.device.type == "mps" and (n % 32 or k % 32)):
+        return None
+    return DevicePack("int8_channel", codes.contiguous(), scales.reshape(n).to(dtype), group_size, dtype,
+                      INT8PACK_MAX_M)
+
+
+def pack_for_device(bits: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                    group_size: int, dtype: torch.dtype) -> DevicePack | None:
+    """The device kernel's layout for these weights (on their device), or None: use the fallback."""
+    if codes.device.type not in ("cuda", "mps"):
+        return None
+    if bits == 4:
+        return pack_int4_tinygemm(codes, scales, mins, group_size, dtype)
+    return pack_int8_channel(codes, scales, group_size, dtype)
+
+
+def _packed_matmul(x2: torch.Tensor, pack: DevicePack) -> torch.Tensor:
+    xk = x2.to(pack.dtype).contiguous()
+    if pack.kind == "int4_tinygemm":
+        return torch.ops.aten._weight_int4pack_mm(xk, pack.weight, pack.group_size, pack.scales)
+    return torch.ops.aten._weight_int8pack_mm(xk, pack.weight, pack.scales)
+
+
+# ------------------------------------------------------------------------------------------------
+# The linears
+# ------------------------------------------------------------------------------------------------
+def _finish(out2: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    out = out2.reshape(*x.shape[:-1], out2.shape[-1]).to(x.dtype)
+    return out if bias is None else out + bias.to(x.dtype)
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def _use_pack(pack: DevicePack | None, x: torch.Tensor) -> bool:
+    return pack is not None and pack.device == x.device and _rows(x) <= pack.max_m
+
+
+def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group_size: int,
+                bias: torch.Tensor | None = None, *, dense: torch.Tensor | None = None,
+                pack: DevicePack | None = None) -> torch.Tensor:
+    """x [..., K] @ dequant(codes).T (+ bias) → [..., N] in x.dtype. `dense`: a dequantized copy of
+    the weight the caller keeps (any float dtype); `pack`: from `pack_for_device`."""
+    k = x.shape[-1]
+    if _use_pack(pack, x):
+        return _finish(_packed_matmul(x.reshape(-1, k), pack), x, bias)
+    if x.device.type == "cpu" and _rows(x) <= CPU_KERNEL_MAX_M:
+        ext = cpu_extension()
+        if ext is not None:
+            out = ext.int8_gemm_variant(x.reshape(-1, k).to(torch.float32).contiguous(), codes, scales, group_size,
+                                        _variant["v"])
+            return _finish(out, x, bias)
+    w = dense if dense is not None else dequantize_int8(codes, scales, group_size, x.dtype)
+    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                group_size: int, bias: torch.Tensor | None = None, *, dense: torch.Tensor | None = None,
+                pack: DevicePack | None = None) -> torch.Tensor:
+    """As `int8_linear`, for int4 codes (symmetric when `mins` is None)."""
+    k = x.shape[-1]
+    if _use_pack(pack, x):
+        return _finish(_packed_matmul(x.reshape(-1, k), pack), x, bias)
+    if x.device.type == "cpu" and _rows(x) <= CPU_KERNEL_MAX_M:
+        ext = cpu_extension()
+        if ext is not None:
+            m = _NO_MINS if mins is None else mins
+            out = ext.int4_gemm_variant(x.reshape(-1, k).to(torch.float32).contiguous(), codes, scales, m, group_size,
+                                        _variant["v"])
+            return _finish(out, x, bias)
+    w = dense if dense is not None else dequantize_int4(codes, scales, mins, group_size, x.dtype)
+    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))

@@ -1,0 +1,211 @@
+"""QuantLinear / QuantEmbedding / quantize_linears, and the kernels.matmul dispatch."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgellm.errors import QuantizationError
+from edgellm.kernels import matmul
+from edgellm.quant.groups import quantize
+from edgellm.quant.linear import QuantEmbedding, QuantLinear, quantize_linears
+
+FORMATS = [(4, 32, True), (4, 64, True), (4, 128, True), (4, 32, False), (4, 64, False), (4, 128, False),
+           (8, 32, True), (8, 64, True), (8, 128, True), (8, 0, True)]
+IDS = [f"int{b}-g{g or 'chan'}-{'sym' if s else 'asym'}" for b, g, s in FORMATS]
+MS = list(range(1, 17)) + [100]
+
+
+@pytest.fixture
+def float_path():
+    """Run without the C++ CPU kernel: the float path, exact to the dequantized reference."""
+    saved = dict(matmul._cpu_ext_state)
+    matmul.set_cpu_extension(None)
+    yield
+    matmul._cpu_ext_state.clear()
+    matmul._cpu_ext_state.update(saved)
+
+
+def make_linear(n=37, k=256, bias=True, seed=0) -> nn.Linear:
+    torch.manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.normal_(0, 0.05)
+    return lin
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("bits,group,sym", FORMATS, ids=IDS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_quant_linear_equals_dequantized_float_linear(float_path, bits, group, sym, bias):
+    lin = make_linear(bias=bias)
+    q = QuantLinear.from_linear(lin, bits, group or lin.in_features, symmetric=sym, search=True)
+    w = q.dequantized_weight()
+    b = None if lin.bias is None else lin.bias.detach()
+    for m in MS:
+        x = torch.randn(m, lin.in_features)
+        ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+        assert rel_err(q(x), ref) < 1e-5, m
+    x3 = torch.randn(2, 3, lin.in_features)  # any leading dims
+    assert q(x3).shape == (2, 3, lin.out_features)
+    torch.testing.assert_close(q(x3), F.linear(x3, w, b), rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_kernel_path_close_to_float():
+    """With the C++ kernel (int8-rounded activations, llama.cpp style) decode-size inputs stay close."""
+    if matmul.cpu_extension() is None:
+        pytest.skip("C++ CPU kernel not available")
+    for bits, sym in ((4, True), (4, False), (8, True)):
+        lin = make_linear(n=64, k=256, bias=True)
+        q = QuantLinear.from_linear(lin, bits, 32, symmetric=sym)
+        w = q.dequantized_weight()
+        for m in (1, 7, 16):
+            x = torch.randn(m, 256)
+            assert rel_err(q(x), F.linear(x, w, lin.bias.detach())) < 2e-2
+
+
+def test_dense_cache_follows_dtype_and_moves(float_path):
+    lin = make_linear(n=16, k=64)
+    q = QuantLinear.from_linear(lin, 4, 32, symmetric=False)
+    x = torch.randn(3, 64)
+    y = q(x)
+    assert q._dense is not None and q._dense.dtype == torch.float32  # built once, on first use
+    dense = q._dense
+    q(x)
+    assert q._dense is dense
+    q = q.to(torch.bfloat16)  # the bias follows; the packed buffers keep their dtypes
+    assert q._dense is None and q.bias.dtype == torch.bfloat16
+    assert q.codes.dtype == torch.uint8 and q.scales.dtype == torch.float16 and q.mins.dtype == torch.float16
+    yb = q(x.bfloat16())
+    assert yb.dtype == torch.bfloat16 and q._dense.dtype == torch.bfloat16
+    torch.testing.assert_close(yb.float(), y, rtol=3e-2, atol=3e-2)
+    q.cache_dense = False
+    q.release()
+    assert q(x.bfloat16()).dtype == torch.bfloat16 and q._dense is None
+
+
+def test_from_linear_close_to_float(float_path):
+    lin = make_linear(n=48, k=256)
+    x = torch.randn(5, 256)
+    for bits, bound in ((8, 1e-2), (4, 0.12)):  # measured 0.0045 and 0.075
+        q = QuantLinear.from_linear(lin, bits, 32)
+        assert rel_err(q(x), lin(x)) < bound
+        assert torch.equal(q.bias, lin.bias.detach())
+
+
+def test_state_dict_round_trip(float_path):
+    q = QuantLinear.from_linear(make_linear(), 4, 64, symmetric=False)
+    sd = q.state_dict()
+    assert set(sd) == {"codes", "scales", "mins", "bias"}
+    other = QuantLinear.from_linear(make_linear(seed=5), 4, 64, symmetric=False)
+    x = torch.randn(2, 256)
+    other(x)  # builds a dense cache that the load must invalidate
+    other.load_state_dict(sd)
+    assert torch.equal(other(x), q(x))
+
+
+def test_from_quantized_shares_buffers_and_validates():
+    qt = quantize(torch.randn(10, 64), 8, 32)
+    lin = QuantLinear.from_quantized(qt)
+    emb = QuantEmbedding.from_quantized(qt)
+    assert lin.codes is qt.codes and emb.codes is qt.codes and lin.scales is emb.scales
+    assert lin.qtensor().codes is qt.codes
+    with pytest.raises(QuantizationError, match="bias"):
+        QuantLinear.from_quantized(qt, bias=torch.zeros(3))
+
+
+@pytest.mark.parametrize("bits,group,sym", [(8, 32, True), (8, 0, True), (4, 32, True), (4, 64, False)])
+def test_quant_embedding_rows(bits, group, sym):
+    table = torch.randn(50, 128) * 0.1
+    qt = quantize(table, bits, group or 128, symmetric=sym)
+    emb = QuantEmbedding.from_quantized(qt, dtype=torch.float32)
+    ids = torch.tensor([[3, 0, 49, 3], [7, 7, 1, 2]])
+    assert torch.equal(emb(ids), qt.dequantize()[ids])
+    emb = emb.to(torch.bfloat16)
+    assert emb(ids).dtype == torch.bfloat16 and emb.scales.dtype == torch.float16
+
+
+class TiedToy(nn.Module):
+    def __init__(self, vocab=40, dim=64, hidden=96):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim, bias=False)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, ids):
+        h = self.tok_embeddings(ids)
+        return self.output(h + self.down(F.silu(self.up(h))))
+
+
+def test_quantize_linears_tied_model(float_path):
+    torch.manual_seed(0)
+    model = TiedToy()
+    ids = torch.tensor([[1, 5, 9, 39]])
+    ref = model(ids)
+    quantize_linears(model, 8, 32, skip=lambda name, m: name == "down")
+    assert isinstance(model.up, QuantLinear) and isinstance(model.output, QuantLinear)
+    assert isinstance(model.down, nn.Linear)  # skipped
+    assert isinstance(model.tok_embeddings, QuantEmbedding)
+    assert model.tok_embeddings.codes is model.output.codes  # stored once
+    assert [n for n, p in model.named_parameters()] == ["down.weight"]  # float weights dropped
+    assert rel_err(model(ids), ref) < 5e-3
+    # the second pass quantizes what the first skipped; a tied pair moved stays one table
+    quantize_linears(model, 4, 32, symmetric=False)
+    assert isinstance(model.down, QuantLinear) and model.down.bits == 4 and model.up.bits == 8
+    model.to("meta")
+    assert model.tok_embeddings.codes is model.output.codes and model.output.codes.device.type == "meta"
+
+
+def test_quantize_linears_bad_settings():
+    with pytest.raises(QuantizationError, match="group size"):
+        quantize_linears(TiedToy(), 4, 0)
+    with pytest.raises(QuantizationError, match="multiple"):
+        quantize_linears(TiedToy(dim=64, hidden=80), 4, 64)
+
+
+def test_kernel_functions_raw_tensors(float_path):
+    """kernels.matmul on raw tensors: bias, output dtype, the dense= shortcut."""
+    qt = quantize(torch.randn(24, 128) * 0.1, 4, 32, symmetric=False)
+    x = torch.randn(4, 128, dtype=torch.float64)
+    w = qt.dequantize(torch.float64)
+    bias = torch.randn(24, dtype=torch.float64)
+    y = matmul.int4_linear(x, qt.codes, qt.scales, qt.mins, 32, bias)
+    assert y.dtype == torch.float64
+    torch.testing.assert_close(y, F.linear(x, w, bias))
+    y2 = matmul.int4_linear(x, qt.codes, qt.scales, qt.mins, 32, bias, dense=w)
+    torch.testing.assert_close(y2, y)
+    q8 = quantize(torch.randn(24, 128) * 0.1, 8, 128)
+    y8 = matmul.int8_linear(x, q8.codes, q8.scales, 128)
+    torch.testing.assert_close(y8, F.linear(x, q8.dequantize(torch.float64)))
+
+
+def test_no_device_pack_on_cpu():
+    qt = quantize(torch.randn(16, 128), 4, 32)
+    assert matmul.pack_for_device(4, qt.codes, qt.scales, qt.mins, 32, torch.float32) is None
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+@pytest.mark.parametrize("bits,group,sym", FORMATS, ids=IDS)
+def test_cuda_paths_match_reference(bits, group, sym):
+    lin = make_linear(n=64, k=256)
+    q = QuantLinear.from_linear(lin, bits, group or 256, symmetric=sym).cuda()
+    w = q.dequantized_weight().double()
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        q.bias.data = q.bias.data.to(dtype)
+        for m in (1, 5, 16, 100):
+            x = torch.randn(m, 256, device="cuda", dtype=dtype)
+            y = q(x)
+            assert y.dtype == dtype
+            ref = F.linear(x.double(), w, q.bias.double())
+            # tinygemm works in bfloat16 (scales and zeros too): ~1e-2; the fallback is exact to the dtype
+            assert rel_err(y, ref) < 2e-2, (dtype, m)
+    packed = bits == 4 or group == 0
+    assert (q._pack is not None) == packed

@@ -1,0 +1,371 @@
+"""`edgellm chat` driven through Textual's Pilot on a tiny real model (no mocks of the engine, except
+one fake engine that emits draft tokens to check the speculative-decoding display)."""
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import pytest
+
+pytest.importorskip("textual")
+
+from edgellm.generate import Done, GenerationStats, Token  # noqa: E402
+from edgellm.tui.app import ChatApp  # noqa: E402
+from edgellm.tui.history import Conversation, Message, load_conversation, save_conversation  # noqa: E402
+from edgellm.tui.session import common_prefix  # noqa: E402
+from edgellm.tui.widgets import AssistantMessage, Notice, StatusBar, UserMessage, printable  # noqa: E402
+from tests.tui_helpers import chat_args, run_async, send, tui_model, type_text, wait_for  # noqa: E402,F401
+
+SIZE = (100, 32)
+
+
+@pytest.fixture
+def data_dir(tmp_path, monkeypatch):
+    d = tmp_path / "data"
+    monkeypatch.setenv("EDGELLM_DATA_DIR", str(d))
+    return d
+
+
+@pytest.fixture
+def model(tui_model):
+    return tui_model
+
+
+def record_prompts(app) -> list[list[int]]:
+    """Wrap the engine's generate to remember each prompt it is given."""
+    engine = app.session.engine
+    prompts: list[list[int]] = []
+    original = engine.generate
+
+    def generate(ids, settings=None, stop=None):
+        prompts.append(list(ids))
+        return original(ids, settings, stop=stop)
+
+    engine.generate = generate
+    return prompts
+
+
+def slow_down(app, seconds: float) -> None:
+    """Make each decode step take longer, so that Esc lands mid-answer on any machine."""
+    engine = app.session.engine
+    step = engine.step
+
+    def slow_step(token):
+        time.sleep(seconds)
+        return step(token)
+
+    engine.step = slow_step
+
+
+async def ready(pilot, app) -> None:
+    await wait_for(pilot, lambda: app.chat_ready or app.load_error is not None, 60, "the model to load")
+    assert app.load_error is None, app.load_error
+
+
+@run_async
+async def test_answer_streams_and_status_shows_figures(model, data_dir, monkeypatch):
+    shown: list[str] = []  # the answer's text after each batched UI update
+    append = AssistantMessage.append
+
+    async def recording_append(self, pieces):
+        await append(self, pieces)
+        shown.append(self.text)
+
+    monkeypatch.setattr(AssistantMessage, "append", recording_append)
+    app = ChatApp(chat_args("-m", model, "-n", "24"))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        slow_down(app, 0.02)
+        await type_text(pilot, "Hello there")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.screen.gen is not None or len(app.conv.messages) == 2, 20, "start")
+        await wait_for(pilot, lambda: app.screen.gen is None, 30, "the answer")
+
+        user, answer = app.conv.messages
+        assert (user.role, user.content) == ("user", "Hello there")
+        assert answer.role == "assistant" and answer.content
+        assert answer.stats["generated_tokens"] >= 1
+        # streamed: several updates, each a growing prefix of the final answer, fewer than the tokens
+        assert 2 <= len(shown) <= answer.stats["generated_tokens"]
+        assert all(b.startswith(a) for a, b in zip(shown, shown[1:])) and len(set(shown)) >= 2
+        assert answer.content.startswith(shown[0]) and shown[0] != answer.content
+        widgets = list(app.screen.query(AssistantMessage))
+        assert len(widgets) == 1 and widgets[0].text == answer.content
+        assert not app.screen.query_one("#prompt").text  # the input was cleared
+
+        status = app.screen.query_one(StatusBar)
+        assert re.search(r"TTFT \d+\.\d{3} s", status.answer_text)
+        assert re.search(r"\d+\.\d tok/s", status.answer_text)
+        assert re.search(r"prefill \d+ tok/s", status.answer_text)
+        assert re.search(r"ctx \d+/256", status.machine_text)
+        assert "cpu fp32" in status.machine_text and "weights fp" in status.machine_text
+
+
+@run_async
+async def test_escape_stops_mid_answer_and_keeps_text(model, data_dir):
+    app = ChatApp(chat_args("-m", model, "-n", "200"))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        slow_down(app, 0.05)
+        await type_text(pilot, "Hello")
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.screen.gen is not None and app.screen.gen.live.tokens >= 3, 20, "3 tokens")
+        await pilot.press("escape")
+        await wait_for(pilot, lambda: app.screen.gen is None, 20, "the stop")
+        answer = app.conv.messages[-1]
+        assert answer.stats["finish_reason"] == "stopped"
+        assert 3 <= answer.stats["generated_tokens"] < 30
+        assert answer.content and app.screen.query_one(AssistantMessage).text == answer.content
+        assert "stopped" in str(app.screen.query_one(AssistantMessage).query_one(".footer").render())
+
+
+@run_async
+async def test_second_turn_prefills_only_the_new_tokens(model, data_dir):
+    app = ChatApp(chat_args("-m", model, "-n", "16"))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        prompts = record_prompts(app)
+        await send(pilot, app, "Hello")
+        first = app.conv.messages[-1]
+        await send(pilot, app, "And again")
+        second = app.conv.messages[-1]
+        status = app.screen.query_one(StatusBar).answer_text
+
+    ids1, ids2 = prompts
+    answer_ids = first.tokens
+    assert answer_ids and len(answer_ids) == first.stats["generated_tokens"]
+    # What the engine had computed after turn 1: the prompt, then the answer (the last sampled token is
+    # fed only if the answer went on, i.e. it ended by EOS).
+    fed = ids1 + (answer_ids if first.stats["finish_reason"] == "eos" else answer_ids[:-1])
+    assert ids2[:len(fed)] == fed  # turn 2's prompt starts with everything turn 1 computed
+    s = second.stats
+    assert s["reused_tokens"] == len(fed)
+    assert s["prefill_tokens"] == len(ids2) - len(fed)  # only the new tokens
+    # the new tokens: turn 1's last answer token if it was not fed, then the template's end of turn 1
+    # and the new user message
+    tail = app.session.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd again<|im_end|>\n<|im_start|>assistant\n")
+    assert ids2[len(ids1) + len(answer_ids):] == tail
+    assert s["prefill_tokens"] == len(tail) + len(ids1) + len(answer_ids) - len(fed)
+    assert f"{s['prefill_tokens']} new + {s['reused_tokens']} reused" in status
+
+
+@run_async
+async def test_ctrl_n_starts_a_new_chat_and_keeps_the_old_one(model, data_dir):
+    app = ChatApp(chat_args("-m", model, "-n", "8"))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        await send(pilot, app, "Hello")
+        old_path = app.history_path
+        await pilot.press("ctrl+n")
+        await pilot.pause()
+        assert app.conv.messages == []
+        assert not app.screen.query(UserMessage) and not app.screen.query(AssistantMessage)
+        assert app.history_path != old_path
+        assert len(load_conversation(old_path).messages) == 2  # the old chat stays saved
+        await send(pilot, app, "Hi")
+        assert [m.role for m in app.conv.messages] == ["user", "assistant"]
+        assert len(list(app.screen.query(UserMessage))) == 1
+        await pilot.press("ctrl+l")
+        await pilot.pause()
+        assert app.conv.messages == [] and not app.screen.query(UserMessage)
+
+
+@run_async
+async def test_history_saved_atomically_and_resumed(model, data_dir):
+    app = ChatApp(chat_args("-m", model, "-n", "10", "--system", "You are terse."))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        await send(pilot, app, "Hello")
+        answer = app.conv.messages[-1].content
+        path = app.history_path
+    files = list((data_dir / "chats").iterdir())
+    assert files == [path]  # one chat file, no temp file left behind
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    assert saved["system"] == "You are terse."
+    assert [(m["role"], m["content"]) for m in saved["messages"]] == [("user", "Hello"), ("assistant", answer)]
+    assert saved["messages"][1]["stats"]["generated_tokens"] >= 1
+
+    app = ChatApp(chat_args("-m", model, "-n", "10", "--resume"))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        assert app.history_path == path and app.conv.system == "You are terse."
+        assert [m.content for m in app.conv.messages] == ["Hello", answer]
+        assert str(app.screen.query_one(UserMessage).render()) == "Hello"
+        assert app.screen.query_one(AssistantMessage).text == answer
+        prompts = record_prompts(app)
+        await send(pilot, app, "More")
+    text = app.session.tokenizer.decode(prompts[0], skip_special=False)
+    assert "You are terse." in text and "Hello" in text and "More" in text
+    assert len(load_conversation(path).messages) == 4
+
+
+def test_save_is_atomic(tmp_path, monkeypatch):
+    import os
+
+    from edgellm.errors import OutputError
+
+    path = tmp_path / "chat.json"
+    save_conversation(Conversation(messages=[Message("user", "first")]), path)
+
+    def broken_replace(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OutputError, match="chat.json"):
+        save_conversation(Conversation(messages=[Message("user", "second")]), path)
+    assert load_conversation(path).messages[0].content == "first"  # the old file is intact
+    assert [p.name for p in tmp_path.iterdir()] == ["chat.json"]  # and the temp file is gone
+
+
+@run_async
+async def test_full_context_drops_oldest_turns_keeps_system(model, data_dir):
+    app = ChatApp(chat_args("-m", model, "-n", "24", "--ctx", "110", "--system", "Be brief."))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        prompts = record_prompts(app)
+        for text in ("Hello", "Tell me more", "And more"):
+            await send(pilot, app, text)
+        assert app.conv.context_start > 0
+        assert any("context full" in str(n.render()) for n in app.screen.query(Notice))
+        dropped = [w for w in app.screen.query(UserMessage) if w.has_class("dropped")]
+        assert dropped
+        last = app.session.tokenizer.decode(prompts[-1], skip_special=False)
+        assert "Be brief." in last and "And more" in last and "Hello" not in last
+        assert all(len(p) + 1 <= 110 for p in prompts)
+
+
+@run_async
+async def test_slash_commands_change_settings(model, data_dir):
+    app = ChatApp(chat_args("-m", model, "-n", "40"))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        for line in ("/temp 0.7", "/top_p 0.9", "/max 3", "/system Be kind", "/temp abc", "/nonsense"):
+            await type_text(pilot, line)
+            await pilot.press("enter")
+            await pilot.pause()
+        s = app.session.settings
+        assert (s.temperature, s.top_p, s.max_tokens) == (0.7, 0.9, 3)
+        assert app.conv.system == "Be kind"
+        await send(pilot, app, "Hi")
+        assert app.conv.messages[-1].stats["generated_tokens"] <= 3
+        await type_text(pilot, "/draft on")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.session.settings.draft  # unchanged: no draft model here, an error notification instead
+
+
+@run_async
+async def test_newline_keys_do_not_send(model, data_dir):
+    app = ChatApp(chat_args("-m", model, "-n", "4"))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        await type_text(pilot, "one")
+        await pilot.press("ctrl+j")
+        await type_text(pilot, "two")
+        assert app.screen.query_one("#prompt").text == "one\ntwo"
+        assert app.conv.messages == []
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: len(app.conv.messages) == 2 and app.screen.gen is None, 20, "the answer")
+        assert app.conv.messages[0].content == "one\ntwo"
+
+
+@run_async
+async def test_load_error_is_shown_and_exits_with_code_2(tmp_path, data_dir):
+    from edgellm.errors import EdgeLLMError
+    from edgellm.loading import resolve_model
+
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(EdgeLLMError) as cli_error:
+        resolve_model(missing)
+    app = ChatApp(chat_args("-m", str(missing)))
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: app.load_error is not None, 20, "the error")
+        assert app.load_error == str(cli_error.value)
+        shown = str(app.screen.query_one("#loading-what").render())
+        assert shown == f"edgellm: error: {cli_error.value}"
+        await pilot.press("q")
+        await pilot.pause()
+    assert app.return_code == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Speculative decoding display, with an engine that emits draft-flagged tokens
+# ------------------------------------------------------------------------------------------------
+class FakeDraftEngine:
+    """Emits T D D T D D D T ... like a speculative engine: 3 rounds, 6 of 8 drafts accepted."""
+
+    PATTERN = [("The", False), (" cat", True), (" sat", True), (" on", False), (" the", True),
+               (" mat", True), (" and", True), (" slept", False), (".", True), (" Zzz", True)]
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.max_seq_len = 256
+        self.cached_ids: list[int] = []
+        self.draft = object()  # a proposer, as far as the app is concerned
+
+    def generate(self, ids, settings=None, stop=None):
+        for i, (text, from_draft) in enumerate(self.PATTERN):
+            yield Token(100 + i, text, 0.01 * (i + 1), from_draft)
+        stats = GenerationStats(prompt_tokens=len(ids), prefill_tokens=len(ids), generated_tokens=len(self.PATTERN),
+                                ttft_s=0.01, decode_tok_s=100.0, prefill_tok_s=1000.0, finish_reason="eos",
+                                draft_proposed=8, draft_accepted=6)
+        yield Done(stats, "".join(t for t, _ in self.PATTERN), [100 + i for i in range(len(self.PATTERN))])
+
+
+@run_async
+async def test_show_drafts_colours_accepted_tokens_and_status_shows_acceptance(model, data_dir):
+    app = ChatApp(chat_args("-m", model, "--draft", "self", "--show-drafts"),
+                  engine_factory=lambda args, loaded: FakeDraftEngine(loaded.tokenizer))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        await send(pilot, app, "Hi")
+        widget = app.screen.query_one(AssistantMessage)
+        text = widget._styled
+        drafted = "".join(text.plain[s.start:s.end] for s in text.spans if s.style)
+        assert drafted == "".join(t for t, d in FakeDraftEngine.PATTERN if d)
+        status = app.screen.query_one(StatusBar)
+        # 6/8 accepted; rounds = target-chosen tokens after the first = 2 → 3.00 accepted per round
+        assert "draft 75% accepted, 3.00 per round" in status.answer_text
+        assert "draft self" in status.machine_text
+        await type_text(pilot, "/draft off")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.session.engine.draft is None and "draft off" in status.machine_text
+        await type_text(pilot, "/draft on")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.session.engine.draft is not None
+
+
+def test_common_prefix():
+    assert common_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix([], [1]) == 0
+
+
+@run_async
+async def test_real_speculative_engine_with_show_drafts(model, data_dir):
+    """The real engine with prompt-lookup drafts: the status shows acceptance, and the coloured text
+    covers exactly the tokens the engine flagged as accepted drafts."""
+    app = ChatApp(chat_args("-m", model, "-n", "60", "--draft", "lookup", "--show-drafts"))
+    flagged: list[str] = []
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        engine = app.session.engine
+        original = engine.generate
+
+        def generate(ids, settings=None, stop=None):
+            for ev in original(ids, settings, stop=stop):
+                if isinstance(ev, Token) and ev.from_draft:
+                    flagged.append(ev.text)
+                yield ev
+
+        engine.generate = generate
+        await send(pilot, app, "Hello")
+        stats = app.conv.messages[-1].stats
+        assert stats["draft_proposed"] > 0, "prompt lookup proposed nothing on this answer"
+        pct = 100 * stats["draft_accepted"] / stats["draft_proposed"]
+        assert f"draft {pct:.0f}% accepted" in app.screen.query_one(StatusBar).answer_text
+        text = app.screen.query_one(AssistantMessage)._styled
+        drafted = "".join(text.plain[s.start:s.end] for s in text.spans if s.style)
+        assert flagged and drafted == printable("".join(flagged))

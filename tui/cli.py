@@ -1,0 +1,40 @@
+"""`edgellm chat`: the subcommand that opens the Textual app (registered by edgellm.cli)."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from edgellm import cli as core
+
+    p = subparsers.add_parser("chat", help="chat with a model in the terminal (live TTFT, tok/s, drafts)",
+                              description="Chat in the terminal. Enter sends, Shift+Enter or Ctrl+J adds a line, "
+                                          "Esc stops an answer, Ctrl+N starts a new chat, /help lists commands.")
+    core.add_model_options(p)
+    if hasattr(core, "add_format_options"):
+        core.add_format_options(p, draft=True)
+    core.add_sampling_options(p)
+    g = p.add_argument_group("chat")
+    g.add_argument("--resume", action="store_true", help="reopen the last chat (or the one --history-file names)")
+    g.add_argument("--history-file", type=Path, default=None, metavar="PATH",
+                   help="keep this chat in PATH (reopened if it exists); default: a new file under the user data dir")
+    if "--show-drafts" not in p._option_string_actions:
+        g.add_argument("--show-drafts", action="store_true", help="colour tokens that came from accepted drafts")
+    return p
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from .app import ChatApp
+
+    app = ChatApp(args)
+    app.run()
+    if app.load_error:
+        # Printed again after the screen is restored, so the message stays in the terminal.
+        print(f"edgellm: error: {app.load_error}", file=sys.stderr)
+        return 2
+    return app.return_code or 0
+
+
+COMMANDS = {"chat": cmd_chat}
