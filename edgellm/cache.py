@@ -105,11 +105,15 @@ class KVCache:
         store = self.layers[layer]
         T = q.shape[2]
         end = start + T
-        if T > 1 and isinstance(store, FloatKV):
-            # prefill / verification on a float cache: one fused SDPA call with a causal mask
+        if isinstance(store, FloatKV) and (T > 1 or q.is_cuda):
+            # prefill / verification on a float cache: one fused SDPA call with a causal mask; on CUDA
+            # also decode (eager SDPA 13-65 us vs 45-155 us for two Triton launches from Python, H100,
+            # benchmarks/results/attention-cuda.json; the Triton kernel wins only inside a CUDA graph)
             k, v = store.k[None, :, :end], store.v[None, :, :end]
-            rows = torch.arange(start, end, device=q.device)[:, None]
-            mask = torch.arange(end, device=q.device)[None, :] <= rows
+            mask = None
+            if T > 1:
+                rows = torch.arange(start, end, device=q.device)[:, None]
+                mask = torch.arange(end, device=q.device)[None, :] <= rows
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=self.group > 1)
         # decode, and anything on a quantized cache: flash-decoding over the storage in place
         if self.rotation is None:
