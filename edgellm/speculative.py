@@ -270,7 +270,7 @@ def build_self_draft(target: torch.nn.Module, bits: int = 4, group_size: int = 3
         dst.feed_forward.w2 = _quant_copy(src.feed_forward.w2, **q)
     draft.output = _quant_copy(target.output, **q)
     draft.register_buffer("rope_cos", target.rope_cos, persistent=False)
-    draft.register_buffer("rope_sin", target.rope_sin, persistent=False)
+    draft.register_buffer("rope_sin_signed", target.rope_sin_signed, persistent=False)
     draft.rope_len = target.rope_len
     left = [name for name, t in list(draft.named_parameters()) + list(draft.named_buffers()) if t.is_meta]
     if left:
