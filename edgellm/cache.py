@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .kernels.attention import FloatKV, Int4KV, Int8KV, KVStore, attention, write_kv
+from .kernels.attention import FloatKV, Int4KV, Int8KV, KVStore, attention, write_kv, write_kv_at
 
 KV_FORMATS = ("fp", "int8", "int4")
 # Scales and mins in fp16: a quarter of an int4 token's bytes at head dim 64 instead of half of them.
@@ -35,6 +36,25 @@ def parse_kv_format(kv_format: str) -> tuple[str, int | None]:
     if kind not in KV_FORMATS or (sep and (kind == "fp" or not group.isdigit())):
         raise ValueError(f"unknown KV-cache format {kv_format!r} (choose from fp, int8, int8:G, int4, int4:G)")
     return kind, int(group) if group else None
+
+
+@dataclass
+class DevicePosition:
+    """The position of a one-token decode step held on the device, so a captured CUDA graph serves
+    every step: `pos` int64 [1] (set by the caller before each replay), `lengths` int32 [kv_len,
+    q_start] derived from it inside the graph for the attention kernel, and `bound`, a host-side upper
+    bound of kv_len that sizes the kernel's launch grid (the graph's context bucket)."""
+
+    pos: torch.Tensor
+    bound: int
+    lengths: torch.Tensor = field(init=False)
+
+    def __post_init__(self):
+        self.lengths = torch.zeros(2, dtype=torch.int32, device=self.pos.device)
+
+    def update(self) -> None:
+        """lengths ← (pos + 1, pos), on the device (recorded in the graph)."""
+        self.lengths.copy_(torch.cat((self.pos + 1, self.pos)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,15 +114,24 @@ class KVCache:
         return sum(t.nbytes for store in self.layers for t in store if isinstance(t, torch.Tensor))
 
     # -- used by the model ---------------------------------------------------------------------
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | DevicePosition) -> None:
         """k, v [Hkv, T, D] for positions [start, start+T) (quantized here for int8/int4)."""
         if self.rotation is not None:
             k, v = k @ self.rotation, v @ self.rotation
-        write_kv(self.layers[layer], k, v, start)
+        if isinstance(start, DevicePosition):
+            write_kv_at(self.layers[layer], k, v, start.pos)
+        else:
+            write_kv(self.layers[layer], k, v, start)
 
-    def attend(self, layer: int, q: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, start: int | DevicePosition, scale: float) -> torch.Tensor:
         """q [1, Hq, T, D] at positions [start, start+T), causal against the cache → [1, Hq, T, D]."""
         store = self.layers[layer]
+        if isinstance(start, DevicePosition):  # inside a CUDA graph: the Triton kernel reads the lengths
+            from .kernels.triton_attention import triton_attention
+
+            qr = q if self.rotation is None else q @ self.rotation
+            out = triton_attention(qr, store, start.bound, 0, scale, lengths=start.lengths)
+            return out if self.rotation is None else out @ self.rotation.T
         T = q.shape[2]
         end = start + T
         if isinstance(store, FloatKV) and (T > 1 or q.is_cuda):

@@ -31,6 +31,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (default: fp32 on CPU, bf16 on CUDA)")
     g.add_argument("--ctx", type=int, default=None, help="context length (default: min(model's, 8192))")
     g.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
+    g.add_argument("--no-compile", dest="compile", action="store_false",
+                   help="run the decode step op by op (no fused C++ step on CPU, no CUDA graph)")
     g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
 
@@ -59,6 +61,18 @@ def add_format_options(p: argparse.ArgumentParser, draft: bool = False) -> None:
                        help="speculative decoding: none | self | self:int4 | self:int4:L<n> | lookup | MODEL")
         g.add_argument("--draft-tokens", type=int, default=None, help="fix the draft length (default: adaptive)")
         g.add_argument("--show-drafts", action="store_true", help="colour tokens that came from accepted drafts")
+
+
+def add_quant_options(p: argparse.ArgumentParser) -> None:
+    """How --weights int8|int4 quantizes at load: the knobs of `edgellm quantize`."""
+    g = p.add_argument_group("quantization (with --weights int8|int4)")
+    g.add_argument("--per-channel", action="store_true", help="int8: one scale per output channel")
+    sym = g.add_mutually_exclusive_group()
+    sym.add_argument("--sym", dest="symmetric", action="store_true", default=True, help="int4 symmetric (default)")
+    sym.add_argument("--asym", dest="symmetric", action="store_false", help="int4 with scale + min")
+    g.add_argument("--embeddings", default="int8", choices=("int8", "int4", "fp"),
+                   help="embedding table / LM head format (default int8)")
+    g.add_argument("--fast", action="store_true", help="round-to-nearest instead of the scale search")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -100,8 +114,13 @@ def load_from_args(args: argparse.Namespace, on_tensor=None):
         raise EdgeLLMError(str(e)) from e
     ctx = args.ctx or DEFAULT_CTX
     weights = getattr(args, "weights", "fp")
+    per_channel = getattr(args, "per_channel", False)
+    if per_channel and weights != "int8":
+        raise EdgeLLMError("--per-channel is for int8 weights only")
     loaded = load_model(args.model, device=device, dtype=dtype, max_seq_len=ctx, on_tensor=on_tensor,
-                        weights=weights, group_size=getattr(args, "group_size", 32))
+                        weights=weights, group_size=0 if per_channel else getattr(args, "group_size", 32),
+                        symmetric=getattr(args, "symmetric", True), embeddings=getattr(args, "embeddings", "int8"),
+                        search=not getattr(args, "fast", False))
     return loaded
 
 
@@ -119,7 +138,9 @@ def engine_from_args(args: argparse.Namespace, loaded):
 
         proposer = make_proposer(draft_spec, loaded)
     kwargs = {"draft": proposer, "draft_tokens": getattr(args, "draft_tokens", None)} if proposer else {}
-    return Engine(model, loaded.tokenizer, cache=cache, **kwargs)
+    engine = Engine(model, loaded.tokenizer, cache=cache, **kwargs)
+    engine.compile_decode = getattr(args, "compile", True)
+    return engine
 
 
 def prompt_ids(args: argparse.Namespace, tokenizer, text: str) -> list[int]:
@@ -135,8 +156,14 @@ def stats_line(stats) -> str:
          f"decode {stats.decode_tok_s:.1f} tok/s · {stats.prompt_tokens} prompt + "
          f"{stats.generated_tokens} generated tokens ({stats.finish_reason})")
     if stats.draft_proposed:
-        s += f" · drafts {stats.draft_accepted}/{stats.draft_proposed} accepted"
+        s += (f" · draft {stats.draft}: {stats.draft_accepted}/{stats.draft_proposed} accepted "
+              f"({stats.acceptance_rate:.0%}), {stats.mean_accepted_length:.2f} per round, γ {stats.draft_gamma}")
+    elif stats.draft:
+        s += f" · draft {stats.draft}: nothing proposed"
     return s
+
+
+DRAFT_STYLE, RESET_STYLE = "\x1b[1;96m", "\x1b[0m"  # the TUI's draft colour, near enough: bold bright cyan
 
 
 # ------------------------------------------------------------------------------------------------
@@ -160,6 +187,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     out: list[int] = []
     pieces: list[str] = []
     done = None
+    show_drafts = getattr(args, "show_drafts", False) and engine.draft is not None and not args.json
     try:
         for ev in engine.generate(ids, settings):
             if isinstance(ev, Done):
@@ -169,7 +197,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                 out.append(ev.id)
             pieces.append(ev.text)
             if not args.json:
-                sys.stdout.write(ev.text)
+                # --show-drafts: text of tokens the target accepted from the draft, in colour
+                draft_text = show_drafts and ev.from_draft and ev.text
+                sys.stdout.write(f"{DRAFT_STYLE}{ev.text}{RESET_STYLE}" if draft_text else ev.text)
                 sys.stdout.flush()
     except KeyboardInterrupt:
         if args.json:
@@ -185,6 +215,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                           "model": str(loaded.path), "stats": stats}))
     else:
         sys.stdout.write("\n")
+        if show_drafts:
+            print(f"{DRAFT_STYLE}coloured{RESET_STYLE}: tokens from accepted drafts", file=sys.stderr)
         print(stats_line(done.stats), file=sys.stderr)
     return 0
 

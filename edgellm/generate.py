@@ -125,12 +125,17 @@ class Engine:
         self.cache = cache or KVCache(model.config, self.max_seq_len, model.dtype, model.device)
         self.cached_ids: list[int] = []  # the tokens whose K/V the cache holds, in order
         self.device = model.device
+        # the decode step as one unit (decode_step.py: fused C++ on CPU, a CUDA graph on CUDA) where it
+        # applies; False (--no-compile) runs the model op by op
+        self.compile_decode = True
+        self._compiled = None  # (cache it was built for, step or None)
         self.draft = draft
         self.draft_tokens = draft_tokens
         if draft is not None:
-            from .speculative import GammaController
+            from .speculative import GammaController, max_draft_tokens
 
-            GammaController(draft_tokens)  # validates draft_tokens now rather than at the first answer
+            self.draft_max = max_draft_tokens(model)  # drafts per verification pass that keep it exact
+            GammaController(draft_tokens, hi=self.draft_max)  # validates draft_tokens now, not at the first answer
             draft.bind(self)
 
     # ------------------------------------------------------------------------------------------
@@ -171,8 +176,21 @@ class Engine:
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed one token (a [1, 1] tensor) at the end of the cache; returns logits [V]."""
         pos = self.cache.length
+        compiled = self.compiled_step()
+        if compiled is not None and pos < compiled.limit:
+            return compiled(token, pos)  # valid until the next step
         logits = self.model(token, self.cache, pos)
         return logits[0, -1]
+
+    def compiled_step(self):
+        """The decode step as one unit for the current cache (built on first use), or None."""
+        if not self.compile_decode:
+            return None
+        if self._compiled is None or self._compiled[0] is not self.cache:
+            from .decode_step import compiled_decode_step
+
+            self._compiled = (self.cache, compiled_decode_step(self.model, self.cache))
+        return self._compiled[1]
 
     # ------------------------------------------------------------------------------------------
     def generate(self, prompt: list[int], settings: GenerationSettings | None = None,
@@ -272,7 +290,7 @@ class Engine:
         s = settings.sampling
         stats = GenerationStats(prompt_tokens=len(prompt), draft=getattr(self.draft, "name", "draft"))
         sampler = Sampler(s, self.device)
-        gamma_ctl = GammaController(self.draft_tokens)
+        gamma_ctl = GammaController(self.draft_tokens, hi=self.draft_max)
         penalty = s.repeat_penalty != 1.0
         eos = set() if settings.ignore_eos else self.tokenizer.eos_ids
         detok = self.tokenizer.stream()
@@ -369,10 +387,13 @@ class Engine:
                 pending = [(t, True) for t in drafts[:n_ok]] + [(next_id, False)]
         finally:
             # what plain decoding leaves: every emitted token but the last in the cache (all of them
-            # after EOS, which was computed from the last one); an interrupt leaves a valid prefix
+            # after EOS, which was computed from the last one); an interrupt (Ctrl-C inside a draft or
+            # verification pass, or the consumer closing the stream) leaves the verified prefix: a shared-
+            # cache draft's guesses and unchecked verification K/V past `cached_ids` are dropped
             if finish:
                 self.cache.truncate(min(self.cache.length, P + len(out_ids) - 1 + (finish == "eos")))
             del self.cached_ids[self.cache.length:]
+            self.cache.truncate(min(self.cache.length, len(self.cached_ids)))
         if not stops.stopped:
             tail = stops.feed(detok.flush()) + stops.flush()
             if tail:

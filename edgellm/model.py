@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cache import DevicePosition
 from .config import ModelConfig, rope_inv_freq
 from .errors import ContextOverflowError
 
@@ -121,19 +122,30 @@ class Transformer(nn.Module):
                              persistent=False)
         self.rope_len = max_seq_len
 
-    def forward(self, tokens: torch.Tensor, cache, start_pos: int, all_logits: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache, start_pos: int | DevicePosition,
+                all_logits: bool = False) -> torch.Tensor:
         """tokens [1, T] → logits [1, T or 1, vocab] (fp32). Writes K/V of the T tokens into `cache`
-        at positions [start_pos, start_pos+T) and sets cache.length to start_pos+T."""
-        T = tokens.shape[1]
-        end = start_pos + T
-        if end > cache.max_seq_len or end > self.rope_len:
-            raise ContextOverflowError(
-                f"{end} tokens do not fit the context of {min(cache.max_seq_len, self.rope_len)} tokens")
-        cos, sin = self.rope_cos[start_pos:end], self.rope_sin_signed[start_pos:end]
+        at positions [start_pos, start_pos+T) and sets cache.length to start_pos+T.
+
+        A `DevicePosition` start (one token, the position held on the device) is what a CUDA graph
+        captures: nothing here reads it on the host, and the caller (decode_graph.py) keeps
+        cache.length and the bounds."""
+        if isinstance(start_pos, DevicePosition):
+            start_pos.update()
+            cos = self.rope_cos.index_select(0, start_pos.pos)
+            sin = self.rope_sin_signed.index_select(0, start_pos.pos)
+            end = None
+        else:
+            end = start_pos + tokens.shape[1]
+            if end > cache.max_seq_len or end > self.rope_len:
+                raise ContextOverflowError(
+                    f"{end} tokens do not fit the context of {min(cache.max_seq_len, self.rope_len)} tokens")
+            cos, sin = self.rope_cos[start_pos:end], self.rope_sin_signed[start_pos:end]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = layer(h, cos, sin, cache, start_pos)
-        cache.length = end
+        if end is not None:
+            cache.length = end
         if not all_logits:
             h = h[:, -1:]
         return self.output(self.norm(h)).float()

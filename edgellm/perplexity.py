@@ -51,24 +51,42 @@ def window_logprobs(model, cache, window: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.double(), dim=-1)
 
 
-def evaluate(model, cache, tokenizer, ids: list[int], ctx: int, reference=None, progress=None) -> PerplexityResult:
-    """`reference`: an optional (model, cache) pair of the full-precision model for KL / top-1."""
-    bos = tokenizer.bos_id if tokenizer.add_bos else None
-    ws = windows(ids, ctx, bos)
+def _windows(tokenizer, ids: list[int], ctx: int) -> list[list[int]]:
+    ws = windows(ids, ctx, tokenizer.bos_id if tokenizer.add_bos else None)
     if not ws:
         raise EdgeLLMError(f"the text has {len(ids)} tokens, fewer than one window of --ctx {ctx}")
+    return ws
+
+
+def reference_logprobs(model, cache, tokenizer, ids: list[int], ctx: int) -> list[torch.Tensor]:
+    """The scored half of every window's log-probabilities (float64, on the CPU): computed once, they
+    serve as `evaluate(reference=...)` for many formats (benchmarks/quality.py)."""
     first = ctx // 2
+    with torch.inference_mode():
+        return [window_logprobs(model, cache, w)[first:ctx - 1].cpu() for w in _windows(tokenizer, ids, ctx)]
+
+
+def evaluate(model, cache, tokenizer, ids: list[int], ctx: int, reference=None, progress=None) -> PerplexityResult:
+    """`reference`: an optional (model, cache) pair of the full-precision model for KL / top-1, or
+    its log-probabilities from `reference_logprobs` over the same ids and ctx."""
+    ws = _windows(tokenizer, ids, ctx)
+    first = ctx // 2
+    if isinstance(reference, list) and len(reference) != len(ws):
+        raise EdgeLLMError(f"reference log-probs cover {len(reference)} windows, not {len(ws)}")
     nll_sum, ref_nll_sum, count = 0.0, 0.0, 0
     kls: list[torch.Tensor] = []
     agree = 0
     with torch.inference_mode():
-        for w in ws:
+        for i, w in enumerate(ws):
             lp = window_logprobs(model, cache, w)[first:ctx - 1]
             target = torch.tensor(w[first + 1:], device=lp.device)
             nll_sum -= lp.gather(-1, target[:, None]).sum().item()
             count += target.numel()
             if reference is not None:
-                ref_lp = window_logprobs(reference[0], reference[1], w)[first:ctx - 1]
+                if isinstance(reference, list):
+                    ref_lp = reference[i].to(lp.device)
+                else:
+                    ref_lp = window_logprobs(reference[0], reference[1], w)[first:ctx - 1]
                 ref_nll_sum -= ref_lp.gather(-1, target[:, None]).sum().item()
                 kls.append((ref_lp.exp() * (ref_lp - lp)).sum(-1).cpu())
                 agree += int((ref_lp.argmax(-1) == lp.argmax(-1)).sum())
@@ -85,15 +103,44 @@ def evaluate(model, cache, tokenizer, ids: list[int], ctx: int, reference=None, 
     return res
 
 
+def weight_summary(args: argparse.Namespace, loaded) -> dict:
+    """What the weights were quantized to, and what they cost: bytes in memory (a tied embedding / LM
+    head counted once, norms included) and bits per weight over all parameters."""
+    from .bench import weight_bytes
+    from .quant.linear import QuantEmbedding, QuantLinear
+
+    weights = getattr(args, "weights", "fp")
+    total, _ = weight_bytes(loaded.model)
+    # what the modules actually hold: a GGUF's Q4_1/Q8_0 blocks are kept as they are when the format
+    # asked for has as many bits or more, whatever group or symmetry was asked
+    stored: dict[str, int] = {}
+    seen: set[int] = set()
+    for m in loaded.model.modules():
+        if isinstance(m, (QuantLinear, QuantEmbedding)) and id(m.codes) not in seen:
+            seen.add(id(m.codes))
+            n = m.qtensor().shape[0] * m.qtensor().shape[1]
+            stored[m._fmt()] = stored.get(m._fmt(), 0) + n
+    out = {"weights": weights, "weight_bytes": total,
+           "bits_per_weight": 8 * total / loaded.config.num_parameters(), "stored_formats": stored}
+    if weights != "fp":
+        per_channel = getattr(args, "per_channel", False)
+        out |= {"group_size": "channel" if per_channel else getattr(args, "group_size", 32),
+                "symmetric": weights == "int8" or getattr(args, "symmetric", True),
+                "embeddings": getattr(args, "embeddings", "int8"),
+                "search": not getattr(args, "fast", False)}
+    return out
+
+
 # ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------
 def add_parser(sub) -> None:
-    from .cli import add_model_options, add_format_options
+    from .cli import add_format_options, add_model_options, add_quant_options
 
     p = sub.add_parser("perplexity", help="perplexity (and KL vs full precision) over a text file")
     add_model_options(p)
     add_format_options(p)
+    add_quant_options(p)
     p.add_argument("-f", "--file", required=True, help="text file to score (e.g. /usr/share/common-licenses/GPL-3)")
     p.add_argument("--reference", choices=["fp"], default=None,
                    help="also compare next-token distributions with the full-precision model (KL, top-1)")
@@ -122,9 +169,10 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     reference = None
     if args.reference == "fp":
         ref_args = copy.copy(args)
-        ref_args.weights, ref_args.kv, ref_args.draft = "fp", "fp", "none"
+        ref_args.weights, ref_args.kv, ref_args.draft, ref_args.per_channel = "fp", "fp", "none", False
         ref_args.dtype = "fp32"
-        ref_loaded = load_from_args(ref_args)
+        same = args.weights == "fp" and loaded.model.dtype == torch.float32
+        ref_loaded = loaded if same else load_from_args(ref_args)  # same weights: only the KV cache differs
         reference = (ref_loaded.model, engine_from_args(ref_args, ref_loaded).cache)
     n_windows = len(ids) // ctx
     if args.max_windows:
@@ -134,8 +182,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         task = bar.add_task("scoring", total=n_windows)
         res = evaluate(loaded.model, engine.cache, loaded.tokenizer, ids, ctx, reference,
                        progress=lambda: bar.advance(task))
-    out = asdict(res) | {"model": str(loaded.path), "file": str(path),
-                         "weights": getattr(args, "weights", "fp"), "kv": getattr(args, "kv", "fp")}
+    out = asdict(res) | {"model": str(loaded.path), "file": str(path), "kv": getattr(args, "kv", "fp")}
+    out |= weight_summary(args, loaded)
     if args.json:
         print(json.dumps(out))
     else:

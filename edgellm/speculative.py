@@ -37,7 +37,7 @@ from .sampling import Sampler, SamplingSettings, apply_repeat_penalty, probabili
 
 __all__ = ["Proposer", "DraftModelProposer", "SelfDraftProposer", "PromptLookupProposer", "GammaController",
            "make_proposer", "build_self_draft", "check_tokenizers", "residual", "verify_greedy",
-           "verify_sampled", "GAMMA_MIN", "GAMMA_MAX", "GAMMA_START"]
+           "verify_sampled", "max_draft_tokens", "GAMMA_MIN", "GAMMA_MAX", "GAMMA_START"]
 
 GAMMA_START, GAMMA_MIN, GAMMA_MAX = 4, 1, 16
 DRAFT_PREFILL_CHUNK = 512
@@ -282,7 +282,7 @@ class SelfDraftProposer(DraftModelProposer):
     """The target's own int4 copy as the draft (`--draft self`, `self:int4`, `self:int4:L<n>`)."""
 
     def __init__(self, target: torch.nn.Module, bits: int = 4, group_size: int = 32, n_layers: int | None = None,
-                 share_cache: bool = True, symmetric: bool = True, search: bool = True):
+                 share_cache: bool = True, symmetric: bool = True, search: bool = False):
         draft = build_self_draft(target, bits, group_size, n_layers, symmetric, search)
         n = draft.config.n_layers
         name = f"self:int{bits}" + (f":L{n}" if n != target.config.n_layers else "")
@@ -412,6 +412,21 @@ def verify_sampled(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | No
 # ------------------------------------------------------------------------------------------------
 # Adaptive draft length
 # ------------------------------------------------------------------------------------------------
+def max_draft_tokens(model: torch.nn.Module) -> int:
+    """The most drafts one verification pass may check while staying exact: every position's logits must
+    be computed as a one-token decode step computes them, or greedy output could differ from plain
+    decoding at a near-tie. On CPU the int8/int4 kernel handles each row independently (bit-identical
+    to M = 1) up to `kernels.matmul.CPU_KERNEL_MAX_M` rows; beyond that a quantized linear switches to a
+    float GEMM on dequantized weights, which rounds differently. So a quantized CPU target verifies at
+    most CPU_KERNEL_MAX_M tokens (γ + 1) per pass."""
+    from .kernels import matmul
+    from .quant.linear import QuantLinear
+
+    if model.device.type == "cpu" and any(isinstance(m, QuantLinear) for m in model.modules()):
+        return min(GAMMA_MAX, matmul.CPU_KERNEL_MAX_M - 1)
+    return GAMMA_MAX
+
+
 class GammaController:
     """Picks γ (drafts per round) to maximise expected tokens per second:
         E[tokens | α, γ] = (1 - α^(γ+1)) / (1 - α)        (Leviathan et al. 2023, eq. 1)
@@ -429,8 +444,10 @@ class GammaController:
     def __init__(self, fixed: int | None = None, start: int = GAMMA_START, lo: int = GAMMA_MIN, hi: int = GAMMA_MAX):
         if fixed is not None and fixed < 1:
             raise EdgeLLMError(f"--draft-tokens must be at least 1 (got {fixed})")
+        if fixed is not None:
+            fixed = min(fixed, hi)  # beyond `hi` verification would not be exact (max_draft_tokens)
         self.fixed, self.lo, self.hi = fixed, lo, hi
-        self.gamma = fixed if fixed is not None else start
+        self.gamma = fixed if fixed is not None else min(start, hi)
         self.succ, self.fail = 1.5, 1.0  # prior: α ≈ 0.6, forgotten after a few rounds
         self.c_draft: float | None = None
         self.c_verify: dict[int, float] = {}

@@ -161,6 +161,26 @@ def write_kv(store: KVStore, k_new: torch.Tensor, v_new: torch.Tensor, start: in
         raise TypeError(f"unknown KV storage {type(store).__name__}")
 
 
+def write_kv_at(store: KVStore, k_new: torch.Tensor, v_new: torch.Tensor, pos: torch.Tensor) -> None:
+    """write_kv for one token at a position held on the device (int64 [1]): no host read of the
+    position, so a CUDA graph can capture it. k_new, v_new [Hkv, 1, D]."""
+    if isinstance(store, FloatKV):
+        store.k.index_copy_(1, pos, k_new.to(store.k.dtype))
+        store.v.index_copy_(1, pos, v_new.to(store.v.dtype))
+        return
+    for x, which in ((k_new, 0), (v_new, 1)):
+        if isinstance(store, Int8KV):
+            parts = quantize_int8(x, store.group, store.k_scale.dtype)
+            dests = (store.k, store.k_scale) if which == 0 else (store.v, store.v_scale)
+        elif isinstance(store, Int4KV):
+            parts = quantize_int4(x, store.group, store.k_scale.dtype)
+            dests = ((store.k, store.k_scale, store.k_min) if which == 0 else (store.v, store.v_scale, store.v_min))
+        else:
+            raise TypeError(f"unknown KV storage {type(store).__name__}")
+        for dest, part in zip(dests, parts):
+            dest.index_copy_(1, pos, part)
+
+
 def dequantize_kv(store: KVStore, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V of positions [start, end) in fp32 (tests, references and debugging; attention never
     calls this on the whole cache)."""

@@ -14,12 +14,17 @@
 #include <cstdint>
 #include <string>
 
+#include "cpu_decode.h"
+
 namespace edgellm {
 void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
              const uint16_t* mins, int64_t N, int64_t G, float* out, int variant);
 void q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* codes, const uint16_t* scales, int64_t N,
              int64_t G, float* out, int variant);
 const char* isa_name();
+void dequant_int4(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K, int64_t G,
+                  float* out);
+void dequant_int8(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t G, float* out);
 }  // namespace edgellm
 
 namespace {
@@ -115,10 +120,153 @@ at::Tensor int8_gemm_out(const at::Tensor& x, const at::Tensor& codes, const at:
 
 std::string isa() { return edgellm::isa_name(); }
 
+// Dequantize into a caller's fp32 buffer (at least N*K elements; a reused one saves the page faults of a fresh
+// multi-MB tensor per layer per prefill chunk); returns the [N, K] view of it.
+at::Tensor dequant_out(const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins, int64_t group_size,
+                       int64_t bits, const at::Tensor& buf) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.device().is_cpu(),
+              "edgellm dequantize: codes must be a contiguous 2-D CPU tensor");
+  const int64_t N = codes.size(0), K = bits == 4 ? codes.size(1) * 2 : codes.size(1);
+  TORCH_CHECK(bits == 4 ? codes.scalar_type() == at::kByte && K % 32 == 0 && group_size % 32 == 0
+                        : codes.scalar_type() == at::kChar,
+              "edgellm dequantize: codes do not match bits=", bits, " / group ", group_size);
+  check_scales(scales, N, K, group_size, "scales");
+  TORCH_CHECK(scales.is_contiguous(), "edgellm dequantize: scales must be contiguous");
+  const bool asym = mins.numel() > 0;
+  if (asym) {
+    TORCH_CHECK(bits == 4 && mins.is_contiguous(), "edgellm dequantize: mins are for int4 only");
+    check_scales(mins, N, K, group_size, "mins");
+  }
+  TORCH_CHECK(buf.scalar_type() == at::kFloat && buf.is_contiguous() && buf.device().is_cpu() && buf.numel() >= N * K,
+              "edgellm dequantize: buf must be a contiguous fp32 CPU tensor of at least ", N * K, " elements");
+  float* out = buf.data_ptr<float>();
+  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  if (bits == 4)
+    edgellm::dequant_int4(codes.data_ptr<uint8_t>(), s,
+                          asym ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr, N, K,
+                          group_size, out);
+  else
+    edgellm::dequant_int8(codes.data_ptr<int8_t>(), s, N, K, group_size, out);
+  return buf.view({-1}).narrow(0, 0, N * K).view({N, K});
+}
+
+// ------------------------------------------------------------------------------------------------ decode plan
+// The fused decode step's plan: cpu_decode.py passes the model's tensors; the plan keeps a reference to each,
+// so the raw pointers in edgellm::DecodeModel stay valid for its lifetime.
+namespace py = pybind11;
+
+struct DecodePlan {
+  edgellm::DecodeModel m;
+  std::vector<at::Tensor> keep;
+  int64_t n_layers = 0;
+
+  const at::Tensor& hold(const at::Tensor& t, at::ScalarType dtype, const char* what) {
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype, "edgellm decode plan: ", what,
+                " must be a contiguous CPU ", dtype, " tensor, got ", t.scalar_type(), " ", t.sizes());
+    keep.push_back(t);
+    return keep.back();
+  }
+  const float* f32(const py::handle& o, int64_t numel, const char* what) {
+    if (o.is_none()) return nullptr;
+    const at::Tensor& t = hold(py::cast<at::Tensor>(o), at::kFloat, what);
+    TORCH_CHECK(numel < 0 || t.numel() == numel, "edgellm decode plan: ", what, " has ", t.numel(),
+                " elements, expected ", numel);
+    return t.data_ptr<float>();
+  }
+  // (kind, group, weight-or-codes, scales, mins, bias); kind 0 = fp32 [N, K], 4 = int4, 8 = int8
+  edgellm::DecodeLinear linear(const py::tuple& spec, int64_t N, int64_t K, const char* what) {
+    TORCH_CHECK(spec.size() == 6, "edgellm decode plan: ", what, ": a linear spec has 6 fields");
+    edgellm::DecodeLinear L;
+    L.kind = spec[0].cast<int>();
+    L.G = spec[1].cast<int64_t>();
+    L.N = N;
+    L.K = K;
+    if (L.kind == edgellm::DecodeLinear::F32) {
+      L.w = f32(spec[2], N * K, what);
+      TORCH_CHECK(L.w, "edgellm decode plan: ", what, ": no weight");
+    } else {
+      TORCH_CHECK(L.kind == 4 || L.kind == 8, "edgellm decode plan: ", what, ": unknown kind ", L.kind);
+      TORCH_CHECK(L.G > 0 && L.G % 32 == 0 && K % L.G == 0, "edgellm decode plan: ", what, ": group ", L.G,
+                  " must be a multiple of 32 dividing K=", K);
+      const at::Tensor& c = hold(py::cast<at::Tensor>(spec[2]), L.kind == 4 ? at::kByte : at::kChar, what);
+      TORCH_CHECK(c.dim() == 2 && c.size(0) == N && c.size(1) == (L.kind == 4 ? K / 2 : K), "edgellm decode plan: ",
+                  what, ": codes ", c.sizes(), " do not fit [", N, ", ", K, "]");
+      L.codes = reinterpret_cast<const uint8_t*>(c.data_ptr());
+      const at::Tensor& sc = hold(py::cast<at::Tensor>(spec[3]), at::kHalf, what);
+      TORCH_CHECK(sc.numel() == N * (K / L.G), "edgellm decode plan: ", what, ": scales ", sc.sizes());
+      L.scales = reinterpret_cast<const uint16_t*>(sc.data_ptr());
+      if (!spec[4].is_none()) {
+        TORCH_CHECK(L.kind == 4, "edgellm decode plan: ", what, ": mins are for int4 only");
+        const at::Tensor& mn = hold(py::cast<at::Tensor>(spec[4]), at::kHalf, what);
+        TORCH_CHECK(mn.numel() == N * (K / L.G), "edgellm decode plan: ", what, ": mins ", mn.sizes());
+        L.mins = reinterpret_cast<const uint16_t*>(mn.data_ptr());
+      }
+    }
+    L.bias = f32(spec[5], N, what);
+    return L;
+  }
+
+  // dims: dim, n_heads, n_kv_heads, head_dim, hidden, vocab, max_seq_len; layers: (qkv, o, w13, w2, attn_norm,
+  // ffn_norm, k_cache, v_cache) each
+  DecodePlan(const std::vector<int64_t>& dims, double eps, double attn_scale, const py::tuple& embedding,
+             const py::list& layers, const py::handle& norm, const py::tuple& output, const py::handle& rope_cos,
+             const py::handle& rope_sin) {
+    TORCH_CHECK(dims.size() == 7, "edgellm decode plan: dims has 7 entries");
+    auto& M = m;
+    M.dim = dims[0]; M.n_heads = dims[1]; M.n_kv_heads = dims[2]; M.head_dim = dims[3]; M.hidden = dims[4];
+    M.vocab = dims[5]; M.max_seq_len = dims[6];
+    M.eps = (float)eps;
+    M.attn_scale = (float)attn_scale;
+    TORCH_CHECK(M.n_kv_heads > 0 && M.n_heads % M.n_kv_heads == 0 && M.head_dim % 2 == 0 && M.head_dim <= 1024,
+                "edgellm decode plan: unsupported head layout");
+    const int64_t D = M.head_dim, S = M.max_seq_len, qkv_n = (M.n_heads + 2 * M.n_kv_heads) * D;
+    M.embedding = linear(embedding, M.vocab, M.dim, "embedding");
+    for (const py::handle& item : layers) {
+      const py::tuple t = item.cast<py::tuple>();
+      TORCH_CHECK(t.size() == 8, "edgellm decode plan: a layer has 8 fields");
+      edgellm::DecodeLayer L;
+      L.qkv = linear(t[0].cast<py::tuple>(), qkv_n, M.dim, "wqkv");
+      L.o = linear(t[1].cast<py::tuple>(), M.dim, M.n_heads * D, "wo");
+      L.w13 = linear(t[2].cast<py::tuple>(), 2 * M.hidden, M.dim, "w13");
+      L.w2 = linear(t[3].cast<py::tuple>(), M.dim, M.hidden, "w2");
+      L.attn_norm = f32(t[4], M.dim, "attention_norm");
+      L.ffn_norm = f32(t[5], M.dim, "ffn_norm");
+      L.k_cache = const_cast<float*>(f32(t[6], M.n_kv_heads * S * D, "k cache"));
+      L.v_cache = const_cast<float*>(f32(t[7], M.n_kv_heads * S * D, "v cache"));
+      M.layers.push_back(L);
+    }
+    n_layers = (int64_t)M.layers.size();
+    M.norm = f32(norm, M.dim, "norm");
+    M.output = linear(output, M.vocab, M.dim, "output");
+    const at::Tensor& c = hold(py::cast<at::Tensor>(rope_cos), at::kFloat, "rope_cos");
+    const at::Tensor& s = hold(py::cast<at::Tensor>(rope_sin), at::kFloat, "rope_sin");
+    TORCH_CHECK(c.numel() >= S * D && s.numel() == c.numel(), "edgellm decode plan: rope tables shorter than the cache");
+    M.rope_cos = c.data_ptr<float>();
+    M.rope_sin = s.data_ptr<float>();
+    edgellm::decode_prepare(M);
+  }
+
+  at::Tensor step(const at::Tensor& token, int64_t pos, const at::Tensor& logits, int64_t variant) {
+    TORCH_CHECK(token.device().is_cpu() && token.scalar_type() == at::kLong && token.numel() == 1,
+                "edgellm decode step: token must be one int64 CPU element");
+    TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
+                    logits.numel() == m.vocab, "edgellm decode step: logits must be contiguous fp32 [", m.vocab, "]");
+    TORCH_CHECK(pos >= 0 && pos < m.max_seq_len, "edgellm decode step: position ", pos, " outside the cache of ",
+                m.max_seq_len);
+    const int64_t tok = token.data_ptr<int64_t>()[0];
+    TORCH_CHECK(tok >= 0 && tok < m.vocab, "edgellm decode step: token id ", tok, " outside the vocabulary");
+    float* out = logits.data_ptr<float>();
+    {
+      py::gil_scoped_release nogil;  // a chat UI thread keeps running while the token computes
+      edgellm::decode_step(m, tok, pos, out, (int)variant);
+    }
+    return logits;
+  }
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  namespace py = pybind11;
   m.doc() = "edgellm int4/int8 weight-only GEMM for small M (decode, speculative verification)";
   m.def("int4_gemm", &int4_gemm, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("mins"),
         py::arg("group_size"), "x fp32 [M,K] @ dequant(int4 codes [N,K/2])^T -> fp32 [M,N]; mins empty = symmetric");
@@ -135,6 +283,29 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm_out", &int8_gemm_out, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("group_size"),
         py::arg("out"), "int8_gemm into a preallocated fp32 [M,N] out; returns out");
   m.def("isa", &isa, "the instruction set the kernels were compiled for");
+  m.def("dequant_out", &dequant_out, py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("group_size"),
+        py::arg("bits"), py::arg("buf"),
+        "dequantize int4 (mins empty = symmetric) / int8 codes into fp32 buf (>= N*K elements); returns [N, K]");
+  py::class_<DecodePlan>(m, "DecodePlan", "the fused CPU decode step of one model + KV cache (see cpu_decode.py)")
+      .def(py::init<const std::vector<int64_t>&, double, double, const py::tuple&, const py::list&, const py::handle&,
+                    const py::tuple&, const py::handle&, const py::handle&>(),
+           py::arg("dims"), py::arg("eps"), py::arg("attn_scale"), py::arg("embedding"), py::arg("layers"),
+           py::arg("norm"), py::arg("output"), py::arg("rope_cos"), py::arg("rope_sin"))
+      .def("step", &DecodePlan::step, py::arg("token"), py::arg("pos"), py::arg("logits"), py::arg("variant"),
+           "logits [vocab] of token (int64 [1] or [1, 1]) at position pos; writes its K/V into the cache")
+      .def("set_profile", [](DecodePlan& p, bool on) {
+             p.m.profile = on;
+             p.m.t_matmul = p.m.t_attention = p.m.t_other = 0;
+             p.m.steps = 0;
+           }, py::arg("on"), "start (and zero) or stop the per-part timers of the step")
+      .def("profile", [](const DecodePlan& p) {
+             py::dict d;
+             d["steps"] = p.m.steps;
+             d["matmul_s"] = p.m.t_matmul;
+             d["attention_s"] = p.m.t_attention;
+             d["other_s"] = p.m.t_other;
+             return d;
+           }, "seconds spent per part since set_profile(True)");
 }
 
 TORCH_LIBRARY(edgellm_cpu, m) {

@@ -37,7 +37,8 @@ from typing import Iterator
 import torch
 
 _NAME = "edgellm_cpu_kernels"
-_SOURCES = ("cpu_kernels.cpp", "cpu_bindings.cpp")
+_SOURCES = ("cpu_kernels.cpp", "cpu_decode.cpp", "cpu_bindings.cpp")
+_HEADERS = ("cpu_decode.h",)  # hashed with the sources: a change rebuilds
 _BUILD_VERSION = "1"  # bump to force a rebuild when the flags logic changes
 
 _state: dict[str, object] = {"tried": False, "ext": None}
@@ -219,7 +220,7 @@ def _load() -> ModuleType:
     opt = ["/O2"] if sys.platform == "win32" else ["-O3"]
     cflags = opt + ["-DNDEBUG"] + isa_flags + omp_cflags
     key = hashlib.sha256()
-    for s in sources:
+    for s in sources + [here / h for h in _HEADERS]:
         key.update(s.read_bytes())
     key.update(repr((cflags, omp_ldflags, os.environ.get("CXX"), _BUILD_VERSION, sys.version)).encode())
     pyver = f"{sys.version_info.major}{sys.version_info.minor}"

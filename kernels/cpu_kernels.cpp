@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || (defined(__FMA__) && defined(__F16C__)))
@@ -174,6 +175,29 @@ static uint8_t* scratch(size_t bytes) {
   return reinterpret_cast<uint8_t*>((p + 63) & ~uintptr_t(63));
 }
 
+static inline void prefetch(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 3);
+#elif defined(EDGELLM_AVX2)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+#else
+  (void)p;
+#endif
+}
+
+// Software prefetch of the row PREFETCH_BYTES ahead (codes, and the same rows' scales / mins).  The rows stream
+// from DRAM (a token reads ~90 MB of weights here); the hardware prefetcher stops at each 4 KiB page and
+// restarts slowly, and measured (one thread, weights cycled through 64 MB): 4 KiB ahead made the int4
+// matvecs 1.3-1.6x and the int8 LM head 1.5x faster; 1-2 KiB helped less, 8-16 KiB no more.
+static constexpr int64_t PREFETCH_BYTES = 4096;
+static inline void prefetch_row(const void* crow, int64_t rb, const uint16_t* srow, const uint16_t* mrow, int64_t ng) {
+  const char* c = static_cast<const char*>(crow) + PREFETCH_BYTES;
+  for (int64_t o = 0; o < rb; o += 64) prefetch(c + o);
+  const int64_t ahead = PREFETCH_BYTES / rb * ng;  // the scales of the row PREFETCH_BYTES ahead
+  prefetch(srow + ahead);
+  if (mrow) prefetch(mrow + ahead);
+}
+
 // ---------------------------------------------------------------- group index of a 32-block
 struct GroupOf {
   int shift;    // log2(blocks per group) when that is a power of two, else -1
@@ -195,8 +219,8 @@ struct GroupOf {
 //
 // AVX2 byte layout: blocks 2p and 2p+1 sit in the two 128-bit lanes of one register (a 32-byte load of
 // the packed codes), so the 64 bytes at p*64 are [blk 2p x0..15 | blk 2p+1 x0..15 | blk 2p x16..31 |
-// blk 2p+1 x16..31].  The per-block scalars of a full 8-block chunk are stored in the order the
-// kernel's horizontal adds leave the block sums in: 0,2,4,6,1,3,5,7.  Other ISAs: natural order.
+// blk 2p+1 x16..31].  Other ISAs: [blk b x0..31] at b*32.  The per-block scalars are in natural order
+// everywhere (the AVX2 kernels permute their block sums into it).
 struct XQ {
   int64_t M, K, nb, nc, nfull;  // blocks, 8-block chunks (rounded up), full chunks
   int8_t* q;
@@ -217,17 +241,7 @@ static inline int64_t xq_off(int64_t b, int half /*0: x0..15, 1: x16..31*/) {
 #endif
 }
 
-static inline int64_t xq_pos(int64_t b, int64_t nfull) {
-#ifdef EDGELLM_AVX2
-  if (b < nfull * 8) {
-    const int64_t j = b & 7;
-    return (b & ~int64_t(7)) + ((j & 1) ? 4 + (j >> 1) : (j >> 1));
-  }
-#else
-  (void)nfull;
-#endif
-  return b;
-}
+static inline int64_t xq_pos(int64_t b, int64_t /*nfull*/) { return b; }  // per-block scalars: natural order
 
 // Quantize one block of 32 floats; writes 16+16 bytes, returns d, stores sum(q) in *qsum.
 static inline float quantize_block(const float* x, int8_t* lo, int8_t* hi, int32_t* qsum) {
@@ -326,110 +340,39 @@ static inline __m256i load_2x128(const void* lo, const void* hi) {
                                  _mm_loadu_si128((const __m128i*)hi), 1);
 }
 
-// Per-block weight scales (or mins) of full chunk c, in the kernel's block order 0,2,4,6,1,3,5,7.
-static inline __m256 load_w8(const uint16_t* srow, int64_t c, int64_t G, const GroupOf& gof) {
-  __m256 v;
-  if (G == 32) {
-    v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(srow + c * 8)));
-  } else if (G == 64) {  // blocks 2g, 2g+1 share group g: natural order 0,0,1,1,2,2,3,3 -> permuted 0,1,2,3,0,1,2,3
-    __m128 g = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(srow + c * 4)));
-    return _mm256_set_m128(g, g);
-  } else if (G == 128) {  // natural 0,0,0,0,1,1,1,1 -> permuted 0,0,1,1,0,0,1,1
+// Per-block weight scales (or mins) of full chunk c, natural block order.
+static inline __m256 load_w8n(const uint16_t* srow, int64_t c, int64_t G, const GroupOf& gof) {
+  if (G == 32) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(srow + c * 8)));
+  if (G == 64) {  // blocks 2g, 2g+1 share group g
+    const __m128 g = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)(srow + c * 4)));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(g), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3));
+  }
+  if (G == 128) {
     int32_t two;
     std::memcpy(&two, srow + c * 2, 4);
-    __m128 g = _mm_cvtph_ps(_mm_cvtsi32_si128(two));
-    g = _mm_unpacklo_ps(g, g);
-    return _mm256_set_m128(g, g);
-  } else if (gof(c * 8) == gof(c * 8 + 7)) {  // one group covers the chunk (G >= 256, per channel)
-    return _mm256_set1_ps(_cvtsh_ss(srow[gof(c * 8)]));
-  } else {
-    alignas(32) float t[8];
-    fill_w8(t, srow, c, gof);
-    v = _mm256_load_ps(t);
+    const __m128 g = _mm_cvtph_ps(_mm_cvtsi32_si128(two));
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(g), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
   }
-  return _mm256_permutevar8x32_ps(v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7));
+  if (gof(c * 8) == gof(c * 8 + 7)) return _mm256_set1_ps(_cvtsh_ss(srow[gof(c * 8)]));
+  alignas(32) float t[8];
+  fill_w8(t, srow, c, gof);
+  return _mm256_load_ps(t);
 }
 
-// ---- int4, approach (a).  T activation rows share each unpacked weight chunk.
-// Per full chunk (8 blocks, 128 bytes): 4 loads of 32 bytes = blocks (2k, 2k+1); maddubs of the u8 codes
-// (0..15) with the s8 activations gives int16 sums of 2 products; adding the lo/hi nibble halves and two
-// levels of hadd_epi16 sum 16 products per int16 lane, |.| <= 16*15*127 = 30480 < 32767, so nothing
-// saturates or wraps; one madd with ones finishes the 32-product block sums as int32, one per lane.
-template <int T, bool ASYM>
-static void q4_rows_dot(const XQ& xq, int64_t m0, const uint8_t* crow, const uint16_t* srow,
-                        const uint16_t* mrow, int64_t G, const GroupOf& gof, float* out, int64_t ldo) {
-  const int64_t nb = xq.nb, nfull = xq.nfull;
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc[T];
-  float tail[T];
-  for (int t = 0; t < T; ++t) { acc[t] = _mm256_setzero_ps(); tail[t] = 0.0f; }
-  for (int64_t c = 0; c < nfull; ++c) {
-    const uint8_t* wp = crow + c * 128;
-    __m256i lo[4], hi[4];
-    for (int k = 0; k < 4; ++k) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(wp + k * 32));
-      lo[k] = _mm256_and_si256(v, m4);                        // codes 0..15 of blk 2k | blk 2k+1
-      hi[k] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);  // codes 16..31
-    }
-    const __m256 dw = load_w8(srow, c, G, gof);
-    __m256 mw = _mm256_setzero_ps();
-    if (ASYM) mw = load_w8(mrow, c, G, gof);
-    for (int t = 0; t < T; ++t) {
-      const int8_t* xp = xq.qrow(m0 + t) + c * 256;
-      __m256i s[4];
-      for (int k = 0; k < 4; ++k)
-        s[k] = _mm256_add_epi16(_mm256_maddubs_epi16(lo[k], _mm256_load_si256((const __m256i*)(xp + k * 64))),
-                                _mm256_maddubs_epi16(hi[k], _mm256_load_si256((const __m256i*)(xp + k * 64 + 32))));
-      __m256i h = _mm256_madd_epi16(
-          _mm256_hadd_epi16(_mm256_hadd_epi16(s[0], s[1]), _mm256_hadd_epi16(s[2], s[3])), ones);
-      const int64_t o = (m0 + t) * xq.nc * 8 + c * 8;
-      // symmetric: sum (code - 8) q = sum code q - 8 sum q, exactly, in int32
-      if (!ASYM) h = _mm256_sub_epi32(h, _mm256_load_si256((const __m256i*)(xq.q8 + o)));
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(dw, _mm256_load_ps(xq.d + o)), acc[t]);
-      if (ASYM) acc[t] = _mm256_fmadd_ps(mw, _mm256_load_ps(xq.s + o), acc[t]);
-    }
-  }
-  // Tail blocks (K not a multiple of 256, e.g. K = 576 = 2 chunks + 2 blocks): pairs, then one single.
-  int64_t b = nfull * 8;
-  for (; b + 2 <= nb; b += 2) {
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(crow + b * 16));
-    const __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    const float dw0 = _cvtsh_ss(srow[gof(b)]), dw1 = _cvtsh_ss(srow[gof(b + 1)]);
-    const float mw0 = ASYM ? _cvtsh_ss(mrow[gof(b)]) : 0.0f, mw1 = ASYM ? _cvtsh_ss(mrow[gof(b + 1)]) : 0.0f;
-    for (int t = 0; t < T; ++t) {
-      const int8_t* xp = xq.qrow(m0 + t) + xq_off(b, 0);
-      const int64_t o = (m0 + t) * xq.nc * 8 + b;
-      const __m256i s = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_load_si256((const __m256i*)xp)),
-                                         _mm256_maddubs_epi16(hi, _mm256_load_si256((const __m256i*)(xp + 32))));
-      const __m256i p = _mm256_madd_epi16(s, ones);  // [blk b: 4 partial sums | blk b+1: 4]
-      const float s0 = dw0 * xq.d[o], s1 = dw1 * xq.d[o + 1];
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set_m128(_mm_set1_ps(s1), _mm_set1_ps(s0)), acc[t]);
-      tail[t] += ASYM ? mw0 * xq.s[o] + mw1 * xq.s[o + 1] : -(s0 * (float)xq.q8[o] + s1 * (float)xq.q8[o + 1]);
-    }
-  }
-  if (b < nb) {
-    const __m128i v = _mm_loadu_si128((const __m128i*)(crow + b * 16));
-    const __m128i m4s = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(v, m4s), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4s);
-    const float dw0 = _cvtsh_ss(srow[gof(b)]);
-    const float mw0 = ASYM ? _cvtsh_ss(mrow[gof(b)]) : 0.0f;
-    for (int t = 0; t < T; ++t) {
-      const int8_t* xp = xq.qrow(m0 + t) + xq_off(b, 0);
-      const int64_t o = (m0 + t) * xq.nc * 8 + b;
-      const __m128i s = _mm_add_epi16(_mm_maddubs_epi16(lo, _mm_loadu_si128((const __m128i*)xp)),
-                                      _mm_maddubs_epi16(hi, _mm_loadu_si128((const __m128i*)(xp + 32))));
-      const __m128 p = _mm_cvtepi32_ps(_mm_madd_epi16(s, _mm_set1_epi16(1)));
-      const float s0 = dw0 * xq.d[o];
-      acc[t] = _mm256_add_ps(acc[t], _mm256_insertf128_ps(_mm256_setzero_ps(), _mm_mul_ps(p, _mm_set1_ps(s0)), 0));
-      tail[t] += ASYM ? mw0 * xq.s[o] : -s0 * (float)xq.q8[o];
-    }
-  }
-  for (int t = 0; t < T; ++t) out[(m0 + t) * ldo] = hsum_ps(acc[t]) + tail[t];
-}
-
-// ---- int8, approach (a).  |w| * (x * sign w) == w * x; maddubs int16 pair sums reach 2*128*127 = 32512,
-// so each half gets its own madd before the int32 add, and the block sums come from hadd_epi32.
+// ---- approach (a), int4 and int8: one weight row against T activation rows (T <= 4).
+// int4, per full chunk (8 blocks, 128 bytes of a row): 4 loads of 32 bytes = blocks (2k, 2k+1); maddubs of the
+// u8 codes (0..15) with the s8 activations gives int16 sums of 2 products; adding the lo/hi nibble halves and
+// two levels of hadd_epi16 sum 16 products per int16 lane, |.| <= 16*15*127 = 30480 < 32767, so nothing
+// saturates or wraps; one madd with ones finishes the 32-product block sums as int32, in lane order
+// 0,2,4,6,1,3,5,7, which one permute makes natural.
+// int8: |w| * (x * sign w) == w * x; maddubs int16 pair sums reach 2*128*127 = 32512, so each half gets its
+// own madd before the int32 add, and the block sums come from hadd_epi32 (same lane order).
+// Tail blocks (K = 576 is 2 chunks + 2 blocks) go in pairs, one register per pair, with vector scales:
+// [d_b, d_b+1] (fp16 -> fp32 in one conversion) x [dx_b, dx_b+1], expanded to [c_b x4 | c_b+1 x4] by one
+// permute; the min (or -8 * sum q) terms of the tail go to a 128-bit accumulator.
+// The float operations of one (row, activation row) pair run in the same order whatever T is, so a row of a
+// T-token verification pass is bit-identical to the same row computed alone (M = 1): speculative decoding
+// relies on it.  GS: the group size at compile time (32, the GGUF blocks, is the common case), 0 = any.
 static inline __m256i q8_pair_dot(__m256i wlo, __m256i ulo, __m256i whi, __m256i uhi, const int8_t* xp,
                                   __m256i ones) {
   const __m256i xa = _mm256_sign_epi8(_mm256_load_si256((const __m256i*)xp), wlo);
@@ -438,64 +381,195 @@ static inline __m256i q8_pair_dot(__m256i wlo, __m256i ulo, __m256i whi, __m256i
                           _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, xb), ones));
 }
 
-template <int T>
-static void q8_rows_dot(const XQ& xq, int64_t m0, const int8_t* crow, const uint16_t* srow, int64_t G,
-                        const GroupOf& gof, float* out, int64_t ldo) {
-  const int64_t nb = xq.nb, nfull = xq.nfull;
-  const __m256i ones = _mm256_set1_epi16(1);
+template <int GS>
+static inline __m256 w8_natural(const uint16_t* srow, int64_t c, int64_t G, const GroupOf& gof) {
+  if (GS == 32) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(srow + c * 8)));
+  return load_w8n(srow, c, G, gof);
+}
+
+template <int GS>
+static inline __m128 w2_pair(const uint16_t* srow, int64_t b, const GroupOf& gof) {
+  uint32_t two;
+  if (GS == 32) {
+    std::memcpy(&two, srow + b, 4);
+  } else {
+    two = (uint32_t)srow[gof(b)] | ((uint32_t)srow[gof(b + 1)] << 16);
+  }
+  return _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));  // [w_b, w_b+1, 0, 0]
+}
+
+static inline float hsum_tail(__m256 acc, __m128 tail) {
+  __m128 s = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)), tail);
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Row n of W (codes row crow, scales srow, mins mrow) against activation rows m0 .. m0+T-1 -> out[(m0+t)*ldo].
+template <int BITS, bool ASYM, int GS, int T>
+static inline void qdot_row(const XQ& xq, int64_t m0, const uint8_t* crow, const uint16_t* srow, const uint16_t* mrow,
+                            int64_t G, const GroupOf& gof, float* out, int64_t ldo) {
+  const int64_t nb = xq.nb, nfull = xq.nfull, xstride = xq.nc * 256, dstride = xq.nc * 8;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i natural = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i expand2 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  const int8_t* xq0 = xq.qrow(m0);
   __m256 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  __m128 tail[T];
+  for (int t = 0; t < T; ++t) { acc[t] = _mm256_setzero_ps(); tail[t] = _mm_setzero_ps(); }
   for (int64_t c = 0; c < nfull; ++c) {
-    const int8_t* wp = crow + c * 256;
-    __m256i wlo[4], whi[4], ulo[4], uhi[4];
-    for (int k = 0; k < 4; ++k) {
-      const int8_t* b0 = wp + k * 64;  // blocks 2k and 2k+1
-      wlo[k] = load_2x128(b0, b0 + 32);        // codes 0..15 of blk 2k | blk 2k+1
-      whi[k] = load_2x128(b0 + 16, b0 + 48);   // codes 16..31
-      ulo[k] = _mm256_sign_epi8(wlo[k], wlo[k]);  // |w| (as u8: -128 -> 128)
-      uhi[k] = _mm256_sign_epi8(whi[k], whi[k]);
+    __m256i hh[T][2];
+    for (int kk = 0; kk < 2; ++kk) {
+      __m256i s[T][2];
+      for (int k2 = 0; k2 < 2; ++k2) {
+        const int k = kk * 2 + k2;
+        const int8_t* xk = xq0 + c * 256 + k * 64;
+        if (BITS == 4) {
+          const __m256i v = _mm256_loadu_si256((const __m256i*)(crow + c * 128 + k * 32));
+          const __m256i lo = _mm256_and_si256(v, m4);                        // codes 0..15 of blk 2k | 2k+1
+          const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);  // codes 16..31
+          for (int t = 0; t < T; ++t)
+            s[t][k2] = _mm256_add_epi16(
+                _mm256_maddubs_epi16(lo, _mm256_load_si256((const __m256i*)(xk + t * xstride))),
+                _mm256_maddubs_epi16(hi, _mm256_load_si256((const __m256i*)(xk + t * xstride + 32))));
+        } else {
+          const int8_t* b0 = (const int8_t*)crow + c * 256 + k * 64;  // blocks 2k and 2k+1
+          const __m256i wlo = load_2x128(b0, b0 + 32);                 // codes 0..15 of blk 2k | blk 2k+1
+          const __m256i whi = load_2x128(b0 + 16, b0 + 48);            // codes 16..31
+          const __m256i ulo = _mm256_sign_epi8(wlo, wlo), uhi = _mm256_sign_epi8(whi, whi);  // |w| as u8
+          for (int t = 0; t < T; ++t) s[t][k2] = q8_pair_dot(wlo, ulo, whi, uhi, xk + t * xstride, ones);
+        }
+      }
+      for (int t = 0; t < T; ++t)
+        hh[t][kk] = BITS == 4 ? _mm256_hadd_epi16(s[t][0], s[t][1]) : _mm256_hadd_epi32(s[t][0], s[t][1]);
     }
-    const __m256 dw = load_w8(srow, c, G, gof);
+    const __m256 dw = w8_natural<GS>(srow, c, G, gof);
+    __m256 mw = _mm256_setzero_ps();
+    if (ASYM) mw = w8_natural<GS>(mrow, c, G, gof);
     for (int t = 0; t < T; ++t) {
-      const int8_t* xp = xq.qrow(m0 + t) + c * 256;
-      __m256i p[4];
-      for (int k = 0; k < 4; ++k) p[k] = q8_pair_dot(wlo[k], ulo[k], whi[k], uhi[k], xp + k * 64, ones);
-      const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-      const int64_t o = (m0 + t) * xq.nc * 8 + c * 8;
+      __m256i h = BITS == 4 ? _mm256_madd_epi16(_mm256_hadd_epi16(hh[t][0], hh[t][1]), ones)
+                            : _mm256_hadd_epi32(hh[t][0], hh[t][1]);
+      h = _mm256_permutevar8x32_epi32(h, natural);
+      const int64_t o = (m0 + t) * dstride + c * 8;
+      // symmetric int4: sum (code - 8) q = sum code q - 8 sum q, exactly, in int32
+      if (BITS == 4 && !ASYM) h = _mm256_sub_epi32(h, _mm256_load_si256((const __m256i*)(xq.q8 + o)));
       acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(dw, _mm256_load_ps(xq.d + o)), acc[t]);
+      if (ASYM) acc[t] = _mm256_fmadd_ps(mw, _mm256_load_ps(xq.s + o), acc[t]);
     }
   }
   int64_t b = nfull * 8;
   for (; b + 2 <= nb; b += 2) {
-    const int8_t* b0 = crow + b * 32;
-    const __m256i wlo = load_2x128(b0, b0 + 32), whi = load_2x128(b0 + 16, b0 + 48);
-    const __m256i ulo = _mm256_sign_epi8(wlo, wlo), uhi = _mm256_sign_epi8(whi, whi);
-    const float dw0 = _cvtsh_ss(srow[gof(b)]), dw1 = _cvtsh_ss(srow[gof(b + 1)]);
+    const int8_t* xb = xq0 + xq_off(b, 0);
+    __m256i lo, hi, wlo, whi, ulo, uhi;
+    if (BITS == 4) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(crow + b * 16));
+      lo = _mm256_and_si256(v, m4);
+      hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    } else {
+      const int8_t* b0 = (const int8_t*)crow + b * 32;
+      wlo = load_2x128(b0, b0 + 32);
+      whi = load_2x128(b0 + 16, b0 + 48);
+      ulo = _mm256_sign_epi8(wlo, wlo);
+      uhi = _mm256_sign_epi8(whi, whi);
+    }
+    const __m128 dw2 = w2_pair<GS>(srow, b, gof);
+    __m128 mw2 = _mm_setzero_ps();
+    if (ASYM) mw2 = w2_pair<GS>(mrow, b, gof);
     for (int t = 0; t < T; ++t) {
-      const int64_t o = (m0 + t) * xq.nc * 8 + b;
-      const __m256i p = q8_pair_dot(wlo, ulo, whi, uhi, xq.qrow(m0 + t) + xq_off(b, 0), ones);
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),
-                               _mm256_set_m128(_mm_set1_ps(dw1 * xq.d[o + 1]), _mm_set1_ps(dw0 * xq.d[o])), acc[t]);
+      __m256i p;
+      if (BITS == 4) {
+        const __m256i sp = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_load_si256((const __m256i*)(xb + t * xstride))),
+            _mm256_maddubs_epi16(hi, _mm256_load_si256((const __m256i*)(xb + t * xstride + 32))));
+        p = _mm256_madd_epi16(sp, ones);  // [blk b: 4 partial sums | blk b+1: 4]
+      } else {
+        p = q8_pair_dot(wlo, ulo, whi, uhi, xb + t * xstride, ones);
+      }
+      const int64_t o = (m0 + t) * dstride + b;
+      const __m128 c2 = _mm_mul_ps(dw2, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)(xq.d + o))));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(_mm256_castps128_ps256(c2), expand2),
+                               acc[t]);
+      if (BITS == 4) {
+        if (ASYM)
+          tail[t] = _mm_fmadd_ps(mw2, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)(xq.s + o))), tail[t]);
+        else
+          tail[t] = _mm_fnmadd_ps(c2, _mm_cvtepi32_ps(_mm_loadl_epi64((const __m128i*)(xq.q8 + o))), tail[t]);
+      }
     }
   }
-  if (b < nb) {
-    const int8_t* b0 = crow + b * 32;
-    const __m128i wlo = _mm_loadu_si128((const __m128i*)b0), whi = _mm_loadu_si128((const __m128i*)(b0 + 16));
-    const __m128i ulo = _mm_sign_epi8(wlo, wlo), uhi = _mm_sign_epi8(whi, whi);
-    const __m128i one = _mm_set1_epi16(1);
+  float rest[T];
+  for (int t = 0; t < T; ++t) rest[t] = 0.0f;
+  if (b < nb) {  // one last block
     const float dw0 = _cvtsh_ss(srow[gof(b)]);
+    const float mw0 = ASYM ? _cvtsh_ss(mrow[gof(b)]) : 0.0f;
     for (int t = 0; t < T; ++t) {
-      const int64_t o = (m0 + t) * xq.nc * 8 + b;
-      const int8_t* xp = xq.qrow(m0 + t) + xq_off(b, 0);
-      const __m128i xa = _mm_sign_epi8(_mm_loadu_si128((const __m128i*)xp), wlo);
-      const __m128i xb = _mm_sign_epi8(_mm_loadu_si128((const __m128i*)(xp + 32)), whi);
-      const __m128i p = _mm_add_epi32(_mm_madd_epi16(_mm_maddubs_epi16(ulo, xa), one),
-                                      _mm_madd_epi16(_mm_maddubs_epi16(uhi, xb), one));
-      const __m128 f = _mm_mul_ps(_mm_cvtepi32_ps(p), _mm_set1_ps(dw0 * xq.d[o]));
-      acc[t] = _mm256_add_ps(acc[t], _mm256_insertf128_ps(_mm256_setzero_ps(), f, 0));
+      const int8_t* xp = xq0 + t * xstride + xq_off(b, 0);
+      const int64_t o = (m0 + t) * dstride + b;
+      const float c0 = dw0 * xq.d[o];
+      __m128i p;
+      if (BITS == 4) {
+        const __m128i m4s = _mm_set1_epi8(0x0F);
+        const __m128i v = _mm_loadu_si128((const __m128i*)(crow + b * 16));
+        const __m128i sp = _mm_add_epi16(_mm_maddubs_epi16(_mm_and_si128(v, m4s), _mm_loadu_si128((const __m128i*)xp)),
+                                         _mm_maddubs_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m4s),
+                                                           _mm_loadu_si128((const __m128i*)(xp + 32))));
+        p = _mm_madd_epi16(sp, _mm_set1_epi16(1));
+        rest[t] = ASYM ? mw0 * xq.s[o] : -c0 * (float)xq.q8[o];
+      } else {
+        const int8_t* b0 = (const int8_t*)crow + b * 32;
+        const __m128i w0 = _mm_loadu_si128((const __m128i*)b0), w1 = _mm_loadu_si128((const __m128i*)(b0 + 16));
+        const __m128i one = _mm_set1_epi16(1);
+        const __m128i xa = _mm_sign_epi8(_mm_loadu_si128((const __m128i*)xp), w0);
+        const __m128i xc = _mm_sign_epi8(_mm_loadu_si128((const __m128i*)(xp + 32)), w1);
+        p = _mm_add_epi32(_mm_madd_epi16(_mm_maddubs_epi16(_mm_sign_epi8(w0, w0), xa), one),
+                          _mm_madd_epi16(_mm_maddubs_epi16(_mm_sign_epi8(w1, w1), xc), one));
+      }
+      tail[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(p), _mm_set1_ps(c0), tail[t]);
     }
   }
-  for (int t = 0; t < T; ++t) out[(m0 + t) * ldo] = hsum_ps(acc[t]);
+  for (int t = 0; t < T; ++t) out[(m0 + t) * ldo] = hsum_tail(acc[t], tail[t]) + rest[t];
+}
+
+// Rows [n0, n1) of out[m, n] = W[n] . x[m] for all M activation rows: each weight row is read from memory once
+// and used by every activation row (tiles of 4 from registers, further tiles from L1).
+template <int BITS, bool ASYM, int GS>
+static void qdot_range(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
+                       const uint16_t* mins, int64_t N, int64_t G, float* out, int64_t n0, int64_t n1) {
+  const int64_t ng = K / G, rb = BITS == 4 ? K / 2 : K;
+  const GroupOf gof(G);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* crow = codes + n * rb;
+    const uint16_t* srow = scales + n * ng;
+    const uint16_t* mrow = ASYM ? mins + n * ng : nullptr;
+    prefetch_row(crow, rb, srow, mrow, ng);
+    if (M == 1) {
+      qdot_row<BITS, ASYM, GS, 1>(xq, 0, crow, srow, mrow, G, gof, out + n, N);
+      continue;
+    }
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) qdot_row<BITS, ASYM, GS, 4>(xq, m, crow, srow, mrow, G, gof, out + n, N);
+    switch (M - m) {
+      case 3: qdot_row<BITS, ASYM, GS, 3>(xq, m, crow, srow, mrow, G, gof, out + n, N); break;
+      case 2: qdot_row<BITS, ASYM, GS, 2>(xq, m, crow, srow, mrow, G, gof, out + n, N); break;
+      case 1: qdot_row<BITS, ASYM, GS, 1>(xq, m, crow, srow, mrow, G, gof, out + n, N); break;
+      default: break;
+    }
+  }
+}
+
+template <int BITS>
+static void qdot(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
+                 const uint16_t* mins, int64_t N, int64_t G, float* out, int64_t n0, int64_t n1) {
+  if (BITS == 8) {
+    if (G == 32) qdot_range<8, false, 32>(xq, M, K, codes, scales, nullptr, N, G, out, n0, n1);
+    else qdot_range<8, false, 0>(xq, M, K, codes, scales, nullptr, N, G, out, n0, n1);
+  } else if (mins) {
+    if (G == 32) qdot_range<4, true, 32>(xq, M, K, codes, scales, mins, N, G, out, n0, n1);
+    else qdot_range<4, true, 0>(xq, M, K, codes, scales, mins, N, G, out, n0, n1);
+  } else {
+    if (G == 32) qdot_range<4, false, 32>(xq, M, K, codes, scales, nullptr, N, G, out, n0, n1);
+    else qdot_range<4, false, 0>(xq, M, K, codes, scales, nullptr, N, G, out, n0, n1);
+  }
 }
 
 // ---- int4, approach (b): dequantize a block to 4x8 fp32 in registers, FMA with fp32 x.
@@ -742,6 +816,7 @@ static int64_t grain_for(int64_t K, int64_t M) {
 
 enum Variant { AUTO = 0, INT_DOT = 1, FLOAT_FMA = 2, SCALAR = 3, INT_DOT_PORTABLE = 4 };
 
+#ifndef EDGELLM_AVX2  // (the AVX2 build has qdot above)
 template <bool ASYM>
 static void q4_dot_range(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
                          const uint16_t* mins, int64_t N, int64_t G, float* out, int64_t n0, int64_t n1) {
@@ -751,6 +826,7 @@ static void q4_dot_range(const XQ& xq, int64_t M, int64_t K, const uint8_t* code
     const uint8_t* crow = codes + n * (K / 2);
     const uint16_t* srow = scales + n * ng;
     const uint16_t* mrow = ASYM ? mins + n * ng : nullptr;
+    prefetch_row(crow, K / 2, srow, mrow, ng);
     int64_t m = 0;
     for (; m + TILE <= M; m += TILE) q4_rows_dot<TILE, ASYM>(xq, m, crow, srow, mrow, G, gof, out + n, N);
     switch (M - m) {
@@ -761,6 +837,7 @@ static void q4_dot_range(const XQ& xq, int64_t M, int64_t K, const uint8_t* code
     }
   }
 }
+#endif
 
 void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
              const uint16_t* mins, int64_t N, int64_t G, float* out, int variant) {
@@ -784,8 +861,12 @@ void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const u
   if (variant == INT_DOT) {
     const XQ xq = quantize_x(x, M, K);
     edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
+#ifdef EDGELLM_AVX2
+      qdot<4>(xq, M, K, codes, scales, mins, N, G, out, n0, n1);
+#else
       if (mins) q4_dot_range<true>(xq, M, K, codes, scales, mins, N, G, out, n0, n1);
       else q4_dot_range<false>(xq, M, K, codes, scales, mins, N, G, out, n0, n1);
+#endif
     });
     return;
   }
@@ -831,10 +912,14 @@ void q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* codes, const ui
   if (variant == INT_DOT) {
     const XQ xq = quantize_x(x, M, K);
     edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
+#ifdef EDGELLM_AVX2
+      qdot<8>(xq, M, K, reinterpret_cast<const uint8_t*>(codes), scales, nullptr, N, G, out, n0, n1);
+#else
       const GroupOf gof(G);
       for (int64_t n = n0; n < n1; ++n) {
         const int8_t* crow = codes + n * K;
         const uint16_t* srow = scales + n * ng;
+        prefetch_row(crow, K, srow, nullptr, ng);
         int64_t m = 0;
         for (; m + TILE <= M; m += TILE) q8_rows_dot<TILE>(xq, m, crow, srow, G, gof, out + n, N);
         switch (M - m) {
@@ -844,6 +929,7 @@ void q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* codes, const ui
           default: break;
         }
       }
+#endif
     });
     return;
   }
@@ -864,6 +950,102 @@ void q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* codes, const ui
   edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) q8_rows_scalar(x, M, K, codes + n * K, scales + n * ng, G, out + n, N);
   });
+}
+
+// ---------------------------------------------------------------------------------------------- dequantize
+// W [N, K] fp32 from the packed weights, rows split over threads: the prefill path (M > 16 tokens) runs the
+// float GEMM on it.  Bit-identical to kernels/matmul.py's torch reference: (q - 8) * s (one rounding), or
+// q * s + m with two roundings, never an FMA (an empty asm keeps the compiler from contracting them).
+static inline float no_contract(float v) {
+#if defined(__GNUC__) || defined(__clang__)
+  __asm__("" : "+x"(v));
+#endif
+  return v;
+}
+
+#ifdef EDGELLM_AVX2
+static inline __m256 no_contract8(__m256 v) {
+#if defined(__GNUC__) || defined(__clang__)
+  __asm__("" : "+x"(v));
+#endif
+  return v;
+}
+#endif
+
+void dequant_int4(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K, int64_t G,
+                  float* out) {
+  const int64_t ng = K / G;
+  edgellm_par::parallel_for(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* c = codes + n * (K / 2);
+      const uint16_t* s = scales + n * ng;
+      const uint16_t* mn = mins ? mins + n * ng : nullptr;
+      float* o = out + n * K;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        const uint8_t* cb = c + b * 16;
+        float* ob = o + b * 32;
+#ifdef EDGELLM_AVX2
+        const float d = _cvtsh_ss(s[b * 32 / G]);
+        const float m = mn ? _cvtsh_ss(mn[b * 32 / G]) : 0.0f;
+        const __m128i v = _mm_loadu_si128((const __m128i*)cb);
+        const __m128i m4 = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+        const __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m), eight = _mm256_set1_ps(8.0f);
+        for (int j = 0; j < 4; ++j) {
+          const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[j]));
+          const __m256 w = mn ? _mm256_add_ps(no_contract8(_mm256_mul_ps(f, vd)), vm)
+                              : _mm256_mul_ps(_mm256_sub_ps(f, eight), vd);
+          _mm256_storeu_ps(ob + j * 8, w);
+        }
+#else
+        const float d = half_to_float(s[b * 32 / G]);
+        const float m = mn ? half_to_float(mn[b * 32 / G]) : 0.0f;
+        for (int j = 0; j < 16; ++j) {
+          const float q0 = (float)(cb[j] & 0x0F), q1 = (float)(cb[j] >> 4);
+          ob[j] = mn ? no_contract(q0 * d) + m : (q0 - 8.0f) * d;
+          ob[j + 16] = mn ? no_contract(q1 * d) + m : (q1 - 8.0f) * d;
+        }
+#endif
+      }
+    }
+  });
+}
+
+void dequant_int8(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t G, float* out) {
+  const int64_t ng = K / G;
+  edgellm_par::parallel_for(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* c = codes + n * K;
+      const uint16_t* s = scales + n * ng;
+      float* o = out + n * K;
+      for (int64_t g = 0; g < ng; ++g) {
+        int64_t k = g * G;
+        const int64_t e = k + G;
+#ifdef EDGELLM_AVX2
+        const float d = _cvtsh_ss(s[g]);
+        const __m256 vd = _mm256_set1_ps(d);
+        for (; k + 8 <= e; k += 8)
+          _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + k)))), vd));
+#else
+        const float d = half_to_float(s[g]);
+#endif
+        for (; k < e; ++k) o[k] = (float)c[k] * d;
+      }
+    }
+  });
+}
+
+void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
+  edgellm_par::parallel_for(begin, end, grain, f);
+}
+
+int max_threads() {
+#ifdef EDGELLM_STANDALONE
+  return 1;
+#else
+  return at::get_num_threads();
+#endif
 }
 
 const char* isa_name() {

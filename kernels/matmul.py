@@ -26,9 +26,9 @@ Dispatch (`int8_linear` / `int4_linear`):
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import os
+import threading
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -199,6 +199,45 @@ def _finish(out2: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> t
     return out if bias is None else out + bias.to(x.dtype)
 
 
+def _finish_cpu(out2: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """_finish for the C++ kernel's fresh fp32 [M, N]: no op that is not needed (each costs µs from Python),
+    the bias added in place."""
+    if x.dim() != 2:
+        out2 = out2.view(*x.shape[:-1], out2.shape[-1])
+    if x.dtype != torch.float32:
+        out2 = out2.to(x.dtype)
+    return out2 if bias is None else out2.add_(bias.to(out2.dtype))
+
+
+# Prefill (M > 16 on CPU) dequantizes a layer's weight for the float GEMM into one buffer per thread, reused by
+# every layer: a fresh multi-MB tensor per call costs page faults and torch's ~6 passes over it (measured: the
+# torch dequantize took a third of a 512-token int4 prefill). Weights larger than this are not kept.
+SCRATCH_MAX_ELEMENTS = 16 << 20  # 64 MiB of fp32
+_scratch = threading.local()
+
+
+def _dequantize_cpu(bits: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                    group_size: int, x: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 weight from the C++ dequantizer (bit-identical to `dequantize_int4/8`) in the reused buffer,
+    or None (not CPU / fp32, no extension, a layout it does not take): the caller uses the torch one."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or codes.device.type != "cpu":
+        return None
+    ext = cpu_extension()
+    if ext is None or not hasattr(ext, "dequant_out"):
+        return None
+    n = codes.shape[0]
+    k = codes.shape[1] * (2 if bits == 4 else 1)
+    if k % BLOCK or group_size % BLOCK or not (codes.is_contiguous() and scales.is_contiguous()):
+        return None
+    numel = n * k
+    buf = getattr(_scratch, "buf", None)
+    if numel > SCRATCH_MAX_ELEMENTS:
+        buf = torch.empty(numel, dtype=torch.float32)
+    elif buf is None or buf.numel() < numel:
+        buf = _scratch.buf = torch.empty(numel, dtype=torch.float32)
+    return ext.dequant_out(codes, scales, _NO_MINS if mins is None else mins.contiguous(), group_size, bits, buf)
+
+
 def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1] if x.shape[-1] else 0
 
@@ -217,11 +256,12 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, grou
         return _finish(_packed_matmul(x.reshape(-1, k), pack), x, bias)
     if x.device.type == "cpu" and _rows(x) <= CPU_KERNEL_MAX_M:
         ext = cpu_extension()
-        if ext is not None:
-            out = ext.int8_gemm_variant(x.reshape(-1, k).to(torch.float32).contiguous(), codes, scales, group_size,
-                                        _variant["v"])
-            return _finish(out, x, bias)
-    w = dense if dense is not None else dequantize_int8(codes, scales, group_size, x.dtype)
+        if ext is not None:  # the C++ side converts x to contiguous fp32 itself
+            out = ext.int8_gemm_variant(x.reshape(-1, k), codes, scales, group_size, _variant["v"])
+            return _finish_cpu(out, x, bias)
+    w = dense if dense is not None else _dequantize_cpu(8, codes, scales, None, group_size, x)
+    if w is None:
+        w = dequantize_int8(codes, scales, group_size, x.dtype)
     return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
@@ -236,8 +276,9 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins
         ext = cpu_extension()
         if ext is not None:
             m = _NO_MINS if mins is None else mins
-            out = ext.int4_gemm_variant(x.reshape(-1, k).to(torch.float32).contiguous(), codes, scales, m, group_size,
-                                        _variant["v"])
-            return _finish(out, x, bias)
-    w = dense if dense is not None else dequantize_int4(codes, scales, mins, group_size, x.dtype)
+            out = ext.int4_gemm_variant(x.reshape(-1, k), codes, scales, m, group_size, _variant["v"])
+            return _finish_cpu(out, x, bias)
+    w = dense if dense is not None else _dequantize_cpu(4, codes, scales, mins, group_size, x)
+    if w is None:
+        w = dequantize_int4(codes, scales, mins, group_size, x.dtype)
     return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))

@@ -101,8 +101,9 @@ def test_4k_many_splits(kind, T):
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("T", [1, 6])
 def test_32k(kind, T):
-    # Small heads keep it cheap; default split (several tiles for quantized kinds).
-    check(kind, 3, 64, 32768, T, split=None, n_kv=1)
+    # Small heads keep it cheap; default split (several tiles for quantized kinds). fp32 rounding of sums
+    # over n keys grows like sqrt(n): the 4k tolerance scaled by sqrt(32k / 4k).
+    check(kind, 3, 64, 32768, T, split=None, n_kv=1, tol=1e-5 * 8 ** 0.5)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -54,3 +54,32 @@ def test_perplexity_cli_json(tiny_llama, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "edgellm.cli", "perplexity", "-m", str(tiny_llama[1]), "-f",
                               str(tmp_path / "none.txt")], capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "none.txt" in missing.stderr
+
+
+def test_precomputed_reference_matches_reference_model(tiny_models):
+    from edgellm.perplexity import reference_logprobs
+
+    a = load_model(tiny_models["llama_gqa"][0], max_seq_len=32)
+    b = load_model(tiny_models["llama_gqa"][0], max_seq_len=32, weights="int4", group_size=32, symmetric=False)
+    ids = a.tokenizer.encode(CORPUS * 2)
+    cache = lambda: KVCache(a.config, 32, torch.float32, "cpu")  # noqa: E731
+    ref = reference_logprobs(a.model, cache(), a.tokenizer, ids, 32)
+    live = evaluate(b.model, cache(), b.tokenizer, ids, 32, reference=(a.model, cache()))
+    stored = evaluate(b.model, cache(), b.tokenizer, ids, 32, reference=ref)
+    assert live == stored and 0 < stored.kl_mean < 0.1
+
+
+def test_perplexity_cli_quantization_options(tiny_llama, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text(CORPUS * 3)
+    base = [sys.executable, "-m", "edgellm.cli", "perplexity", "-m", str(tiny_llama[0]), "-f", str(text),
+            "--ctx", "32", "--json", "--reference", "fp"]
+    proc = subprocess.run(base + ["--weights", "int8", "--per-channel", "--embeddings", "int4", "--fast"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["group_size"] == "channel" and out["embeddings"] == "int4" and out["search"] is False
+    assert set(out["stored_formats"]) == {"int8-channel-sym", "int4-g32-sym"}  # linears; embedding table and LM head
+    assert 4 < out["bits_per_weight"] < 32 and 0 < out["kl_mean"] < 1  # random tiny weights: loose
+    bad = subprocess.run(base + ["--weights", "int4", "--per-channel"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--per-channel" in bad.stderr and "Traceback" not in bad.stderr

@@ -11,11 +11,15 @@ import pytest
 pytest.importorskip("textual")
 
 from edgellm.generate import Done, GenerationStats, Token  # noqa: E402
-from edgellm.tui.app import ChatApp  # noqa: E402
+from edgellm.tui.app import UI_FPS, ChatApp, StreamBatch  # noqa: E402
 from edgellm.tui.history import Conversation, Message, load_conversation, save_conversation  # noqa: E402
 from edgellm.tui.session import common_prefix  # noqa: E402
+from edgellm.tui.stats import fmt_bytes  # noqa: E402
 from edgellm.tui.widgets import AssistantMessage, Notice, StatusBar, UserMessage, printable  # noqa: E402
-from tests.tui_helpers import chat_args, run_async, send, tui_model, type_text, wait_for  # noqa: E402,F401
+from tests.tui_helpers import (chat_args, enter_text, restore_threads, run_async, send, tui_model,  # noqa: E402,F401
+                               type_text, wait_for)
+
+pytestmark = pytest.mark.usefixtures("restore_threads")
 
 SIZE = (100, 32)
 
@@ -63,6 +67,19 @@ async def ready(pilot, app) -> None:
     assert app.load_error is None, app.load_error
 
 
+def record_status(monkeypatch) -> list[tuple[str, str]]:
+    """Every (answer line, machine line) the status bar is given."""
+    lines: list[tuple[str, str]] = []
+    show = StatusBar.show
+
+    def recording_show(self, answer, machine):
+        lines.append((answer, machine))
+        show(self, answer, machine)
+
+    monkeypatch.setattr(StatusBar, "show", recording_show)
+    return lines
+
+
 @run_async
 async def test_answer_streams_and_status_shows_figures(model, data_dir, monkeypatch):
     shown: list[str] = []  # the answer's text after each batched UI update
@@ -73,10 +90,21 @@ async def test_answer_streams_and_status_shows_figures(model, data_dir, monkeypa
         shown.append(self.text)
 
     monkeypatch.setattr(AssistantMessage, "append", recording_append)
-    app = ChatApp(chat_args("-m", model, "-n", "24"))
+    posts: list[float] = []  # when the worker thread posted a batch to the UI
+    add = StreamBatch.add
+
+    def recording_add(self, token):
+        post = add(self, token)
+        if post:
+            posts.append(time.perf_counter())
+        return post
+
+    monkeypatch.setattr(StreamBatch, "add", recording_add)
+    status_lines = record_status(monkeypatch)
+    app = ChatApp(chat_args("-m", model, "-n", "24"), memory_probe=lambda: 300 * 2**20)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
-        slow_down(app, 0.02)
+        slow_down(app, 0.02)  # ≥ 50 tokens/s while the UI takes ≤ 30 updates/s: batches must form
         await type_text(pilot, "Hello there")
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.screen.gen is not None or len(app.conv.messages) == 2, 20, "start")
@@ -85,21 +113,30 @@ async def test_answer_streams_and_status_shows_figures(model, data_dir, monkeypa
         user, answer = app.conv.messages
         assert (user.role, user.content) == ("user", "Hello there")
         assert answer.role == "assistant" and answer.content
-        assert answer.stats["generated_tokens"] >= 1
-        # streamed: several updates, each a growing prefix of the final answer, fewer than the tokens
-        assert 2 <= len(shown) <= answer.stats["generated_tokens"]
-        assert all(b.startswith(a) for a, b in zip(shown, shown[1:])) and len(set(shown)) >= 2
+        n = answer.stats["generated_tokens"]
+        assert n >= 8
+        # streamed: several updates, each a growing prefix of the final answer
+        assert len(shown) >= 2 and len(set(shown)) >= 2
+        assert all(b.startswith(a) for a, b in zip(shown, shown[1:]))
         assert answer.content.startswith(shown[0]) and shown[0] != answer.content
+        # batched: posts at most UI_FPS per second (one more update flushes the rest at the end)
+        assert 2 <= len(posts) <= n and len(shown) <= len(posts) + 1
+        assert min(b - a for a, b in zip(posts, posts[1:])) >= 1 / UI_FPS - 1e-3
         widgets = list(app.screen.query(AssistantMessage))
         assert len(widgets) == 1 and widgets[0].text == answer.content
         assert not app.screen.query_one("#prompt").text  # the input was cleared
 
+        # live figures while streaming: TTFT and tok/s with numbers, no finish reason yet
+        live = [a for a, _ in status_lines if re.search(r"TTFT \d+\.\d{3} s · \d+\.\d tok/s", a) and a.endswith("tokens")]
+        assert live, status_lines
         status = app.screen.query_one(StatusBar)
-        assert re.search(r"TTFT \d+\.\d{3} s", status.answer_text)
-        assert re.search(r"\d+\.\d tok/s", status.answer_text)
-        assert re.search(r"prefill \d+ tok/s", status.answer_text)
-        assert re.search(r"ctx \d+/256", status.machine_text)
-        assert "cpu fp32" in status.machine_text and "weights fp" in status.machine_text
+        assert re.search(r"TTFT \d+\.\d{3} s · \d+\.\d tok/s · prefill \d+ tok/s", status.answer_text)
+        assert status.answer_text.endswith(f"{n} tokens ({answer.stats['finish_reason']})")
+        cache = app.session.engine.cache
+        used = len(app.session.engine.cached_ids)
+        assert f"ctx {app.session.context_tokens(app.conv)}/256" in status.machine_text
+        assert f"KV {fmt_bytes(used * cache.bytes_per_token)} / {fmt_bytes(cache.nbytes)}" in status.machine_text
+        assert "mem 300.0 MiB · cpu fp32 · 1 thread · weights fp · kv fp" in status.machine_text
 
 
 @run_async
@@ -108,7 +145,7 @@ async def test_escape_stops_mid_answer_and_keeps_text(model, data_dir):
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
         slow_down(app, 0.05)
-        await type_text(pilot, "Hello")
+        await enter_text(pilot, "Hello")
         await pilot.press("enter")
         await wait_for(pilot, lambda: app.screen.gen is not None and app.screen.gen.live.tokens >= 3, 20, "3 tokens")
         await pilot.press("escape")
@@ -151,11 +188,17 @@ async def test_second_turn_prefills_only_the_new_tokens(model, data_dir):
 
 
 @run_async
-async def test_ctrl_n_starts_a_new_chat_and_keeps_the_old_one(model, data_dir):
+async def test_ctrl_n_ctrl_l_ctrl_y(model, data_dir):
     app = ChatApp(chat_args("-m", model, "-n", "8"))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
+        await pilot.press("ctrl+y")  # nothing to copy yet
+        await pilot.pause()
+        assert app.clipboard == ""
         await send(pilot, app, "Hello")
+        await pilot.press("ctrl+y")
+        await pilot.pause()
+        assert app.clipboard == app.conv.messages[-1].content != ""
         old_path = app.history_path
         await pilot.press("ctrl+n")
         await pilot.pause()
@@ -166,9 +209,147 @@ async def test_ctrl_n_starts_a_new_chat_and_keeps_the_old_one(model, data_dir):
         await send(pilot, app, "Hi")
         assert [m.role for m in app.conv.messages] == ["user", "assistant"]
         assert len(list(app.screen.query(UserMessage))) == 1
+        path = app.history_path
         await pilot.press("ctrl+l")
         await pilot.pause()
         assert app.conv.messages == [] and not app.screen.query(UserMessage)
+        assert app.history_path == path and load_conversation(path).messages == []  # same file, emptied
+        assert "ctx 0/256" in app.screen.query_one(StatusBar).machine_text
+
+
+@run_async
+async def test_command_palette_sets_sampling_and_system_prompt(model, data_dir):
+    from textual.command import CommandList, CommandPalette
+
+    app = ChatApp(chat_args("-m", model, "-n", "8"))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        for title in ("New chat", "Clear chat", "Copy last answer", "Stop generation", "Set system prompt",
+                      "Set temperature", "Set top-p", "Set max tokens"):
+            assert title in titles
+        assert not any(t.startswith("Speculative decoding") for t in titles)  # no --draft: no toggle
+        prompt = app.screen.query_one("#prompt")
+        # two through the palette itself (Ctrl+P, search, Enter), the others by their callbacks
+        by_title = {c.title: c for c in app.get_system_commands(app.screen)}
+        for title, value in (("Set top-p", "0.8"), ("Set max tokens", "5")):
+            by_title[title].callback()
+            await pilot.pause()
+            await enter_text(pilot, value)
+            await pilot.press("enter")
+            await pilot.pause()
+        for title, value, expect in (("Set temperature", "0.5", "/temp "), ("Set system prompt", "Be brief", "/system ")):
+            await pilot.press("ctrl+p")
+            await wait_for(pilot, lambda: isinstance(app.screen, CommandPalette), 10, "the palette")
+            palette = app.screen
+            await enter_text(pilot, title)
+            await wait_for(pilot, lambda: palette.query_one(CommandList).option_count > 0, 10, "palette hits")
+            await pilot.press("down", "enter")  # highlight the best hit, run it
+            await wait_for(pilot, lambda: prompt.text == expect, 10, f"{expect!r} in the prompt")
+            assert app.screen.focused is prompt
+            await enter_text(pilot, value)
+            await pilot.press("enter")
+            await pilot.pause()
+        s = app.session.settings
+        assert (s.temperature, s.top_p, s.max_tokens) == (0.5, 0.8, 5)
+        assert app.conv.system == "Be brief"
+
+
+@run_async
+async def test_startup_screen_shows_load_progress_and_thread_default(model, data_dir, monkeypatch):
+    import threading
+
+    from edgellm.cli import load_from_args
+    from edgellm.tui.screens import LoadingScreen
+
+    gate = threading.Event()
+    stages: list[str] = []
+    stage = LoadingScreen.stage
+    monkeypatch.setattr(LoadingScreen, "stage", lambda self, text: (stages.append(text), stage(self, text)))
+
+    def gated_loader(args, on_tensor=None):
+        for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"):
+            on_tensor(name)
+            time.sleep(0.1)  # progress posts are limited to 30 a second
+        assert gate.wait(20), "the test never opened the gate"
+        return load_from_args(args, on_tensor=on_tensor)
+
+    import torch
+
+    args = chat_args("-m", model)
+    args.threads = None  # as `edgellm chat` without --threads: torch's choice less one, for the UI
+    expect = max(1, torch.get_num_threads() - 1)
+    app = ChatApp(args, loader=gated_loader)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_for(pilot, lambda: isinstance(app.screen, LoadingScreen), 10, "the loading screen")
+        detail = app.screen.query_one("#loading-detail")
+        await wait_for(pilot, lambda: "2 tensors" in str(detail.render()), 10, "load progress")
+        assert "model.layers.0.self_attn.q_proj.weight" in str(detail.render())
+        assert f"loading {model}" in str(app.screen.query_one("#loading-what").render())
+        assert not app.chat_ready
+        gate.set()
+        await ready(pilot, app)
+        assert [s.split(" ")[0] for s in stages] == ["allocating", "warming"]
+        engine = app.session.engine  # warmed up, then emptied: the first answer starts from nothing
+        assert engine.cached_ids == [] and engine.cache.length == 0
+        assert app.args.threads == expect
+        # torch applies the count to threads started after it is set: the generation worker's
+        seen: list[int] = []
+        generate = app.session.engine.generate
+
+        def recording_generate(ids, settings=None, stop=None):
+            seen.append(torch.get_num_threads())
+            return generate(ids, settings, stop=stop)
+
+        app.session.engine.generate = recording_generate
+        app.session.settings.max_tokens = 2
+        await send(pilot, app, "Hi")
+        assert seen == [expect]
+        expect_text = f"cpu fp32 · {expect} thread" + ("s" if expect > 1 else "")
+        assert expect_text in app.screen.query_one(StatusBar).machine_text
+
+
+@run_async
+async def test_history_file_option_and_kv_int8(model, data_dir, tmp_path):
+    """--history-file PATH keeps the chat there and reopens it; --kv int8 shows in the status bar with
+    the quantized cache's bytes."""
+    path = tmp_path / "mine" / "chat.json"
+    app = ChatApp(chat_args("-m", model, "-n", "6", "--kv", "int8", "--history-file", str(path)))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        assert app.history_path == path and not path.exists()  # no file for an empty chat
+        await send(pilot, app, "Hello")
+        cache = app.session.engine.cache
+        machine = app.screen.query_one(StatusBar).machine_text
+        assert cache.kind == "int8" and "weights fp · kv int8" in machine
+        assert f"KV {fmt_bytes(cache.length * cache.bytes_per_token)} / {fmt_bytes(cache.nbytes)}" in machine
+        answer = app.conv.messages[-1].content
+    assert [m.content for m in load_conversation(path).messages] == ["Hello", answer]
+    assert not (data_dir / "chats").exists()  # nothing written to the default folder
+
+    app = ChatApp(chat_args("-m", model, "-n", "6", "--history-file", str(path)))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot, app)
+        assert [m.content for m in app.conv.messages] == ["Hello", answer]
+        assert app.screen.query_one(AssistantMessage).text == answer
+
+
+def test_chat_accepts_every_run_option():
+    from edgellm.cli import _load_extensions, build_parser
+
+    _load_extensions()
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    run, chat = sub.choices["run"], sub.choices["chat"]
+    run_only = {"--raw", "--truncate", "--json"}  # one-shot prompt options
+    missing = {o for o in run._option_string_actions if o not in chat._option_string_actions} - run_only
+    assert not missing
+    args = parser.parse_args(["chat", "-m", "M", "--weights", "int4", "--kv", "int8", "--draft", "lookup",
+                              "--temperature", "0.7", "--top-p", "0.9", "--top-k", "40", "--min-p", "0.05",
+                              "--repeat-penalty", "1.1", "--seed", "3", "-n", "64", "--show-drafts", "--resume"])
+    assert (args.weights, args.kv, args.draft, args.temperature, args.top_p, args.max_tokens) == (
+        "int4", "int8", "lookup", 0.7, 0.9, 64)
+    assert args.show_drafts and args.resume
 
 
 @run_async
@@ -233,6 +414,15 @@ async def test_full_context_drops_oldest_turns_keeps_system(model, data_dir):
         last = app.session.tokenizer.decode(prompts[-1], skip_special=False)
         assert "Be brief." in last and "And more" in last and "Hello" not in last
         assert all(len(p) + 1 <= 110 for p in prompts)
+        # a message that cannot fit at all: a notice, not sent, not kept, the chat goes on
+        before = list(app.conv.messages)
+        await enter_text(pilot, "lazy dog " * 80)
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.screen.gen is None and app.conv.messages == before and len(prompts) == 3
+        assert "needs" in str(list(app.screen.query(Notice))[-1].render())
+        await send(pilot, app, "Short")
+        assert app.conv.messages[-2].content == "Short" and app.conv.messages[-1].role == "assistant"
 
 
 @run_async
@@ -240,16 +430,21 @@ async def test_slash_commands_change_settings(model, data_dir):
     app = ChatApp(chat_args("-m", model, "-n", "40"))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
-        for line in ("/temp 0.7", "/top_p 0.9", "/max 3", "/system Be kind", "/temp abc", "/nonsense"):
-            await type_text(pilot, line)
+        for line in ("/temp 0.7", "/top_p 0.9", "/max 3", "/seed 5", "/system Be kind", "/temp abc", "/top_p 2",
+                     "/nonsense"):
+            await enter_text(pilot, line)
             await pilot.press("enter")
             await pilot.pause()
         s = app.session.settings
-        assert (s.temperature, s.top_p, s.max_tokens) == (0.7, 0.9, 3)
+        assert (s.temperature, s.top_p, s.max_tokens, s.seed) == (0.7, 0.9, 3, 5)
         assert app.conv.system == "Be kind"
+        assert any(str(n.render()) == "system: Be kind" for n in app.screen.query(Notice))
+        errors = [n.message for n in app._notifications if n.severity == "error"]
+        assert len(errors) == 3 and "unknown command /nonsense" in errors[-1]
+        assert not app.conv.messages  # none of the commands went to the model
         await send(pilot, app, "Hi")
         assert app.conv.messages[-1].stats["generated_tokens"] <= 3
-        await type_text(pilot, "/draft on")
+        await enter_text(pilot, "/draft on")
         await pilot.press("enter")
         await pilot.pause()
         assert app.session.settings.draft  # unchanged: no draft model here, an error notification instead
@@ -263,11 +458,14 @@ async def test_newline_keys_do_not_send(model, data_dir):
         await type_text(pilot, "one")
         await pilot.press("ctrl+j")
         await type_text(pilot, "two")
-        assert app.screen.query_one("#prompt").text == "one\ntwo"
+        await pilot.press("shift+enter")
+        await type_text(pilot, "three")
+        assert app.screen.query_one("#prompt").text == "one\ntwo\nthree"
         assert app.conv.messages == []
         await pilot.press("enter")
         await wait_for(pilot, lambda: len(app.conv.messages) == 2 and app.screen.gen is None, 20, "the answer")
-        assert app.conv.messages[0].content == "one\ntwo"
+        assert app.conv.messages[0].content == "one\ntwo\nthree"
+        assert str(app.screen.query_one(UserMessage).render()) == "one\ntwo\nthree"
 
 
 @run_async
@@ -306,7 +504,8 @@ class FakeDraftEngine:
 
     def generate(self, ids, settings=None, stop=None):
         for i, (text, from_draft) in enumerate(self.PATTERN):
-            yield Token(100 + i, text, 0.01 * (i + 1), from_draft)
+            time.sleep(0.04)  # slower than the UI's batches, so the live figures show
+            yield Token(100 + i, text, 0.04 * (i + 1), from_draft)
         stats = GenerationStats(prompt_tokens=len(ids), prefill_tokens=len(ids), generated_tokens=len(self.PATTERN),
                                 ttft_s=0.01, decode_tok_s=100.0, prefill_tok_s=1000.0, finish_reason="eos",
                                 draft_proposed=8, draft_accepted=6)
@@ -314,12 +513,17 @@ class FakeDraftEngine:
 
 
 @run_async
-async def test_show_drafts_colours_accepted_tokens_and_status_shows_acceptance(model, data_dir):
+async def test_show_drafts_colours_accepted_tokens_and_status_shows_acceptance(model, data_dir, monkeypatch):
+    status_lines = record_status(monkeypatch)
     app = ChatApp(chat_args("-m", model, "--draft", "self", "--show-drafts"),
                   engine_factory=lambda args, loaded: FakeDraftEngine(loaded.tokenizer))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot, app)
         await send(pilot, app, "Hi")
+        # while streaming: how many of the tokens so far came from drafts
+        live = [re.search(r"(\d+)/(\d+) tokens from drafts", a) for a, _ in status_lines]
+        live = [(int(m[1]), int(m[2])) for m in live if m]
+        assert live and all(d == sum(f for _, f in FakeDraftEngine.PATTERN[:n]) for d, n in live)
         widget = app.screen.query_one(AssistantMessage)
         text = widget._styled
         drafted = "".join(text.plain[s.start:s.end] for s in text.spans if s.style)
@@ -328,14 +532,30 @@ async def test_show_drafts_colours_accepted_tokens_and_status_shows_acceptance(m
         # 6/8 accepted; rounds = target-chosen tokens after the first = 2 → 3.00 accepted per round
         assert "draft 75% accepted, 3.00 per round" in status.answer_text
         assert "draft self" in status.machine_text
-        await type_text(pilot, "/draft off")
+        # an 80-column terminal: the bar grows and breaks lines between fields, so every figure shows
+        await pilot.resize_terminal(80, 24)
+        await pilot.pause()
+        shown = str(status.render()).splitlines()
+        assert len(shown) == status.size.height > 2 and all(len(line) <= 78 for line in shown)
+        for field in (status.answer_text + " · " + status.machine_text).split(" · "):
+            assert any(field in line for line in shown), field
+        await enter_text(pilot, "/draft off")
         await pilot.press("enter")
         await pilot.pause()
         assert app.session.engine.draft is None and "draft off" in status.machine_text
-        await type_text(pilot, "/draft on")
+        assert not app.session.settings.draft
+        # the palette offers the opposite of the current state
+        toggle = [c for c in app.get_system_commands(app.screen) if c.title.startswith("Speculative decoding")]
+        assert [c.title for c in toggle] == ["Speculative decoding: turn on"]
+        await toggle[0].callback()
+        await pilot.pause()
+        assert app.session.engine.draft is not None and "draft self" in status.machine_text
+        await enter_text(pilot, "/draft off")
+        await pilot.press("enter")
+        await enter_text(pilot, "/draft on")
         await pilot.press("enter")
         await pilot.pause()
-        assert app.session.engine.draft is not None
+        assert app.session.engine.draft is not None and app.session.settings.draft
 
 
 def test_common_prefix():

@@ -12,7 +12,9 @@ pytest.importorskip("pytest_textual_snapshot")
 
 from edgellm.tui.app import ChatApp  # noqa: E402
 from edgellm.tui.widgets import AssistantMessage  # noqa: E402
-from tests.tui_helpers import chat_args, tui_model, wait_for  # noqa: E402,F401
+from tests.tui_helpers import chat_args, restore_threads, tui_model, wait_for  # noqa: E402,F401
+
+pytestmark = pytest.mark.usefixtures("restore_threads")
 
 SIZE = (100, 34)
 ANSWER = """Reverse a copy with slicing, or in place with `list.reverse()`:

@@ -104,6 +104,7 @@ class Finished(TMessage):
 
 
 class ChatScreen(Screen):
+    AUTO_FOCUS = "#prompt"  # not the conversation (the first focusable widget), whatever mounts first
     BINDINGS = [
         Binding("escape", "stop", "Stop", priority=True),
         Binding("ctrl+n", "new_chat", "New chat", priority=True),
@@ -116,6 +117,7 @@ class ChatScreen(Screen):
         super().__init__(id="chat-screen")
         self.chat = chat_app
         self.gen: Generation | None = None
+        self.ready = False  # on_mount done: conversation shown, prompt focused
         self.figures = AnswerFigures()
         self.ctx_tokens = 0
         self._message_widgets: list[Widget] = []  # one per conv.messages entry
@@ -135,6 +137,7 @@ class ChatScreen(Screen):
         await self.show_conversation()
         self.query_one(PromptArea).focus()
         self.set_interval(1.0, self.refresh_status)
+        self.ready = True
 
     @property
     def conv(self) -> Conversation:
@@ -191,6 +194,7 @@ class ChatScreen(Screen):
             ctx_used=ctx, ctx_max=engine.max_seq_len,
             kv_used=getattr(cache, "length", 0) * kv_per_token, kv_total=kv_total,
             memory=self.chat.memory_probe(), device=self.chat.device_name, dtype=self.chat.dtype_name,
+            threads=self.chat.threads if self.chat.device_name == "cpu" else None,
             weights=self.chat.weights_name, kv=self.chat.kv_name, draft=draft)
         self.query_one(StatusBar).show(self.figures.line(), machine)
 
@@ -272,8 +276,10 @@ class ChatScreen(Screen):
         await self._apply_batch(gen)
         if gen is self.gen and gen.live.tokens:
             live = gen.live
+            drafting = getattr(self.session.engine, "draft", None) is not None
             self.figures = AnswerFigures(ttft_s=live.ttft, tok_s=live.tok_s, prefill_tokens=live.prefill_tokens,
-                                         reused_tokens=live.reused_tokens, generated=live.tokens, streaming=True)
+                                         reused_tokens=live.reused_tokens, generated=live.tokens, streaming=True,
+                                         live_drafted=live.draft_tokens if drafting else None)
             self.refresh_status()
         self.call_after_refresh(gen.batch.drawn)
 
@@ -403,6 +409,7 @@ class ChatApp(App):
         self.weights_name = str(getattr(args, "weights", "fp") or "fp")
         self.kv_name = str(getattr(args, "kv", "fp") or "fp")
         self.device_name = self.dtype_name = "?"
+        self.threads: int | None = getattr(args, "threads", None)
         self.loaded: Any = None
         self.session: ChatSession | None = None
         self.conv = Conversation(system=getattr(args, "system", None) or "")
@@ -472,10 +479,15 @@ class ChatApp(App):
                 last = now
                 self.post_message(self.LoadProgress(count, name))
 
+        if getattr(self.args, "threads", None) is None:
+            self.args.threads = chat_threads()
+        self.threads = self.args.threads
         try:
             loaded = (self._loader or load_from_args)(self.args, on_tensor=on_tensor)
             self.post_message(self.LoadProgress(stage="allocating the KV cache …"))
             engine = (self._engine_factory or engine_from_args)(self.args, loaded)
+            self.post_message(self.LoadProgress(stage="warming up (the first run also builds the CPU kernels) …"))
+            warm_up(engine, loaded.tokenizer, self._stop_all)
         except _Cancelled:
             return
         except EdgeLLMError as e:
@@ -530,7 +542,7 @@ class ChatApp(App):
 
     @property
     def chat_ready(self) -> bool:
-        return isinstance(self.screen, ChatScreen) and self.screen.is_mounted
+        return isinstance(self.screen, ChatScreen) and self.screen.ready
 
     # -- conversation ------------------------------------------------------------------------
     def new_conversation(self, new_file: bool) -> None:
@@ -599,6 +611,29 @@ class ChatApp(App):
 
 class _Cancelled(Exception):
     pass
+
+
+def warm_up(engine: Any, tokenizer: Any, stop: threading.Event) -> None:
+    """Generate two tokens and forget them, behind the startup screen: the first answer's TTFT then
+    measures the answer, not one-time work (building the C++ kernels, first-call allocations)."""
+    if not (hasattr(engine, "reset") and hasattr(engine, "generate")):
+        return
+    from edgellm.generate import GenerationSettings
+
+    ids = tokenizer.encode("Hello") or [0]
+    for _ in engine.generate(ids, GenerationSettings(max_tokens=2), stop=stop):
+        pass
+    engine.reset()
+
+
+def chat_threads() -> int:
+    """Torch threads for the chat when --threads is not given: torch's own choice less one, so the
+    UI thread has a core to draw on. Torch's threads wait for each other at every op; when the UI
+    takes one of their cores they stall (2-core machine, bundled model: 0.6 tok/s with 2 threads
+    against 4.9 with 1 while another process ran; with 2 threads `edgellm run` made 2.8)."""
+    import torch
+
+    return max(1, torch.get_num_threads() - 1)
 
 
 def _process_rss() -> int | None:

@@ -13,15 +13,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                               description="Chat in the terminal. Enter sends, Shift+Enter or Ctrl+J adds a line, "
                                           "Esc stops an answer, Ctrl+N starts a new chat, /help lists commands.")
     core.add_model_options(p)
-    if hasattr(core, "add_format_options"):
-        core.add_format_options(p, draft=True)
+    core.add_format_options(p, draft=True)  # --weights, --kv, --draft, --draft-tokens, --show-drafts
     core.add_sampling_options(p)
     g = p.add_argument_group("chat")
     g.add_argument("--resume", action="store_true", help="reopen the last chat (or the one --history-file names)")
     g.add_argument("--history-file", type=Path, default=None, metavar="PATH",
                    help="keep this chat in PATH (reopened if it exists); default: a new file under the user data dir")
-    if "--show-drafts" not in p._option_string_actions:
-        g.add_argument("--show-drafts", action="store_true", help="colour tokens that came from accepted drafts")
     return p
 
 

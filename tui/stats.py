@@ -68,6 +68,7 @@ class AnswerFigures:
     draft_accepted: int = 0
     draft_rounds: int = 0
     mean_accepted: float = 0.0  # accepted drafts per verification round, as the engine reports it
+    live_drafted: int | None = None  # while streaming with a draft on: tokens that came from accepted drafts
     streaming: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -84,6 +85,9 @@ class AnswerFigures:
 
     def draft_text(self) -> str:
         if not self.draft_proposed:
+            # while streaming only the accepted drafts are known (the Done stats bring the rest)
+            if self.live_drafted is not None and self.generated:
+                return f"{self.live_drafted}/{self.generated} tokens from drafts"
             return ""
         pct = 100.0 * self.draft_accepted / self.draft_proposed
         text = f"draft {pct:.0f}% accepted"
@@ -131,11 +135,13 @@ def message_footer(stats: dict[str, Any]) -> str:
 
 
 def machine_line(*, ctx_used: int, ctx_max: int, kv_used: int, kv_total: int, memory: int | None,
-                 device: str, dtype: str, weights: str, kv: str, draft: str) -> str:
+                 device: str, dtype: str, weights: str, kv: str, draft: str, threads: int | None = None) -> str:
     parts = [f"ctx {ctx_used}/{ctx_max}", f"KV {fmt_bytes(kv_used)} / {fmt_bytes(kv_total)}"]
     if memory is not None:
         parts.append(f"mem {fmt_bytes(memory)}")
     parts.append(f"{device} {dtype}")
+    if threads:
+        parts.append(f"{threads} thread" + ("s" if threads > 1 else ""))
     parts.append(f"weights {weights}")
     parts.append(f"kv {kv}")
     if draft and draft != "none":

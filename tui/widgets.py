@@ -8,6 +8,7 @@ from textual import events
 from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.message import Message
+from textual.widget import Widget
 from textual.widgets import Markdown, Static, TextArea
 
 from .stats import message_footer
@@ -96,8 +97,13 @@ class AssistantMessage(Vertical):
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
-        if text != self.text and not self.show_drafts:
-            await self.query_one(Markdown).update(printable(text))
+        if text != self.text:  # the final text wins (e.g. a tail the detokenizer held back until the end)
+            if self.show_drafts:  # keep the colours of what was streamed when the text only grew
+                grown = text.startswith(self.text)
+                self._styled = self._styled + Text(printable(text[len(self.text):])) if grown else Text(printable(text))
+                self.query_one(".body", Static).update(self._styled)
+            else:
+                await self.query_one(Markdown).update(printable(text))
         self.text = text
         self.stats = stats
         self.query_one(".footer", Static).update(footer if footer is not None else message_footer(stats or {}))
@@ -106,15 +112,59 @@ class AssistantMessage(Vertical):
         self.query_one(".footer", Static).update(text)
 
 
-class StatusBar(Static):
-    """Two lines: the current answer's figures, then the context, memory and formats."""
+class StatusBar(Widget):
+    """The current answer's figures, then the context, memory and formats (dim). Each is a list of
+    fields joined by " · "; a line too long for the terminal breaks between fields, never inside one,
+    and the bar grows to fit (so an 80-column terminal still shows every figure)."""
 
+    SEP = " · "
     answer_text = ""
     machine_text = ""
 
     def show(self, answer: str, machine: str) -> None:
         if (answer, machine) == (self.answer_text, self.machine_text):
             return
+        width = self.content_region.width
+        before = len(self._lines(width))
         self.answer_text, self.machine_text = answer, machine
-        self.update(layout=False, content=Text(answer, no_wrap=True, overflow="ellipsis") + Text("\n")
-                    + Text(machine, style="dim", no_wrap=True, overflow="ellipsis"))
+        # a relayout only when the height changes: a plain refresh is much cheaper while streaming
+        self.refresh(layout=len(self._lines(width)) != before)
+
+    def _lines(self, width: int) -> list[tuple[str, bool]]:
+        """(line, dim) pairs for a content width."""
+        out: list[tuple[str, bool]] = []
+        for text, dim in ((self.answer_text, False), (self.machine_text, True)):
+            out += [(line, dim) for line in pack_fields(text.split(self.SEP) if text else [""], self.SEP, width)]
+        return out
+
+    def get_content_height(self, container, viewport, width: int) -> int:
+        return len(self._lines(width))
+
+    def render(self) -> Text:
+        lines = self._lines(self.content_region.width)
+        out = Text(no_wrap=True, overflow="ellipsis")
+        for i, (line, dim) in enumerate(lines):
+            out.append(line, style="dim" if dim else "")
+            if i < len(lines) - 1:
+                out.append("\n")
+        return out
+
+
+def pack_fields(fields: list[str], sep: str, width: int) -> list[str]:
+    """Greedy line filling: fields joined by sep, a new line where the next field would not fit;
+    a field wider than the line is cut with an ellipsis."""
+    if width <= 0:
+        return [sep.join(fields)]
+    lines: list[str] = []
+    line = ""
+    for f in fields:
+        if len(f) > width:
+            f = f[:max(width - 1, 0)] + "…"
+        if line and len(line) + len(sep) + len(f) <= width:
+            line += sep + f
+        else:
+            if line:
+                lines.append(line)
+            line = f
+    lines.append(line)
+    return lines

@@ -1,0 +1,187 @@
+"""Speculative decoding on the bundled SmolLM2-135M-Instruct, CPU: each target alone vs with a draft.
+
+Targets: fp32 (weights dequantized from the bundled Q4_1 GGUF), int8, int4. Drafts: `--draft self`
+(the fp32 target's int4 copy, γ fixed at 4 and adaptive), `--draft lookup` (prompt lookup, adaptive γ),
+on three kinds of prompt (open chat; edit a given paragraph; code), greedy, `-n` tokens each.
+
+Every configuration's greedy output must equal its target's own output token for token (exit status 1
+otherwise). The machine is shared and noisy, so runs are interleaved (repeat → prompt → target →
+configuration) and figures are medians; a speed-up is the median over repeats of (tok/s with the draft
+÷ tok/s of the same target alone in the same repeat and prompt).
+
+Usage: python benchmarks/speculative.py [--threads 2] [-r 3] [-n 96] [--extra self:int4:L24,...]
+                                        [--out benchmarks/results/speculative-cpu.json]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from edgellm.bench import machine_info
+from edgellm.generate import Engine, GenerationSettings
+from edgellm.loading import bundled_model_path, load_model
+from edgellm.speculative import make_proposer
+
+PARAGRAPH = (
+    "Their are many reasons why people choose to learn a second language. For some, it is a practical "
+    "decision: a new job, a move abroad or a partner who's family speaks another language. For others it is "
+    "curiosity, the wish to read a favourite book in it's original form or to understand the lyrics of a "
+    "song. Whatever the reason, the first months is often the hardest, because progress feel slow and "
+    "mistakes are frequent. Teachers recommends practising a little every day rather then a lot once a "
+    "week, and speaking with native speakers as soon as possible, even when it feels uncomfortable.")
+PROMPTS = {
+    "chat": "What should a first-time visitor to Paris see and do? Give me a few suggestions.",
+    "edit": "Correct the spelling and grammar mistakes in this paragraph. Reply with the corrected paragraph "
+            "only, keeping everything else the same.\n\n" + PARAGRAPH,
+    "code": "Write a Python function `merge_sorted(a, b)` that merges two sorted lists into one sorted list, "
+            "with a docstring and a few doctest examples.",
+}
+
+
+def configs(target: str, extra: list[str]) -> list[tuple[str, str | None, int | None]]:
+    """(label, --draft spec, fixed γ) for one target; the first is the target alone."""
+    out = [("alone", None, None)]
+    if target == "fp32":
+        out += [("self γ=4", "self", 4), ("self adaptive", "self", None)]
+        out += [(f"{spec} adaptive", spec, None) for spec in extra]
+    out.append(("lookup", "lookup", None))
+    return out
+
+
+def build_engines(loaded, target: str, extra: list[str], ctx: int) -> dict[str, Engine]:
+    engines = {}
+    self_draft = None
+    for label, spec, gamma in configs(target, extra):
+        proposer = None
+        if spec == "self":  # γ fixed and adaptive share one int4 copy
+            self_draft = self_draft or make_proposer("self", loaded)
+            proposer = copy.copy(self_draft)
+        elif spec is not None:
+            proposer = make_proposer(spec, loaded)
+        engines[label] = Engine(loaded.model, loaded.tokenizer, ctx, draft=proposer, draft_tokens=gamma)
+    return engines
+
+
+def run_once(engine: Engine, ids: list[int], n: int) -> dict:
+    engine.reset()
+    done = list(engine.generate(ids, GenerationSettings(max_tokens=n)))[-1]
+    s = done.stats
+    return {"tokens": done.tokens, "decode_tok_s": s.decode_tok_s, "generated": s.generated_tokens,
+            "finish": s.finish_reason, "proposed": s.draft_proposed, "accepted": s.draft_accepted,
+            "rounds": s.draft_rounds, "draft_s": s.draft_s, "verify_s": s.verify_s, "decode_s": s.decode_s,
+            "gamma_last": s.draft_gamma, "gamma_history": s.draft_gamma_history}
+
+
+def summarise(runs: list[dict], alone: list[dict] | None) -> dict:
+    med = statistics.median
+    prop, acc, rounds = (sum(r[k] for r in runs) for k in ("proposed", "accepted", "rounds"))
+    out = {"decode_tok_s": med(r["decode_tok_s"] for r in runs),
+           "decode_tok_s_runs": [round(r["decode_tok_s"], 2) for r in runs],
+           "generated_tokens": runs[0]["generated"], "finish": runs[0]["finish"]}
+    if prop:
+        out.update(acceptance_rate=acc / prop, mean_accepted_length=acc / max(rounds, 1),
+                   proposed=prop, accepted=acc, rounds=rounds,
+                   gamma_last=[r["gamma_last"] for r in runs],
+                   draft_share_of_decode=med(r["draft_s"] / r["decode_s"] for r in runs if r["decode_s"] > 0),
+                   draft_ms_per_drafted_token=med(1e3 * r["draft_s"] / r["proposed"] for r in runs if r["proposed"]),
+                   verify_ms_per_pass=med(1e3 * r["verify_s"] / max(len(r["gamma_history"]), 1) for r in runs))
+    if alone is not None:
+        out["speedup"] = med(r["decode_tok_s"] / a["decode_tok_s"] for r, a in zip(runs, alone))
+        out["identical"] = all(r["tokens"] == a["tokens"] for r, a in zip(runs, alone))
+    else:
+        out["ms_per_token"] = 1e3 / out["decode_tok_s"] if out["decode_tok_s"] else None
+    return out
+
+
+def markdown(result: dict) -> str:
+    lines = ["# Speculative decoding — bundled SmolLM2-135M-Instruct, CPU", "",
+             "```", result["command"], "```", "",
+             f"{result['machine']['cpu']} · {result['machine']['threads']} threads · torch "
+             f"{result['machine']['torch']} · {result['machine']['date']} · load average before "
+             f"{result['machine']['load_average']}", "",
+             f"Greedy, {result['settings']['max_tokens']} tokens (or EOS), median of {result['settings']['repeats']} "
+             "interleaved repeats; speed-up = median of per-repeat ratios to the same target alone. "
+             "identical = the same tokens as the target alone in every repeat.", "",
+             "| target | draft | prompt | decode tok/s | speed-up | acceptance | mean accepted | γ (last) | identical |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | --- |"]
+    for row in result["rows"]:
+        acc = f"{row['acceptance_rate']:.0%}" if "acceptance_rate" in row else ""
+        mal = f"{row['mean_accepted_length']:.2f}" if "mean_accepted_length" in row else ""
+        sp = f"{row['speedup']:.2f}×" if "speedup" in row else "1"
+        same = "" if "identical" not in row else ("yes" if row["identical"] else "**NO**")
+        gam = ",".join(str(g) for g in row.get("gamma_last", []))
+        lines.append(f"| {row['target']} | {row['config']} | {row['prompt']} | {row['decode_tok_s']:.2f} | {sp} "
+                     f"| {acc} | {mal} | {gam} | {same} |")
+    lines += ["", result.get("note", "")]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("-r", "--repeats", type=int, default=3)
+    ap.add_argument("-n", "--max-tokens", type=int, default=96)
+    ap.add_argument("--targets", default="fp32,int8,int4")
+    ap.add_argument("--prompts", default="chat,edit,code")
+    ap.add_argument("--extra", default="", help="more fp32 drafts, e.g. self:int4:L24 (comma list)")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--out", default="benchmarks/results/speculative-cpu.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    machine = machine_info(torch.device("cpu"))
+    extra = [e for e in args.extra.split(",") if e]
+    path = bundled_model_path()
+    targets, engines = {}, {}
+    for name in args.targets.split(","):
+        t0 = time.perf_counter()
+        targets[name] = load_model(path, max_seq_len=args.ctx, weights={"fp32": "fp"}.get(name, name))
+        engines[name] = build_engines(targets[name], name, extra, args.ctx)
+        print(f"{name}: loaded with drafts in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
+    tok = targets[next(iter(targets))].tokenizer
+    prompts = {k: tok.encode_chat([{"role": "user", "content": PROMPTS[k]}]) for k in args.prompts.split(",")}
+    for t, es in engines.items():  # warm-up: allocations, kernel first calls
+        for e in es.values():
+            run_once(e, prompts[next(iter(prompts))], 8)
+    runs: dict[tuple, list[dict]] = {}
+    for rep in range(args.repeats):
+        for p, ids in prompts.items():
+            for t, es in engines.items():
+                for label, e in es.items():
+                    r = run_once(e, ids, args.max_tokens)
+                    runs.setdefault((t, label, p), []).append(r)
+                    print(f"rep {rep} {p:5s} {t:5s} {label:18s} {r['decode_tok_s']:7.2f} tok/s "
+                          f"acc {r['accepted']}/{r['proposed']}", file=sys.stderr, flush=True)
+    rows, ok = [], True
+    for (t, label, p), rs in runs.items():
+        alone = None if label == "alone" else runs[(t, "alone", p)]
+        row = {"target": t, "config": label, "prompt": p, **summarise(rs, alone)}
+        ok &= row.get("identical", True)
+        rows.append(row)
+    result = {
+        "what": "speculative decoding: each target alone vs with a draft, bundled SmolLM2-135M-Instruct, CPU",
+        "command": " ".join(["python"] + sys.argv),
+        "machine": machine, "machine_after": {"load_average": machine_info(torch.device("cpu"))["load_average"]},
+        "settings": {"threads": args.threads, "repeats": args.repeats, "max_tokens": args.max_tokens,
+                     "greedy": True, "ctx": args.ctx, "prompts": {k: PROMPTS[k] for k in prompts},
+                     "prompt_tokens": {k: len(v) for k, v in prompts.items()}},
+        "all_identical": ok,
+        "rows": rows,
+        "outputs": {f"{t}/{p}": tok.decode(runs[(t, "alone", p)][0]["tokens"]) for t in engines for p in prompts},
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The decode step as one unit per device: what `Engine.step` runs instead of the model's eager graph.
+
+At batch size 1 a small model's decode step is launch- and interpreter-bound (~30 layers × ~20 ops per
+token), so the step is run as one unit where the device allows:
+- CPU: the fused C++ step (kernels/cpu_decode.py), one call per token;
+- CUDA: the model's forward captured once in a CUDA graph and replayed per token. The position lives on
+  the device (cache.DevicePosition), so one graph serves every step; attention is the Triton
+  flash-decoding kernel reading that position. One graph is captured per context bucket (256, 512,
+  1024, ... up to the cache size) so the kernel's launch grid follows the context, not the cache size.
+Elsewhere (MPS, a model or cache the unit does not describe, `--no-compile`) `compiled_decode_step`
+returns None and the engine calls the model op by op.
+
+A step is `step(token [1, 1] long on the model's device, pos) -> logits [vocab]`, valid until the next
+call, and sets `cache.length = pos + 1` as the model does. `step.limit` is the first position it cannot
+serve (the caller falls back to the eager model there).
+"""
+from __future__ import annotations
+
+import torch
+
+from .cache import DevicePosition, KVCache
+
+GRAPH_BUCKET_MIN = 256
+
+
+def compiled_decode_step(model, cache: KVCache):
+    """The fused / graph-captured decode step for this model and cache, or None (use the eager model)."""
+    if model.device.type == "cpu":
+        from .kernels.cpu_decode import fused_decode_step
+
+        return fused_decode_step(model, cache)
+    if model.device.type == "cuda" and cuda_graph_supported(model, cache):
+        return CudaGraphDecodeStep(model, cache)
+    return None
+
+
+def cuda_graph_supported(model, cache: KVCache) -> bool:
+    """The Triton kernel (power-of-two head dim ≥ 16) is what reads a device-side position."""
+    from .kernels.attention import triton_available
+
+    d = model.config.head_dim
+    return triton_available() and d >= 16 and d & (d - 1) == 0
+
+
+class CudaGraphDecodeStep:
+    def __init__(self, model, cache: KVCache):
+        self.model, self.cache = model, cache
+        self.limit = min(cache.max_seq_len, model.rope_len)
+        dev = model.device
+        self.token = torch.zeros(1, 1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pool = torch.cuda.graph_pool_handle()  # the buckets' graphs share one memory pool
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+
+    def bucket(self, pos: int) -> int:
+        """The smallest captured context (256 · 2^k, at most the cache) that holds position `pos`."""
+        b = GRAPH_BUCKET_MIN
+        while b <= pos:
+            b *= 2
+        return min(b, self.limit)
+
+    def __call__(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        self.token.copy_(token)
+        self.pos.fill_(pos)  # a kernel argument: no host-device sync
+        b = self.bucket(pos)
+        entry = self.graphs.get(b)
+        if entry is None:
+            entry = self.graphs[b] = self._capture(b)
+        entry[0].replay()
+        self.cache.length = pos + 1
+        return entry[1]
+
+    def _capture(self, bound: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        # Warm up on a side stream first (Triton compiles, cuBLAS picks its kernels), as torch's docs
+        # ask; the warm-up writes this step's own K/V, which the replay writes again identically.
+        at = DevicePosition(self.pos, bound)
+        side = torch.cuda.Stream(self.model.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.inference_mode():
+            for _ in range(2):
+                self.model(self.token, self.cache, at)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool), torch.inference_mode():
+            logits = self.model(self.token, self.cache, at)[0, -1]
+        return graph, logits

@@ -1,0 +1,382 @@
+// edgellm's whole CPU decode step in C++: one call per token instead of ~60 torch ops per layer from Python.
+//
+// Why: at SmolLM2-135M's size a layer's arithmetic is a few tens of microseconds, while each torch op called
+// from Python costs 4-8 us on this machine class, so the eager decode step spent more time in the interpreter
+// and the dispatcher than in the matmuls.  This file runs the same graph as edgellm/model.py for one token
+// (T = 1) on a float32 model with a float32 KV cache:
+//   h = embed(token); per layer: h += Wo · attn(rope(Wqkv · rmsnorm(h))); h += W2 · (silu(g) * u), [g|u] =
+//   W13 · rmsnorm(h); logits = Wout · rmsnorm(h)
+// with the matmuls through cpu_kernels.cpp's int4/int8 kernels (or an fp32 GEMV for float weights), and
+// attention over the cache [Hkv, S, D] as flash-decoding partials (key tiles in parallel, one LSE combine).
+//
+// Plain C++ (no torch headers): cpu_bindings.cpp builds the plan from the model's tensors and owns them.
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && defined(__FMA__)
+#define EDGELLM_DEC_AVX2 1
+#include <immintrin.h>
+#endif
+
+#include "cpu_decode.h"
+
+namespace edgellm {
+
+void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
+             const uint16_t* mins, int64_t N, int64_t G, float* out, int variant);
+void q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* codes, const uint16_t* scales, int64_t N,
+             int64_t G, float* out, int variant);
+void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
+int max_threads();
+
+namespace {
+
+float h2f(uint16_t h) {
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0) {
+    float v = (float)man * 5.9604644775390625e-08f;
+    std::memcpy(&bits, &v, 4);
+    bits |= sign;
+  } else if (exp == 31) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+#ifdef EDGELLM_DEC_AVX2
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// e^x, |rel err| < 2e-7 on [-87, 88] (Cephes' polynomial); inputs below -87 give ~0.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.0f;
+#ifdef EDGELLM_DEC_AVX2
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+  }
+  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+  s = hsum(_mm256_add_ps(a0, a1));
+#endif
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y += a * x
+void axpy(float a, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+#ifdef EDGELLM_DEC_AVX2
+  const __m256 va = _mm256_set1_ps(a);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+void add_inplace(float* y, const float* x, int64_t n) {
+  int64_t i = 0;
+#ifdef EDGELLM_DEC_AVX2
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_add_ps(_mm256_loadu_ps(y + i), _mm256_loadu_ps(x + i)));
+#endif
+  for (; i < n; ++i) y[i] += x[i];
+}
+
+// out = w * (x * rsqrt(mean(x^2) + eps)), as model.RMSNorm (fp32).
+void rmsnorm(const float* x, const float* w, float eps, float* out, int64_t n) {
+  const float inv = 1.0f / std::sqrt(dot(x, x, n) / (float)n + eps);
+  int64_t i = 0;
+#ifdef EDGELLM_DEC_AVX2
+  const __m256 vi = _mm256_set1_ps(inv);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), vi)));
+#endif
+  for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
+}
+
+// act[i] = silu(g[i]) * u[i]
+void silu_mul(const float* g, const float* u, float* out, int64_t n) {
+  int64_t i = 0;
+#ifdef EDGELLM_DEC_AVX2
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 vg = _mm256_loadu_ps(g + i);
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_setzero_ps(), vg));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(vg, _mm256_add_ps(one, e)), _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+}
+
+// x [H, D] in place: x*cos + (x2, x1)*sin, sin with its first half negated (model.apply_rope).
+void rope(float* x, int64_t H, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  float tmp[1024];
+  for (int64_t h = 0; h < H; ++h) {
+    float* v = x + h * D;
+    std::memcpy(tmp, v, sizeof(float) * D);
+    for (int64_t i = 0; i < half; ++i) {
+      v[i] = tmp[i] * cos[i] + tmp[i + half] * sin[i];
+      v[i + half] = tmp[i + half] * cos[i + half] + tmp[i] * sin[i + half];
+    }
+  }
+}
+
+// fp32 GEMV: out[n] = W[n,:] . x, rows split over threads, 4 rows per pass share the x loads.
+void f32_gemv(const float* x, int64_t K, const float* W, int64_t N, float* out) {
+  parallel_run(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    int64_t n = n0;
+#ifdef EDGELLM_DEC_AVX2
+    if (K % 8 == 0) {
+      for (; n + 4 <= n1; n += 4) {
+        const float* w0 = W + n * K;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t k = 0; k < K; k += 8) {
+          const __m256 xv = _mm256_loadu_ps(x + k);
+          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xv, a0);
+          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + K + k), xv, a1);
+          a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 2 * K + k), xv, a2);
+          a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 3 * K + k), xv, a3);
+        }
+        out[n] = hsum(a0);
+        out[n + 1] = hsum(a1);
+        out[n + 2] = hsum(a2);
+        out[n + 3] = hsum(a3);
+      }
+    }
+#endif
+    for (; n < n1; ++n) out[n] = dot(W + n * K, x, K);
+  });
+}
+
+void linear(const DecodeLinear& L, const float* x, float* out, int variant) {
+  if (L.kind == DecodeLinear::INT4)
+    q4_gemm(x, 1, L.K, L.codes, L.scales, L.mins, L.N, L.G, out, variant);
+  else if (L.kind == DecodeLinear::INT8)
+    q8_gemm(x, 1, L.K, reinterpret_cast<const int8_t*>(L.codes), L.scales, L.N, L.G, out, variant);
+  else
+    f32_gemv(x, L.K, L.w, L.N, out);
+  if (L.bias) add_inplace(out, L.bias, L.N);
+}
+
+void embed(const DecodeModel& m, int64_t tok, float* h) {
+  const DecodeLinear& E = m.embedding;
+  const int64_t K = E.K;
+  if (E.kind == DecodeLinear::F32) {
+    std::memcpy(h, E.w + tok * K, sizeof(float) * K);
+    return;
+  }
+  const int64_t ng = K / E.G;
+  const uint16_t* s = E.scales + tok * ng;
+  if (E.kind == DecodeLinear::INT8) {
+    const int8_t* c = reinterpret_cast<const int8_t*>(E.codes) + tok * K;
+    for (int64_t k = 0; k < K; ++k) h[k] = (float)c[k] * h2f(s[k / E.G]);
+    return;
+  }
+  // int4, as kernels.matmul.dequantize_int4: (q - 8) * s, or q * s + m (two roundings)
+  const uint8_t* c = E.codes + tok * (K / 2);
+  const uint16_t* mn = E.mins ? E.mins + tok * ng : nullptr;
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t b = k / 32, j = k % 32;
+    const uint8_t byte = c[b * 16 + (j & 15)];
+    const float q = (float)(j < 16 ? (byte & 0x0F) : (byte >> 4));
+    const float sc = h2f(s[k / E.G]);
+    if (mn) {
+      volatile float p = q * sc;  // no FMA contraction: match the two roundings of the torch path
+      h[k] = p + h2f(mn[k / E.G]);
+    } else {
+      h[k] = (q - 8.0f) * sc;
+    }
+  }
+}
+
+// One query per head against keys [0, n) of one layer's cache; q [Hq, D] already scaled; out [Hq, D].
+void attention(const DecodeModel& m, const float* q, const float* kc, const float* vc, int64_t n, float* out,
+               float* work) {
+  const int64_t D = m.head_dim, Hkv = m.n_kv_heads, g = m.n_heads / m.n_kv_heads, S = m.max_seq_len;
+  // Tiles of keys per KV head: enough tasks for the threads once the context is long enough to pay for it.
+  const int64_t nt = max_threads();
+  int64_t tiles = 1;
+  if (nt > 1 && n * Hkv * D >= 32768) tiles = std::min<int64_t>((n + 63) / 64, std::max<int64_t>(1, (2 * nt + Hkv - 1) / Hkv));
+  const int64_t tile = (n + tiles - 1) / tiles;
+  tiles = (n + tile - 1) / tile;
+  // work layout: scores [Hq, S] | partials [Hkv * tiles * g] x (D + 2)
+  float* scores = work;
+  float* part = work + m.n_heads * S;
+  auto task = [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j = t / tiles, a = (t % tiles) * tile, b = std::min(n, a + tile);
+      const float* K = kc + j * S * D;
+      const float* V = vc + j * S * D;
+      for (int64_t r = 0; r < g; ++r) {
+        const int64_t h = j * g + r;
+        const float* qh = q + h * D;
+        float* s = scores + h * S;
+        float mx = -INFINITY;
+        for (int64_t p = a; p < b; ++p) {
+          s[p] = dot(qh, K + p * D, D);
+          mx = std::max(mx, s[p]);
+        }
+        float l = 0.0f;
+        int64_t p = a;
+#ifdef EDGELLM_DEC_AVX2
+        __m256 vl = _mm256_setzero_ps();
+        const __m256 vm = _mm256_set1_ps(mx);
+        for (; p + 8 <= b; p += 8) {
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + p), vm));
+          _mm256_storeu_ps(s + p, e);
+          vl = _mm256_add_ps(vl, e);
+        }
+        l = hsum(vl);
+#endif
+        for (; p < b; ++p) {
+          s[p] = std::exp(s[p] - mx);
+          l += s[p];
+        }
+        float* o = part + (t * g + r) * (D + 2);
+        std::memset(o, 0, sizeof(float) * D);
+        for (int64_t p2 = a; p2 < b; ++p2) axpy(s[p2], V + p2 * D, o, D);
+        o[D] = mx;
+        o[D + 1] = l;
+      }
+    }
+  };
+  if (tiles * Hkv == 1 || nt <= 1) task(0, tiles * Hkv);
+  else parallel_run(0, tiles * Hkv, 1, task);
+  for (int64_t j = 0; j < Hkv; ++j) {
+    for (int64_t r = 0; r < g; ++r) {
+      const int64_t h = j * g + r;
+      float M = -INFINITY;
+      for (int64_t i = 0; i < tiles; ++i) M = std::max(M, part[((j * tiles + i) * g + r) * (D + 2) + D]);
+      float L = 0.0f;
+      float* oh = out + h * D;
+      std::memset(oh, 0, sizeof(float) * D);
+      for (int64_t i = 0; i < tiles; ++i) {
+        const float* o = part + ((j * tiles + i) * g + r) * (D + 2);
+        const float w = std::exp(o[D] - M);
+        L += w * o[D + 1];
+        axpy(w, o, oh, D);
+      }
+      const float inv = 1.0f / L;
+      for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
+    }
+  }
+}
+
+}  // namespace
+
+int64_t decode_work_floats(const DecodeModel& m) {
+  const int64_t D = m.head_dim, g = m.n_heads / m.n_kv_heads;
+  const int64_t max_tiles = 64 * 1024;  // bounded by (n + 63) / 64 and by 2 * threads / Hkv
+  (void)max_tiles;
+  const int64_t tiles = std::max<int64_t>(1, (m.max_seq_len + 63) / 64);
+  return m.n_heads * m.max_seq_len + m.n_kv_heads * tiles * g * (D + 2);
+}
+
+namespace {
+struct Clock {
+  bool on;
+  std::chrono::steady_clock::time_point t;
+  explicit Clock(bool on_) : on(on_) { if (on) t = std::chrono::steady_clock::now(); }
+  void lap(double& acc) {  // add the time since the last lap to acc
+    if (!on) return;
+    const auto now = std::chrono::steady_clock::now();
+    acc += std::chrono::duration<double>(now - t).count();
+    t = now;
+  }
+};
+}  // namespace
+
+void decode_step(DecodeModel& m, int64_t token, int64_t pos, float* logits, int variant) {
+  Clock clk(m.profile);
+  m.steps += 1;
+  const int64_t dim = m.dim, D = m.head_dim, Hq = m.n_heads, Hkv = m.n_kv_heads, S = m.max_seq_len;
+  const int64_t qsz = Hq * D, kvsz = Hkv * D, hid = m.hidden;
+  float* h = m.buf.data();
+  float* xn = h + dim;
+  float* qkv = xn + dim;                 // [qsz + 2 kvsz]
+  float* att = qkv + qsz + 2 * kvsz;     // [qsz]
+  float* tmp = att + qsz;                // [max(dim, 2 hid)]
+  float* act = tmp + std::max(dim, 2 * hid);  // [hid]
+  float* work = m.work.data();
+  embed(m, token, h);
+  const float* cs = m.rope_cos + pos * D;
+  const float* sn = m.rope_sin + pos * D;
+  for (const DecodeLayer& L : m.layers) {
+    rmsnorm(h, L.attn_norm, m.eps, xn, dim);
+    clk.lap(m.t_other);
+    linear(L.qkv, xn, qkv, variant);
+    clk.lap(m.t_matmul);
+    rope(qkv, Hq + Hkv, D, cs, sn);  // Q heads then K heads, contiguous
+    float* q = qkv;
+    const float* k = qkv + qsz;
+    const float* v = k + kvsz;
+    for (int64_t j = 0; j < Hkv; ++j) {
+      std::memcpy(L.k_cache + (j * S + pos) * D, k + j * D, sizeof(float) * D);
+      std::memcpy(L.v_cache + (j * S + pos) * D, v + j * D, sizeof(float) * D);
+    }
+    for (int64_t i = 0; i < qsz; ++i) q[i] *= m.attn_scale;
+    clk.lap(m.t_other);
+    attention(m, q, L.k_cache, L.v_cache, pos + 1, att, work);
+    clk.lap(m.t_attention);
+    linear(L.o, att, tmp, variant);
+    clk.lap(m.t_matmul);
+    add_inplace(h, tmp, dim);
+    rmsnorm(h, L.ffn_norm, m.eps, xn, dim);
+    clk.lap(m.t_other);
+    linear(L.w13, xn, tmp, variant);
+    clk.lap(m.t_matmul);
+    silu_mul(tmp, tmp + hid, act, hid);
+    clk.lap(m.t_other);
+    linear(L.w2, act, xn, variant);
+    clk.lap(m.t_matmul);
+    add_inplace(h, xn, dim);
+  }
+  rmsnorm(h, m.norm, m.eps, xn, dim);
+  clk.lap(m.t_other);
+  linear(m.output, xn, logits, variant);
+  clk.lap(m.t_matmul);
+}
+
+void decode_prepare(DecodeModel& m) {
+  const int64_t dim = m.dim, qsz = m.n_heads * m.head_dim, kvsz = m.n_kv_heads * m.head_dim, hid = m.hidden;
+  m.buf.assign(2 * dim + qsz + 2 * kvsz + qsz + std::max(dim, 2 * hid) + hid + 64, 0.0f);
+  m.work.assign(decode_work_floats(m) + 64, 0.0f);
+}
+
+}  // namespace edgellm

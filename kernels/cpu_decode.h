@@ -1,0 +1,47 @@
+// The plan of cpu_decode.cpp's fused decode step: raw pointers into tensors that cpu_bindings.cpp keeps alive.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace edgellm {
+
+struct DecodeLinear {
+  enum Kind { F32 = 0, INT4 = 4, INT8 = 8 };
+  int kind = F32;
+  int64_t N = 0, K = 0, G = 0;
+  const float* w = nullptr;         // F32: [N, K]
+  const uint8_t* codes = nullptr;   // INT4: uint8 [N, K/2]; INT8: int8 [N, K]
+  const uint16_t* scales = nullptr; // fp16 [N, K/G]
+  const uint16_t* mins = nullptr;   // fp16 [N, K/G] (asymmetric int4) or null
+  const float* bias = nullptr;      // [N] or null
+};
+
+struct DecodeLayer {
+  DecodeLinear qkv, o, w13, w2;
+  const float* attn_norm = nullptr;
+  const float* ffn_norm = nullptr;
+  float* k_cache = nullptr;  // [Hkv, S, D]
+  float* v_cache = nullptr;
+};
+
+struct DecodeModel {
+  int64_t dim = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, hidden = 0, vocab = 0, max_seq_len = 0;
+  float eps = 1e-5f, attn_scale = 1.0f;
+  DecodeLinear embedding;  // rows: F32 [V, dim], or INT8 / INT4 codes + scales (+ mins)
+  std::vector<DecodeLayer> layers;
+  const float* norm = nullptr;
+  DecodeLinear output;
+  const float* rope_cos = nullptr;  // [>= S, D]
+  const float* rope_sin = nullptr;  // [>= S, D], first half negated
+  std::vector<float> buf, work;     // activations and attention scratch, sized by decode_prepare
+  bool profile = false;             // accumulate the seconds below (steady clock; off by default)
+  double t_matmul = 0, t_attention = 0, t_other = 0;
+  int64_t steps = 0;
+};
+
+void decode_prepare(DecodeModel& m);
+// logits [vocab] of `token` at position `pos`; writes K/V of `pos` into each layer's cache.
+void decode_step(DecodeModel& m, int64_t token, int64_t pos, float* logits, int variant);
+
+}  // namespace edgellm

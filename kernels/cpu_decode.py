@@ -1,0 +1,103 @@
+"""The fused CPU decode step: one C++ call per token (kernels/cpu_decode.cpp) instead of the model's eager graph.
+
+At SmolLM2-135M's size the eager decode step is dominated by per-op overhead, not arithmetic: ~60 torch ops
+per layer at 4-8 µs each from Python (on the 2-core machine class we measure on) cost more than the layer's
+matmuls. `fused_decode_step(model, cache)` returns a callable `step(token, pos) -> logits [vocab]` that runs
+the same graph as `edgellm.model.Transformer.forward` for one token in C++ (same int4/int8 kernels, fp32
+everything else), or None where it does not apply; the caller then uses the model as usual.
+
+Applies to: a float32 model on the CPU, a float32 KV cache, every linear an `nn.Linear` (fp32) or a
+`QuantLinear` (int4 / int8, groups of a multiple of 32), the embedding an `nn.Embedding` (fp32) or a
+`QuantEmbedding`. Disabled by EDGELLM_NO_EXT=1 (no extension) or EDGELLM_FUSED_DECODE=0.
+
+The returned logits tensor is reused: it is valid until the next call. The plan holds references to the
+model's and cache's tensors; build a new one after replacing either (Engine keys it on the cache object).
+Duck-typed on attribute names, so this module imports nothing else of edgellm (kernels/ depends on nothing).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import matmul as K
+
+
+def _linear_spec(mod) -> tuple | None:
+    bias = getattr(mod, "bias", None)
+    if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
+        return None
+    bias = None if bias is None else bias.contiguous()
+    if hasattr(mod, "codes"):  # QuantLinear / QuantEmbedding
+        if mod.codes.device.type != "cpu" or mod.group_size % 32 or mod.in_features % 32:
+            return None
+        return (mod.bits, mod.group_size, mod.codes.contiguous(), mod.scales.contiguous(),
+                None if mod.mins is None else mod.mins.contiguous(), bias)
+    w = getattr(mod, "weight", None)
+    if w is None or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
+        return None
+    return (0, 0, w.detach().contiguous(), None, None, bias)
+
+
+class FusedDecodeStep:
+    """`step(token [1, 1] int64, pos) -> logits [vocab]`; sets `cache.length = pos + 1` like the model."""
+
+    def __init__(self, plan, cache, vocab: int, limit: int):
+        self.plan = plan
+        self.cache = cache
+        self.limit = limit  # positions the rope table and the cache both hold
+        self.logits = torch.empty(vocab, dtype=torch.float32)
+
+    def __call__(self, token: torch.Tensor, pos: int) -> torch.Tensor:
+        self.plan.step(token, pos, self.logits, K._variant["v"])
+        self.cache.length = pos + 1
+        return self.logits
+
+
+def fused_decode_step(model, cache) -> FusedDecodeStep | None:
+    """The fused step for this model and cache, or None where it does not apply (see the module docstring)."""
+    if os.environ.get("EDGELLM_FUSED_DECODE", "").strip() == "0":
+        return None
+    ext = K.cpu_extension()
+    if ext is None or not hasattr(ext, "DecodePlan"):
+        return None
+    try:
+        cfg = model.config
+        if model.device.type != "cpu" or model.dtype != torch.float32 or getattr(cache, "kind", None) != "fp":
+            return None
+        stores = cache.layers
+        if any(s.k.dtype != torch.float32 or s.k.device.type != "cpu" or not s.k.is_contiguous()
+               or not s.v.is_contiguous() for s in stores):
+            return None
+        emb = model.tok_embeddings
+        if hasattr(emb, "codes"):
+            if emb.dtype != torch.float32:
+                return None
+        emb_spec = _linear_spec(emb)
+        out_spec = _linear_spec(model.output)
+        layers = []
+        for i, blk in enumerate(model.layers):
+            a, f = blk.attention, blk.feed_forward
+            specs = [_linear_spec(m) for m in (a.wqkv, a.wo, f.w13, f.w2)]
+            if any(s is None for s in specs):
+                return None
+            layers.append((*specs, blk.attention_norm.weight.detach().contiguous(),
+                           blk.ffn_norm.weight.detach().contiguous(), stores[i].k, stores[i].v))
+        if emb_spec is None or out_spec is None or len(layers) != cfg.n_layers:
+            return None
+        eps = {blk.attention_norm.eps for blk in model.layers} | {blk.ffn_norm.eps for blk in model.layers}
+        if len(eps) != 1 or model.norm.eps not in eps:
+            return None
+        S, D = cache.max_seq_len, cfg.head_dim
+        cos = model.rope_cos.reshape(-1, D).contiguous()
+        sin = model.rope_sin_signed.reshape(-1, D).contiguous()
+        limit = min(S, model.rope_len)
+        if cos.shape[0] < S:  # the C++ side indexes the tables up to the cache length: pad (never read)
+            pad = torch.zeros(S - cos.shape[0], D)
+            cos, sin = torch.cat((cos, pad)), torch.cat((sin, pad))
+        dims = [cfg.dim, cfg.n_heads, cfg.n_kv_heads, D, cfg.intermediate_size, cfg.vocab_size, S]
+        plan = ext.DecodePlan(dims, float(model.norm.eps), float(model.layers[0].attention.scale), emb_spec, layers,
+                              model.norm.weight.detach().contiguous(), out_spec, cos, sin)
+    except (AttributeError, RuntimeError, TypeError, ValueError):
+        return None  # a model this plan does not describe: the eager path serves it
+    return FusedDecodeStep(plan, cache, cfg.vocab_size, limit)

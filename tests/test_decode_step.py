@@ -1,0 +1,156 @@
+"""The decode step as one unit (edgellm/decode_step.py) against independent references.
+
+CPU: the fused C++ step against transformers' logits (fp32 weights) and against the eager model on the
+same int8/int4 weights (whose kernels tests/test_quant_linear.py checks against float math).
+The graph-capturable forward (position on the device, Triton attention reading it): on CPU under
+TRITON_INTERPRET=1, against the eager model; on CUDA, the captured graph replayed across context
+buckets, against the eager model.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere (as test_triton_attention)
+
+from edgellm.cache import DevicePosition, KVCache
+from edgellm.decode_step import CudaGraphDecodeStep, compiled_decode_step
+from edgellm.generate import Engine
+from edgellm.kernels.matmul import has_cpu_kernel
+from edgellm.loading import load_model
+from tests.fixtures.tiny import VARIANTS
+
+PROMPT = [5, 17, 42, 99, 3, 250, 7]
+STEPS = [81, 120, 64, 33, 11, 200, 9, 140]
+
+
+def hf_logits(folder, ids):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def step_logits(engine: Engine) -> list[torch.Tensor]:
+    """Prefill PROMPT, then feed STEPS one at a time through engine.step; the logits of every step."""
+    engine.reset()
+    engine.prefill(PROMPT)
+    out = []
+    for t in STEPS:
+        out.append(engine.step(torch.tensor([[t]], device=engine.device)).float().cpu().clone())
+    assert engine.cache.length == len(PROMPT) + len(STEPS)
+    return out
+
+
+def eager_logits(model, kv: str = "fp") -> list[torch.Tensor]:
+    cache = KVCache(model.config, 64, model.dtype, model.device, kv_format=kv)
+    model(torch.tensor([PROMPT], device=model.device), cache, 0)
+    return [model(torch.tensor([[t]], device=model.device), cache, len(PROMPT) + i)[0, -1].float().cpu()
+            for i, t in enumerate(STEPS)]
+
+
+needs_ext = pytest.mark.skipif(not has_cpu_kernel() or os.environ.get("EDGELLM_FUSED_DECODE") == "0",
+                               reason="the C++ extension is disabled or could not be built (see test_cpu_kernels)")
+
+
+@needs_ext
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_fused_cpu_step_matches_transformers(tiny_models, variant):
+    folder, _ = tiny_models[variant]
+    loaded = load_model(folder, max_seq_len=64)
+    engine = Engine(loaded.model, loaded.tokenizer)
+    assert engine.compiled_step() is not None, "the fused step should serve an fp32 CPU model"
+    ref = hf_logits(folder, PROMPT + STEPS)
+    for i, got in enumerate(step_logits(engine)):
+        torch.testing.assert_close(got, ref[len(PROMPT) + i], atol=1e-4, rtol=1e-4)
+
+
+@needs_ext
+@pytest.mark.parametrize("weights,symmetric", [("int8", True), ("int4", True), ("int4", False)])
+@pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias"])
+def test_fused_cpu_step_matches_eager_quantized(tiny_models, variant, weights, symmetric, exact_matmul):
+    folder, _ = tiny_models[variant]
+    loaded = load_model(folder, max_seq_len=64, weights=weights, symmetric=symmetric, embeddings=weights)
+    engine = Engine(loaded.model, loaded.tokenizer)
+    assert engine.compiled_step() is not None
+    ref = eager_logits(loaded.model)
+    for got, want in zip(step_logits(engine), ref):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_no_compile_runs_the_eager_model(tiny_models):
+    loaded = load_model(tiny_models["llama_gqa"][0], max_seq_len=64)
+    engine = Engine(loaded.model, loaded.tokenizer)
+    engine.compile_decode = False
+    assert engine.compiled_step() is None
+    ref = hf_logits(tiny_models["llama_gqa"][0], PROMPT + STEPS)
+    for i, got in enumerate(step_logits(engine)):
+        torch.testing.assert_close(got, ref[len(PROMPT) + i], atol=1e-4, rtol=1e-4)
+
+
+def test_unsupported_cache_falls_back_to_eager(tiny_models):
+    """A quantized KV cache is not what the fused CPU step reads: the engine uses the model, same answer."""
+    loaded = load_model(tiny_models["llama_gqa"][0], max_seq_len=64)
+    cache = KVCache(loaded.model.config, 64, torch.float32, "cpu", kv_format="int8")
+    engine = Engine(loaded.model, loaded.tokenizer, cache=cache)
+    assert compiled_decode_step(loaded.model, cache) is None
+    for got, want in zip(step_logits(engine), eager_logits(loaded.model, "int8")):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# The graph-capturable forward: the position on the device
+# ------------------------------------------------------------------------------------------------
+def device_pos_logits(model, kv: str, bound: int) -> list[torch.Tensor]:
+    cache = KVCache(model.config, 64, model.dtype, model.device, kv_format=kv)
+    model(torch.tensor([PROMPT], device=model.device), cache, 0)
+    pos = torch.zeros(1, dtype=torch.long, device=model.device)
+    at = DevicePosition(pos, bound)
+    out = []
+    for i, t in enumerate(STEPS):
+        pos.fill_(len(PROMPT) + i)
+        out.append(model(torch.tensor([[t]], device=model.device), cache, at)[0, -1].float().cpu())
+    return out
+
+
+@pytest.mark.parametrize("kv", ["fp", "int8", "int4"])
+@pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias"])
+def test_device_position_forward_matches_eager(tiny_models, variant, kv):
+    """What a CUDA graph captures, run on the CPU with the Triton kernel interpreted."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[cuda]')")
+    if os.environ.get("TRITON_INTERPRET", "0") in ("0", "") and not torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET=0 was asked for and there is no GPU")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded = load_model(tiny_models[variant][0], max_seq_len=64, device=device)
+    ref = eager_logits(loaded.model, kv)
+    for got, want in zip(device_pos_logits(loaded.model, kv, bound=64), ref):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the device machine)")
+@pytest.mark.parametrize("weights", ["fp", "int8", "int4"])
+@pytest.mark.parametrize("kv", ["fp", "int4"])
+def test_cuda_graph_step_across_buckets(tiny_models, weights, kv):
+    """Replays across the 256 → 512 bucket boundary equal the eager model's logits; the graph step is
+    what the engine picks on CUDA."""
+    folder = tiny_models["llama_gqa"][0]
+    loaded = load_model(folder, max_seq_len=600, device="cuda", dtype=torch.float32, weights=weights)
+    model = loaded.model
+    cache = KVCache(model.config, 600, model.dtype, "cuda", kv_format=kv)
+    engine = Engine(model, loaded.tokenizer, cache=cache)
+    step = engine.compiled_step()
+    assert isinstance(step, CudaGraphDecodeStep)
+    ref_cache = KVCache(model.config, 600, model.dtype, "cuda", kv_format=kv)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (1, 300), generator=gen).tolist()[0]
+    engine.prefill(ids[:250])
+    model(torch.tensor([ids[:250]], device="cuda"), ref_cache, 0)
+    for pos in range(250, 300):  # crosses the 256 bucket
+        tok = torch.tensor([[ids[pos]]], device="cuda")
+        got = engine.step(tok).clone()
+        want = model(tok, ref_cache, pos)[0, -1]
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+    assert sorted(step.graphs) == [256, 512]
+    assert cache.length == 300
