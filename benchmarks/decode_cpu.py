@@ -116,10 +116,10 @@ def run_format(fmt: str, n: int, reps: int, threads: int, eager: bool) -> dict:
         out["decode_tok_s"] = [round(r[0], 2) for r in runs]
         out["decode_tok_s_median"] = round(statistics.median(r[0] for r in runs), 2)
         if eager:
-            engine.compile_decode = False
+            engine.compile_mode = "off"
             decode_once(engine, short, 8)
             er = [decode_once(engine, short, n) for _ in range(max(1, reps - 1))]
-            engine.compile_decode = True
+            engine.compile_mode = "auto"
             out["eager_decode_tok_s"] = [round(r[0], 2) for r in er]
             out["eager_decode_tok_s_median"] = round(statistics.median(r[0] for r in er), 2)
         ttfts = [ttft_once(engine, long) for _ in range(reps)]

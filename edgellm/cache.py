@@ -71,6 +71,13 @@ def _rotation(d: int, dtype: torch.dtype, device: str) -> torch.Tensor:
     return h.to(dtype=dtype, device=device)
 
 
+@torch.compiler.disable  # inductor cannot compile the Triton kernel itself; a CUDA graph records it all the same
+def _graph_attention(q: torch.Tensor, store: KVStore, bound: int, scale: float, lengths: torch.Tensor) -> torch.Tensor:
+    from .kernels.triton_attention import triton_attention
+
+    return triton_attention(q, store, bound, 0, scale, lengths=lengths)
+
+
 class KVCache:
     def __init__(self, cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device | str,
                  kv_format: str = "fp"):
@@ -127,10 +134,8 @@ class KVCache:
         """q [1, Hq, T, D] at positions [start, start+T), causal against the cache → [1, Hq, T, D]."""
         store = self.layers[layer]
         if isinstance(start, DevicePosition):  # inside a CUDA graph: the Triton kernel reads the lengths
-            from .kernels.triton_attention import triton_attention
-
             qr = q if self.rotation is None else q @ self.rotation
-            out = triton_attention(qr, store, start.bound, 0, scale, lengths=start.lengths)
+            out = _graph_attention(qr, store, start.bound, scale, start.lengths)
             return out if self.rotation is None else out @ self.rotation.T
         T = q.shape[2]
         end = start + T

@@ -126,8 +126,8 @@ class Engine:
         self.cached_ids: list[int] = []  # the tokens whose K/V the cache holds, in order
         self.device = model.device
         # the decode step as one unit (decode_step.py: fused C++ on CPU, a CUDA graph on CUDA) where it
-        # applies; False (--no-compile) runs the model op by op
-        self.compile_decode = True
+        # applies: "auto", "inductor" (CUDA: torch.compile inside the graph) or "off" (op by op)
+        self.compile_mode = "auto"
         self._compiled = None  # (cache it was built for, step or None)
         self.draft = draft
         self.draft_tokens = draft_tokens
@@ -184,12 +184,13 @@ class Engine:
 
     def compiled_step(self):
         """The decode step as one unit for the current cache (built on first use), or None."""
-        if not self.compile_decode:
+        if self.compile_mode == "off":
             return None
-        if self._compiled is None or self._compiled[0] is not self.cache:
+        key = (self.cache, self.compile_mode)
+        if self._compiled is None or self._compiled[0] != key:
             from .decode_step import compiled_decode_step
 
-            self._compiled = (self.cache, compiled_decode_step(self.model, self.cache))
+            self._compiled = (key, compiled_decode_step(self.model, self.cache, self.compile_mode))
         return self._compiled[1]
 
     # ------------------------------------------------------------------------------------------

@@ -199,11 +199,19 @@ def triton_available() -> bool:
     return True
 
 
+def triton_supports(store: KVStore, head_dim: int) -> bool:
+    """Head dims the Triton kernel compiles for: a power of two whose dot products have K ≥ 16 (an int4
+    cache splits the head dim into two nibble planes of head_dim / 2)."""
+    min_d = 32 if isinstance(store, Int4KV) else 16
+    return head_dim >= min_d and head_dim & (head_dim - 1) == 0
+
+
 def attention(q: torch.Tensor, store: KVStore, kv_len: int, q_start: int, scale: float) -> torch.Tensor:
     """q [1, Hq, T, D] at positions [q_start, q_start+T) → [1, Hq, T, D] in q's dtype.
 
-    CUDA with triton importable → the Triton flash-decoding kernel; otherwise the torch one."""
-    if q.is_cuda and triton_available():
+    CUDA with triton importable (and a head dim it takes) → the Triton flash-decoding kernel;
+    otherwise the torch one."""
+    if q.is_cuda and triton_available() and triton_supports(store, q.shape[-1]):
         from .triton_attention import triton_attention
 
         return triton_attention(q, store, kv_len, q_start, scale)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import FloatKV, Int4KV, Int8KV, KVStore
+from .attention import FloatKV, Int4KV, Int8KV, KVStore, triton_supports
 
 _FLOAT, _INT8, _INT4 = 0, 1, 2
 _LOG2E = 1.4426950408889634
@@ -268,8 +268,9 @@ def triton_attention(q: torch.Tensor, store: KVStore, kv_len: int, q_start: int,
         raise ValueError(f"{n_q_heads} query heads do not group over {n_kv} KV heads")
     if not 0 < kv_len <= store.k.shape[1]:
         raise ValueError(f"kv_len {kv_len} outside the cache (1..{store.k.shape[1]})")
-    if D & (D - 1) or D < 16:
-        raise ValueError(f"the Triton kernel needs a power-of-two head dim ≥ 16, got {D}")
+    if not triton_supports(store, D):
+        need = 32 if isinstance(store, Int4KV) else 16
+        raise ValueError(f"the Triton kernel needs a power-of-two head dim ≥ {need} for this cache, got {D}")
     g = n_q_heads // n_kv
     R = g * T
     n = kv_len if lengths is not None else min(kv_len, q_start + T)

@@ -19,7 +19,7 @@ from edgellm.decode_step import CudaGraphDecodeStep, compiled_decode_step
 from edgellm.generate import Engine
 from edgellm.kernels.matmul import has_cpu_kernel
 from edgellm.loading import load_model
-from tests.fixtures.tiny import VARIANTS
+from tests.fixtures.tiny import VARIANTS, make_hf_model
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 STEPS = [81, 120, 64, 33, 11, 200, 9, 140]
@@ -51,6 +51,16 @@ def eager_logits(model, kv: str = "fp") -> list[torch.Tensor]:
             for i, t in enumerate(STEPS)]
 
 
+@pytest.fixture(scope="module")
+def wide_models(tmp_path_factory):
+    """Tiny variants with a 64-wide head (the tiny ones have 16): the Triton kernel's int4 path needs
+    ≥ 32, as real models have."""
+    root = tmp_path_factory.mktemp("wide")
+    return {v: make_hf_model(root / v, v, seed=3, hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                             max_position_embeddings=1024)
+            for v in ("llama_gqa", "qwen2_bias")}
+
+
 needs_ext = pytest.mark.skipif(not has_cpu_kernel() or os.environ.get("EDGELLM_FUSED_DECODE") == "0",
                                reason="the C++ extension is disabled or could not be built (see test_cpu_kernels)")
 
@@ -80,10 +90,20 @@ def test_fused_cpu_step_matches_eager_quantized(tiny_models, variant, weights, s
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-def test_no_compile_runs_the_eager_model(tiny_models):
-    loaded = load_model(tiny_models["llama_gqa"][0], max_seq_len=64)
+def test_compile_modes_from_the_command_line(tiny_models):
+    """--compile off / --no-compile run the eager model (same logits as transformers); inductor on the
+    CPU is the fused step, as auto."""
+    from edgellm.cli import build_parser, engine_from_args
+
+    folder = str(tiny_models["llama_gqa"][0])
+    loaded = load_model(folder, max_seq_len=64)
+    for argv, fused in ((["--no-compile"], False), (["--compile", "off"], False), (["--compile", "inductor"], True),
+                        ([], True)):
+        args = build_parser().parse_args(["run", "hi", "-m", folder, *argv])
+        step = engine_from_args(args, loaded).compiled_step()
+        assert (step is not None) == (fused and has_cpu_kernel()), argv
     engine = Engine(loaded.model, loaded.tokenizer)
-    engine.compile_decode = False
+    engine.compile_mode = "off"
     assert engine.compiled_step() is None
     ref = hf_logits(tiny_models["llama_gqa"][0], PROMPT + STEPS)
     for i, got in enumerate(step_logits(engine)):
@@ -117,40 +137,66 @@ def device_pos_logits(model, kv: str, bound: int) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("kv", ["fp", "int8", "int4"])
 @pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias"])
-def test_device_position_forward_matches_eager(tiny_models, variant, kv):
-    """What a CUDA graph captures, run on the CPU with the Triton kernel interpreted."""
+def test_device_position_forward_matches_eager(wide_models, variant, kv):
+    """What a CUDA graph captures (on the CPU: with the Triton kernel interpreted) equals the eager model."""
     pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[cuda]')")
     if os.environ.get("TRITON_INTERPRET", "0") in ("0", "") and not torch.cuda.is_available():
         pytest.skip("TRITON_INTERPRET=0 was asked for and there is no GPU")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    loaded = load_model(tiny_models[variant][0], max_seq_len=64, device=device)
+    loaded = load_model(wide_models[variant], max_seq_len=64, device=device)
     ref = eager_logits(loaded.model, kv)
     for got, want in zip(device_pos_logits(loaded.model, kv, bound=64), ref):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+def test_graph_needs_a_head_dim_the_kernel_takes(tiny_models):
+    """An int4 cache with 16-wide heads is not for the Triton kernel: no graph, and on CUDA the eager
+    path's attention falls back to torch instead of failing to compile."""
+    from edgellm.decode_step import cuda_graph_supported
+    from edgellm.kernels.attention import Int4KV, triton_supports
+
+    loaded = load_model(tiny_models["llama_gqa"][0], max_seq_len=64)
+    assert loaded.model.config.head_dim == 16
+    cache = KVCache(loaded.model.config, 64, torch.float32, "cpu", kv_format="int4")
+    assert isinstance(cache.layers[0], Int4KV) and not triton_supports(cache.layers[0], 16)
+    assert not cuda_graph_supported(loaded.model, cache)
+    assert triton_supports(KVCache(loaded.model.config, 64, torch.float32, "cpu").layers[0], 16)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the device machine)")
-@pytest.mark.parametrize("weights", ["fp", "int8", "int4"])
-@pytest.mark.parametrize("kv", ["fp", "int4"])
-def test_cuda_graph_step_across_buckets(tiny_models, weights, kv):
-    """Replays across the 256 → 512 bucket boundary equal the eager model's logits; the graph step is
-    what the engine picks on CUDA."""
-    folder = tiny_models["llama_gqa"][0]
-    loaded = load_model(folder, max_seq_len=600, device="cuda", dtype=torch.float32, weights=weights)
+@pytest.mark.parametrize("weights,kv,mode", [("fp", "fp", "auto"), ("int8", "fp", "auto"), ("int4", "fp", "auto"),
+                                             ("fp", "int4", "auto"), ("int4", "int4", "auto"), ("int8", "int8", "auto"),
+                                             ("fp", "fp", "inductor")])
+def test_cuda_graph_step_across_buckets(wide_models, weights, kv, mode):
+    """Replays across the 256 → 512 bucket boundary: bit for bit the forward they captured (run op by op
+    with the position on the device), and close to the eager model's logits (which attend with SDPA or
+    the kernel's host-side lengths: other rounding, larger with bf16 tinygemm activations for int4)."""
+    loaded = load_model(wide_models["llama_gqa"], max_seq_len=600, device="cuda", dtype=torch.float32,
+                        weights=weights)
     model = loaded.model
     cache = KVCache(model.config, 600, model.dtype, "cuda", kv_format=kv)
     engine = Engine(model, loaded.tokenizer, cache=cache)
+    engine.compile_mode = mode
     step = engine.compiled_step()
     assert isinstance(step, CudaGraphDecodeStep)
     ref_cache = KVCache(model.config, 600, model.dtype, "cuda", kv_format=kv)
+    dev_cache = KVCache(model.config, 600, model.dtype, "cuda", kv_format=kv)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (1, 300), generator=gen).tolist()[0]
+    ids = torch.randint(0, model.config.vocab_size, (300,), generator=gen).tolist()
     engine.prefill(ids[:250])
-    model(torch.tensor([ids[:250]], device="cuda"), ref_cache, 0)
+    for c in (ref_cache, dev_cache):
+        model(torch.tensor([ids[:250]], device="cuda"), c, 0)
+    pos_t = torch.zeros(1, dtype=torch.long, device="cuda")
+    tol = 5e-2 if weights == "int4" else 2e-3
     for pos in range(250, 300):  # crosses the 256 bucket
         tok = torch.tensor([[ids[pos]]], device="cuda")
         got = engine.step(tok).clone()
-        want = model(tok, ref_cache, pos)[0, -1]
-        torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
+        pos_t.fill_(pos)
+        same_graph = model(tok, dev_cache, DevicePosition(pos_t, step.bucket(pos)))[0, -1]
+        if mode == "auto":
+            assert torch.equal(got, same_graph), pos
+        else:  # inductor fuses (and so rounds) differently
+            torch.testing.assert_close(got, same_graph, atol=tol, rtol=tol)
+        torch.testing.assert_close(got, model(tok, ref_cache, pos)[0, -1], atol=tol, rtol=tol)
     assert sorted(step.graphs) == [256, 512]
     assert cache.length == 300
