@@ -25,6 +25,7 @@
 #endif
 
 #include "cpu_decode.h"
+#include "half.h"
 
 namespace edgellm {
 
@@ -36,25 +37,6 @@ void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function
 int max_threads();
 
 namespace {
-
-float h2f(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t man = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0) {
-    float v = (float)man * 5.9604644775390625e-08f;
-    std::memcpy(&bits, &v, 4);
-    bits |= sign;
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 112u) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
 
 #ifdef EDGELLM_DEC_AVX2
 inline float hsum(__m256 v) {
@@ -205,7 +187,7 @@ void embed(const DecodeModel& m, int64_t tok, float* h) {
   const uint16_t* s = E.scales + tok * ng;
   if (E.kind == DecodeLinear::INT8) {
     const int8_t* c = reinterpret_cast<const int8_t*>(E.codes) + tok * K;
-    for (int64_t k = 0; k < K; ++k) h[k] = (float)c[k] * h2f(s[k / E.G]);
+    for (int64_t k = 0; k < K; ++k) h[k] = (float)c[k] * half_to_float(s[k / E.G]);
     return;
   }
   // int4, as kernels.matmul.dequantize_int4: (q - 8) * s, or q * s + m (two roundings)
@@ -215,10 +197,10 @@ void embed(const DecodeModel& m, int64_t tok, float* h) {
     const int64_t b = k / 32, j = k % 32;
     const uint8_t byte = c[b * 16 + (j & 15)];
     const float q = (float)(j < 16 ? (byte & 0x0F) : (byte >> 4));
-    const float sc = h2f(s[k / E.G]);
+    const float sc = half_to_float(s[k / E.G]);
     if (mn) {
       volatile float p = q * sc;  // no FMA contraction: match the two roundings of the torch path
-      h[k] = p + h2f(mn[k / E.G]);
+      h[k] = p + half_to_float(mn[k / E.G]);
     } else {
       h[k] = (q - 8.0f) * sc;
     }

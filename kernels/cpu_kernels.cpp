@@ -33,6 +33,8 @@
 #include <functional>
 #include <vector>
 
+#include "half.h"
+
 #if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || (defined(__FMA__) && defined(__F16C__)))
 #define EDGELLM_AVX2 1
 #include <immintrin.h>
@@ -145,25 +147,7 @@ namespace edgellm {
 
 static constexpr int64_t QK = 32;  // block of the int4 packing and of the activation quantization
 
-// ---------------------------------------------------------------- fp16 -> fp32 (portable)
-static inline float half_to_float(uint16_t h) {
-  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t man = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0) {
-    float v = (float)man * 5.9604644775390625e-08f;  // subnormal: man * 2^-24
-    std::memcpy(&bits, &v, 4);
-    bits |= sign;
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 112u) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+// fp16 -> fp32: half_to_float in half.h (shared with cpu_decode.cpp)
 
 // ---------------------------------------------------------------- scratch buffers
 // One growing buffer per calling thread: the decode loop calls us ~120 times per token with the same

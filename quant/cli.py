@@ -9,21 +9,17 @@ from ..errors import EdgeLLMError, OutputError
 
 
 def add_parser(sub) -> None:
+    from ..cli import add_quant_options
+
     p = sub.add_parser("quantize", help="quantize a model to int8/int4 (edgellm folder or GGUF)")
     p.add_argument("src", help="HF folder, .gguf file or hub id")
     p.add_argument("-o", "--output", required=True, help="output folder (edgellm) or .gguf file")
     p.add_argument("--weights", default="int4", choices=("int8", "int4"))
     p.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128),
                    help="group size along the input dimension (int8 also: --per-channel)")
-    p.add_argument("--per-channel", action="store_true", help="int8: one scale per output channel")
-    sym = p.add_mutually_exclusive_group()
-    sym.add_argument("--sym", dest="symmetric", action="store_true", default=True, help="int4 symmetric (default)")
-    sym.add_argument("--asym", dest="symmetric", action="store_false", help="int4 with scale + min")
-    p.add_argument("--embeddings", default="int8", choices=("int8", "int4", "fp"),
-                   help="embedding table / LM head format (default int8)")
+    add_quant_options(p)  # --per-channel --sym/--asym --embeddings --fast, as run/chat/bench take them
     p.add_argument("--format", default=None, choices=("edgellm", "gguf"),
                    help="output format (default: gguf if OUT ends in .gguf, else edgellm)")
-    p.add_argument("--fast", action="store_true", help="round-to-nearest instead of the scale search")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS)
