@@ -137,8 +137,8 @@ def run_format(fmt: str, n: int, reps: int, threads: int, eager: bool) -> dict:
             split = {k: prof[k] / steps for k in ("matmul_s", "attention_s", "other_s")}
             split["python_and_sampling_s"] = max(0.0, per_tok - sum(split.values()))
             total = sum(split.values())
-            out["step_split_ms"] = {k.replace("_s", "_ms"): round(v * 1e3, 3) for k, v in split.items()}
-            out["step_split_fraction"] = {k.replace("_s", ""): round(v / total, 3) for k, v in split.items()}
+            out["step_split_ms"] = {k.removesuffix("_s") + "_ms": round(v * 1e3, 3) for k, v in split.items()}
+            out["step_split_fraction"] = {k.removesuffix("_s"): round(v / total, 3) for k, v in split.items()}
     out["rss_before_load_bytes"] = rss0
     out["rss_after_load_bytes"] = rss_loaded
     out["rss_peak_bytes"] = peak_rss_bytes()

@@ -24,6 +24,32 @@ from .cache import DevicePosition, KVCache
 GRAPH_BUCKET_MIN = 256
 
 
+class Decoder:
+    """One token through `model` at position `pos` of `cache` → logits [vocab]: the compiled step where it
+    applies (built on first use, rebuilt when the cache or the mode changes), else the eager model.
+    Used by the engine and by draft models (speculative.py)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._key: tuple | None = None  # (cache, mode) the step was built for
+        self._step = None
+
+    def compiled(self, cache: KVCache, mode: str = "auto"):
+        """The compiled step for this cache and mode, or None (mode "off", or it does not apply)."""
+        if mode == "off":
+            return None
+        if self._key is None or self._key[0] is not cache or self._key[1] != mode:
+            self._key, self._step = (cache, mode), compiled_decode_step(self.model, cache, mode)
+        return self._step
+
+    def __call__(self, token: torch.Tensor, cache: KVCache, pos: int, mode: str = "auto") -> torch.Tensor:
+        """token [1, 1] long on the model's device; the logits are valid until the next call."""
+        step = self.compiled(cache, mode)
+        if step is not None and pos < step.limit:
+            return step(token, pos)
+        return self.model(token, cache, pos)[0, -1]
+
+
 def compiled_decode_step(model, cache: KVCache, mode: str = "auto"):
     """The fused / graph-captured decode step for this model and cache, or None (use the eager model).
     mode "inductor": on CUDA, torch.compile the forward inside the graph (elsewhere the same as "auto")."""

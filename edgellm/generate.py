@@ -13,6 +13,7 @@ from typing import Iterator
 import torch
 
 from .cache import KVCache
+from .decode_step import Decoder
 from .device import now, peak_memory_bytes, reset_peak_memory
 from .errors import ContextOverflowError
 from .sampling import Sampler, SamplingSettings
@@ -128,7 +129,7 @@ class Engine:
         # the decode step as one unit (decode_step.py: fused C++ on CPU, a CUDA graph on CUDA) where it
         # applies: "auto", "inductor" (CUDA: torch.compile inside the graph) or "off" (op by op)
         self.compile_mode = "auto"
-        self._compiled = None  # (cache it was built for, step or None)
+        self._decoder = Decoder(model)
         self.draft = draft
         self.draft_tokens = draft_tokens
         if draft is not None:
@@ -175,23 +176,22 @@ class Engine:
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed one token (a [1, 1] tensor) at the end of the cache; returns logits [V]."""
-        pos = self.cache.length
-        compiled = self.compiled_step()
-        if compiled is not None and pos < compiled.limit:
-            return compiled(token, pos)  # valid until the next step
-        logits = self.model(token, self.cache, pos)
-        return logits[0, -1]
+        return self._decoder(token, self.cache, self.cache.length, self.compile_mode)  # valid until the next step
+
+    def verify_logits(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Logits [T, V] of x [1, T] at positions [start, start+T): through the compiled step's multi-token
+        call where it has one (the fused CPU step: each row bit for bit a one-token step, so greedy
+        speculation equals plain decoding exactly), else one causal forward of the model."""
+        step = self.compiled_step()
+        many = getattr(step, "many", None)
+        T = x.shape[1]
+        if many is not None and T <= step.max_rows and start + T <= step.limit:
+            return many(x[0], start)
+        return self.model(x, self.cache, start, all_logits=True)[0]
 
     def compiled_step(self):
         """The decode step as one unit for the current cache (built on first use), or None."""
-        if self.compile_mode == "off":
-            return None
-        key = (self.cache, self.compile_mode)
-        if self._compiled is None or self._compiled[0] != key:
-            from .decode_step import compiled_decode_step
-
-            self._compiled = (key, compiled_decode_step(self.model, self.cache, self.compile_mode))
-        return self._compiled[1]
+        return self._decoder.compiled(self.cache, self.compile_mode)
 
     # ------------------------------------------------------------------------------------------
     def generate(self, prompt: list[int], settings: GenerationSettings | None = None,
@@ -368,7 +368,7 @@ class Engine:
                 t_b = now(self.device)
                 x = torch.tensor([[context[-1]] + drafts], dtype=torch.long, device=self.device)
                 with torch.no_grad():
-                    logits = self.model(x, self.cache, start, all_logits=True)[0]
+                    logits = self.verify_logits(x, start)
                 history = context[-s.repeat_last_n:] if penalty else []
                 if s.greedy:
                     n_ok, next_id = verify_greedy(logits, drafts, history, s)

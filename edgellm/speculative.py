@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from .cache import KVCache
+from .decode_step import Decoder
 from .errors import EdgeLLMError
 from .sampling import Sampler, SamplingSettings, apply_repeat_penalty, probabilities
 
@@ -57,6 +58,7 @@ class Proposer:
         """Called by Engine.__init__: the target model, its cache and device are `engine.model` etc."""
         self.target_vocab = engine.model.config.vocab_size
         self.device = engine.device
+        self.engine = engine  # its compile_mode applies to a draft model's steps too
 
     def begin(self, prompt: list[int], settings: SamplingSettings, sampler: Sampler) -> None:
         self.settings, self.sampler = settings, sampler
@@ -119,6 +121,7 @@ class DraftModelProposer(Proposer):
         self.ids: list[int] = []  # tokens whose K/V the draft's own cache holds
         self._trusted = 0  # ids[:_trusted] are known to equal the current context's prefix
         self.settings, self.sampler = SamplingSettings(), None
+        self.decoder = Decoder(model)  # the draft's one-token steps: fused C++ on CPU, a CUDA graph on CUDA
 
     def bind(self, engine: Any) -> None:
         super().bind(engine)
@@ -186,7 +189,7 @@ class DraftModelProposer(Proposer):
                 raise RuntimeError(f"shared-cache draft: the target cache holds {self.cache.length} positions, "
                                    f"expected {start}")
             x = torch.tensor([[context[-1]]], dtype=torch.long, device=self.model.device)
-            logits = self.model(x, self.cache, start)[0, -1]
+            logits = self.decoder(x, self.cache, start, self.engine.compile_mode)
         else:
             start = len(context) - 1
             logits = self._sync(context)
@@ -209,8 +212,8 @@ class DraftModelProposer(Proposer):
             tokens.append(tok)
             if penalty:
                 history.append(int(tok))
-            if i + 1 < k:
-                logits = self.model(tok.view(1, 1), self.cache, start + 1 + i)[0, -1]
+            if i + 1 < k:  # (the step's logits buffer is reused: lg and q are done with by now)
+                logits = self.decoder(tok.view(1, 1), self.cache, start + 1 + i, self.engine.compile_mode)
         out = torch.stack(tokens)
         if self.share_cache:
             self.cache.truncate(start)  # the verification pass rewrites these positions with the target's K/V
@@ -415,14 +418,13 @@ def verify_sampled(logits: torch.Tensor, drafts: list[int], q: torch.Tensor | No
 def max_draft_tokens(model: torch.nn.Module) -> int:
     """The most drafts one verification pass may check while staying exact: every position's logits must
     be computed as a one-token decode step computes them, or greedy output could differ from plain
-    decoding at a near-tie. On CPU the int8/int4 kernel handles each row independently (bit-identical
-    to M = 1) up to `kernels.matmul.CPU_KERNEL_MAX_M` rows; beyond that a quantized linear switches to a
-    float GEMM on dequantized weights, which rounds differently. So a quantized CPU target verifies at
-    most CPU_KERNEL_MAX_M tokens (γ + 1) per pass."""
+    decoding at a near-tie. On CPU, verification goes through the fused step's multi-token call (each row
+    bit for bit a one-token step) for up to 16 tokens (kernels/cpu_decode.h kDecodeMaxRows, also the int
+    kernels' CPU_KERNEL_MAX_M); beyond that the model's forward would round differently. So a CPU target
+    verifies at most 16 tokens (γ + 1) per pass."""
     from .kernels import matmul
-    from .quant.linear import QuantLinear
 
-    if model.device.type == "cpu" and any(isinstance(m, QuantLinear) for m in model.modules()):
+    if model.device.type == "cpu":
         return min(GAMMA_MAX, matmul.CPU_KERNEL_MAX_M - 1)
     return GAMMA_MAX
 

@@ -262,6 +262,28 @@ struct DecodePlan {
     }
     return logits;
   }
+
+  at::Tensor step_many(const at::Tensor& tokens, int64_t pos, const at::Tensor& logits, int64_t variant) {
+    TORCH_CHECK(tokens.device().is_cpu() && tokens.scalar_type() == at::kLong && tokens.is_contiguous(),
+                "edgellm decode tokens: tokens must be contiguous int64 on the CPU");
+    const int64_t T = tokens.numel();
+    TORCH_CHECK(T >= 1 && T <= edgellm::kDecodeMaxRows, "edgellm decode tokens: 1..", edgellm::kDecodeMaxRows,
+                " tokens per call, got ", T);
+    TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
+                    logits.numel() >= T * m.vocab, "edgellm decode tokens: logits must be contiguous fp32 [>= ", T,
+                ", ", m.vocab, "]");
+    TORCH_CHECK(pos >= 0 && pos + T <= m.max_seq_len, "edgellm decode tokens: positions [", pos, ", ", pos + T,
+                ") outside the cache of ", m.max_seq_len);
+    const int64_t* ids = tokens.data_ptr<int64_t>();
+    for (int64_t t = 0; t < T; ++t)
+      TORCH_CHECK(ids[t] >= 0 && ids[t] < m.vocab, "edgellm decode tokens: token id ", ids[t], " outside the vocabulary");
+    float* out = logits.data_ptr<float>();
+    {
+      py::gil_scoped_release nogil;
+      edgellm::decode_tokens(m, ids, T, pos, out, (int)variant);
+    }
+    return logits;
+  }
 };
 
 }  // namespace
@@ -293,6 +315,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("norm"), py::arg("output"), py::arg("rope_cos"), py::arg("rope_sin"))
       .def("step", &DecodePlan::step, py::arg("token"), py::arg("pos"), py::arg("logits"), py::arg("variant"),
            "logits [vocab] of token (int64 [1] or [1, 1]) at position pos; writes its K/V into the cache")
+      .def("step_many", &DecodePlan::step_many, py::arg("tokens"), py::arg("pos"), py::arg("logits"),
+           py::arg("variant"), "logits [T, vocab] of T tokens at positions [pos, pos + T), causal; each row as step gives it")
+      .def_property_readonly_static("max_rows", [](py::object) { return edgellm::kDecodeMaxRows; })
       .def("set_profile", [](DecodePlan& p, bool on) {
              p.m.profile = on;
              p.m.t_matmul = p.m.t_attention = p.m.t_other = 0;

@@ -139,41 +139,50 @@ void rope(float* x, int64_t H, int64_t D, const float* cos, const float* sin) {
   }
 }
 
-// fp32 GEMV: out[n] = W[n,:] . x, rows split over threads, 4 rows per pass share the x loads.
-void f32_gemv(const float* x, int64_t K, const float* W, int64_t N, float* out) {
+// fp32 GEMM for a few rows: out[r, n] = W[n,:] . x[r,:], weight rows split over threads, 4 weight rows per
+// pass share each x row's loads. Every (r, n) is accumulated exactly as for M = 1 (same chunks, same lanes),
+// so a verification pass over T tokens gives each token the bits of a one-token step.
+void f32_rows(const float* x, int64_t M, int64_t K, const float* W, int64_t N, float* out) {
   parallel_run(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
     int64_t n = n0;
 #ifdef EDGELLM_DEC_AVX2
     if (K % 8 == 0) {
       for (; n + 4 <= n1; n += 4) {
         const float* w0 = W + n * K;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int64_t k = 0; k < K; k += 8) {
-          const __m256 xv = _mm256_loadu_ps(x + k);
-          a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xv, a0);
-          a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + K + k), xv, a1);
-          a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 2 * K + k), xv, a2);
-          a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 3 * K + k), xv, a3);
+        for (int64_t r = 0; r < M; ++r) {
+          const float* xr = x + r * K;
+          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+          for (int64_t k = 0; k < K; k += 8) {
+            const __m256 xv = _mm256_loadu_ps(xr + k);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + k), xv, a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + K + k), xv, a1);
+            a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 2 * K + k), xv, a2);
+            a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + 3 * K + k), xv, a3);
+          }
+          float* o = out + r * N + n;
+          o[0] = hsum(a0);
+          o[1] = hsum(a1);
+          o[2] = hsum(a2);
+          o[3] = hsum(a3);
         }
-        out[n] = hsum(a0);
-        out[n + 1] = hsum(a1);
-        out[n + 2] = hsum(a2);
-        out[n + 3] = hsum(a3);
       }
     }
 #endif
-    for (; n < n1; ++n) out[n] = dot(W + n * K, x, K);
+    for (; n < n1; ++n)
+      for (int64_t r = 0; r < M; ++r) out[r * N + n] = dot(W + n * K, x + r * K, K);
   });
 }
 
-void linear(const DecodeLinear& L, const float* x, float* out, int variant) {
+// out [M, N] = x [M, K] @ W^T (+ bias); the int kernels treat each row on its own too (bit-identical to M = 1).
+void linear(const DecodeLinear& L, const float* x, int64_t M, float* out, int variant) {
   if (L.kind == DecodeLinear::INT4)
-    q4_gemm(x, 1, L.K, L.codes, L.scales, L.mins, L.N, L.G, out, variant);
+    q4_gemm(x, M, L.K, L.codes, L.scales, L.mins, L.N, L.G, out, variant);
   else if (L.kind == DecodeLinear::INT8)
-    q8_gemm(x, 1, L.K, reinterpret_cast<const int8_t*>(L.codes), L.scales, L.N, L.G, out, variant);
+    q8_gemm(x, M, L.K, reinterpret_cast<const int8_t*>(L.codes), L.scales, L.N, L.G, out, variant);
   else
-    f32_gemv(x, L.K, L.w, L.N, out);
-  if (L.bias) add_inplace(out, L.bias, L.N);
+    f32_rows(x, M, L.K, L.w, L.N, out);
+  if (L.bias)
+    for (int64_t r = 0; r < M; ++r) add_inplace(out + r * L.N, L.bias, L.N);
 }
 
 void embed(const DecodeModel& m, int64_t tok, float* h) {
@@ -304,60 +313,70 @@ struct Clock {
 };
 }  // namespace
 
-void decode_step(DecodeModel& m, int64_t token, int64_t pos, float* logits, int variant) {
+void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos, float* logits, int variant) {
   Clock clk(m.profile);
-  m.steps += 1;
+  m.steps += T;
   const int64_t dim = m.dim, D = m.head_dim, Hq = m.n_heads, Hkv = m.n_kv_heads, S = m.max_seq_len;
-  const int64_t qsz = Hq * D, kvsz = Hkv * D, hid = m.hidden;
-  float* h = m.buf.data();
-  float* xn = h + dim;
-  float* qkv = xn + dim;                 // [qsz + 2 kvsz]
-  float* att = qkv + qsz + 2 * kvsz;     // [qsz]
-  float* tmp = att + qsz;                // [max(dim, 2 hid)]
-  float* act = tmp + std::max(dim, 2 * hid);  // [hid]
+  const int64_t qsz = Hq * D, kvsz = Hkv * D, hid = m.hidden, qkvw = qsz + 2 * kvsz;
+  const int64_t tw = std::max(dim, 2 * hid);
+  // Row-major [T, width] activations; each token's row goes through exactly what a one-token step does.
+  float* h = m.buf.data();      // [T, dim]
+  float* xn = h + T * dim;      // [T, dim]
+  float* qkv = xn + T * dim;    // [T, qkvw]
+  float* att = qkv + T * qkvw;  // [T, qsz]
+  float* tmp = att + T * qsz;   // [T, tw]
+  float* act = tmp + T * tw;    // [T, hid]
   float* work = m.work.data();
-  embed(m, token, h);
-  const float* cs = m.rope_cos + pos * D;
-  const float* sn = m.rope_sin + pos * D;
+  for (int64_t t = 0; t < T; ++t) embed(m, tokens[t], h + t * dim);
   for (const DecodeLayer& L : m.layers) {
-    rmsnorm(h, L.attn_norm, m.eps, xn, dim);
+    for (int64_t t = 0; t < T; ++t) rmsnorm(h + t * dim, L.attn_norm, m.eps, xn + t * dim, dim);
     clk.lap(m.t_other);
-    linear(L.qkv, xn, qkv, variant);
+    linear(L.qkv, xn, T, qkv, variant);
     clk.lap(m.t_matmul);
-    rope(qkv, Hq + Hkv, D, cs, sn);  // Q heads then K heads, contiguous
-    float* q = qkv;
-    const float* k = qkv + qsz;
-    const float* v = k + kvsz;
-    for (int64_t j = 0; j < Hkv; ++j) {
-      std::memcpy(L.k_cache + (j * S + pos) * D, k + j * D, sizeof(float) * D);
-      std::memcpy(L.v_cache + (j * S + pos) * D, v + j * D, sizeof(float) * D);
+    for (int64_t t = 0; t < T; ++t) {
+      float* q = qkv + t * qkvw;
+      rope(q, Hq + Hkv, D, m.rope_cos + (pos + t) * D, m.rope_sin + (pos + t) * D);  // Q heads then K heads
+      const float* k = q + qsz;
+      const float* v = k + kvsz;
+      for (int64_t j = 0; j < Hkv; ++j) {
+        std::memcpy(L.k_cache + (j * S + pos + t) * D, k + j * D, sizeof(float) * D);
+        std::memcpy(L.v_cache + (j * S + pos + t) * D, v + j * D, sizeof(float) * D);
+      }
+      for (int64_t i = 0; i < qsz; ++i) q[i] *= m.attn_scale;
     }
-    for (int64_t i = 0; i < qsz; ++i) q[i] *= m.attn_scale;
     clk.lap(m.t_other);
-    attention(m, q, L.k_cache, L.v_cache, pos + 1, att, work);
+    // causal: token t sees positions [0, pos + t]
+    for (int64_t t = 0; t < T; ++t) attention(m, qkv + t * qkvw, L.k_cache, L.v_cache, pos + t + 1, att + t * qsz, work);
     clk.lap(m.t_attention);
-    linear(L.o, att, tmp, variant);
+    linear(L.o, att, T, tmp, variant);
     clk.lap(m.t_matmul);
-    add_inplace(h, tmp, dim);
-    rmsnorm(h, L.ffn_norm, m.eps, xn, dim);
+    for (int64_t t = 0; t < T; ++t) {
+      add_inplace(h + t * dim, tmp + t * dim, dim);
+      rmsnorm(h + t * dim, L.ffn_norm, m.eps, xn + t * dim, dim);
+    }
     clk.lap(m.t_other);
-    linear(L.w13, xn, tmp, variant);
+    linear(L.w13, xn, T, tmp, variant);
     clk.lap(m.t_matmul);
-    silu_mul(tmp, tmp + hid, act, hid);
+    for (int64_t t = 0; t < T; ++t) silu_mul(tmp + t * 2 * hid, tmp + t * 2 * hid + hid, act + t * hid, hid);
     clk.lap(m.t_other);
-    linear(L.w2, act, xn, variant);
+    linear(L.w2, act, T, xn, variant);
     clk.lap(m.t_matmul);
-    add_inplace(h, xn, dim);
+    for (int64_t t = 0; t < T; ++t) add_inplace(h + t * dim, xn + t * dim, dim);
   }
-  rmsnorm(h, m.norm, m.eps, xn, dim);
+  for (int64_t t = 0; t < T; ++t) rmsnorm(h + t * dim, m.norm, m.eps, xn + t * dim, dim);
   clk.lap(m.t_other);
-  linear(m.output, xn, logits, variant);
+  linear(m.output, xn, T, logits, variant);
   clk.lap(m.t_matmul);
+}
+
+void decode_step(DecodeModel& m, int64_t token, int64_t pos, float* logits, int variant) {
+  decode_tokens(m, &token, 1, pos, logits, variant);
 }
 
 void decode_prepare(DecodeModel& m) {
   const int64_t dim = m.dim, qsz = m.n_heads * m.head_dim, kvsz = m.n_kv_heads * m.head_dim, hid = m.hidden;
-  m.buf.assign(2 * dim + qsz + 2 * kvsz + qsz + std::max(dim, 2 * hid) + hid + 64, 0.0f);
+  const int64_t per_row = 2 * dim + (qsz + 2 * kvsz) + qsz + std::max(dim, 2 * hid) + hid;
+  m.buf.assign(kDecodeMaxRows * per_row + 64, 0.0f);
   m.work.assign(decode_work_floats(m) + 64, 0.0f);
 }
 

@@ -40,8 +40,14 @@ struct DecodeModel {
   int64_t steps = 0;
 };
 
+// Tokens one call may take (speculative verification: the draft tokens + 1); the buffers are sized for it.
+constexpr int64_t kDecodeMaxRows = 16;
+
 void decode_prepare(DecodeModel& m);
 // logits [vocab] of `token` at position `pos`; writes K/V of `pos` into each layer's cache.
 void decode_step(DecodeModel& m, int64_t token, int64_t pos, float* logits, int variant);
+// T <= kDecodeMaxRows tokens at positions [pos, pos + T), causal: logits [T, vocab], each row bit for bit
+// what decode_step gives that token at its position.
+void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos, float* logits, int variant);
 
 }  // namespace edgellm

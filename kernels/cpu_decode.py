@@ -47,11 +47,24 @@ class FusedDecodeStep:
         self.cache = cache
         self.limit = limit  # positions the rope table and the cache both hold
         self.logits = torch.empty(vocab, dtype=torch.float32)
+        self.max_rows = type(plan).max_rows  # tokens per `many` call
+        self.rows = torch.empty(0, vocab, dtype=torch.float32)  # `many`'s logits, grown on first use
 
     def __call__(self, token: torch.Tensor, pos: int) -> torch.Tensor:
         self.plan.step(token, pos, self.logits, K._variant["v"])
         self.cache.length = pos + 1
         return self.logits
+
+    def many(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        """Logits [T, vocab] of T ≤ `max_rows` tokens at positions [pos, pos + T), causal, each row bit for bit
+        what `__call__` gives that token at its position: speculative verification stays exact. Sets
+        cache.length = pos + T; valid until the next call."""
+        T = tokens.numel()
+        if self.rows.shape[0] < T:
+            self.rows = torch.empty(T, self.logits.numel(), dtype=torch.float32)
+        self.plan.step_many(tokens.reshape(-1).contiguous(), pos, self.rows, K._variant["v"])
+        self.cache.length = pos + T
+        return self.rows[:T]
 
 
 def fused_decode_step(model, cache) -> FusedDecodeStep | None:

@@ -47,6 +47,38 @@ _variant = {"v": _FLOAT_FMA if os.environ.get("EDGELLM_EXACT_MATMUL", "") not in
 _NO_MINS = torch.empty(0, dtype=torch.float16, device="cpu")  # the C++ kernel takes an empty tensor for "no mins"
 
 
+def _detect_bf16_gemm() -> bool:
+    """Prefill GEMMs of quantized weights in bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX):
+    measured 2-4x the fp32 GEMM's speed at 512 tokens on a 2-core Zen 4 (benchmarks/results/decode-cpu.md).
+    Without it (AVX2 only) bf16 is several times slower than fp32, so fp32 stays. The weights are int8/int4
+    approximations already; bf16 activations cost less than the decode kernel's int8 rounding of them.
+    EDGELLM_PREFILL_BF16=0/1 overrides; exact mode (EDGELLM_EXACT_MATMUL=1) keeps fp32."""
+    env = os.environ.get("EDGELLM_PREFILL_BF16", "").strip()
+    if env:
+        return env != "0"
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_bf16_gemm = {"on": _detect_bf16_gemm()}
+
+
+def set_bf16_prefill(on: bool) -> None:
+    _bf16_gemm["on"] = on
+
+
+def _float_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ w.T (+ bias) for a dequantized weight: fp32 in x's dtype, or bf16 on CPUs that multiply it natively."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and _bf16_gemm["on"] and _variant["v"] != _FLOAT_FMA
+            and _rows(x) > CPU_KERNEL_MAX_M):
+        out = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16))
+        out = out.to(torch.float32)
+        return out if bias is None else out.add_(bias.to(torch.float32))
+    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
 # ------------------------------------------------------------------------------------------------
 # Dequantization (the reference every path is measured against)
 # ------------------------------------------------------------------------------------------------
@@ -262,7 +294,7 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, grou
     w = dense if dense is not None else _dequantize_cpu(8, codes, scales, None, group_size, x)
     if w is None:
         w = dequantize_int8(codes, scales, group_size, x.dtype)
-    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    return _float_linear(x, w, bias)
 
 
 def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
@@ -281,4 +313,4 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins
     w = dense if dense is not None else _dequantize_cpu(4, codes, scales, mins, group_size, x)
     if w is None:
         w = dequantize_int4(codes, scales, mins, group_size, x.dtype)
-    return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    return _float_linear(x, w, bias)

@@ -90,6 +90,30 @@ def test_fused_cpu_step_matches_eager_quantized(tiny_models, variant, weights, s
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
+@needs_ext
+@pytest.mark.parametrize("weights", ["fp", "int8", "int4"])
+@pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias"])
+def test_fused_many_rows_equal_one_token_steps(tiny_models, variant, weights):
+    """Speculative verification's multi-token call: every row bit for bit the one-token step at its
+    position (what keeps greedy speculation identical to plain decoding), K/V included."""
+    loaded = load_model(tiny_models[variant][0], max_seq_len=64, weights=weights)
+    a, b = (Engine(loaded.model, loaded.tokenizer) for _ in range(2))
+    one = step_logits(a)
+    b.reset()
+    b.prefill(PROMPT)
+    step = b.compiled_step()
+    rows = step.many(torch.tensor(STEPS[:5]), len(PROMPT)).clone()
+    rows2 = step.many(torch.tensor(STEPS[5:]), len(PROMPT) + 5)
+    assert b.cache.length == len(PROMPT) + len(STEPS)
+    for got, want in zip(list(rows) + list(rows2), one):
+        assert torch.equal(got, want)
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        assert torch.equal(la.k[:, :b.cache.length], lb.k[:, :b.cache.length])
+        assert torch.equal(la.v[:, :b.cache.length], lb.v[:, :b.cache.length])
+    with pytest.raises(RuntimeError, match="tokens per call"):
+        step.many(torch.zeros(step.max_rows + 1, dtype=torch.long), 0)
+
+
 def test_compile_modes_from_the_command_line(tiny_models):
     """--compile off / --no-compile run the eager model (same logits as transformers); inductor on the
     CPU is the fused step, as auto."""

@@ -17,12 +17,39 @@ MS = list(range(1, 17)) + [100]
 
 @pytest.fixture
 def float_path():
-    """Run without the C++ CPU kernel: the float path, exact to the dequantized reference."""
+    """Run without the C++ CPU kernel and without bf16 prefill GEMMs: the float path, exact to the
+    dequantized reference."""
     saved = dict(matmul._cpu_ext_state)
+    bf16 = dict(matmul._bf16_gemm)
     matmul.set_cpu_extension(None)
+    matmul.set_bf16_prefill(False)
     yield
     matmul._cpu_ext_state.clear()
     matmul._cpu_ext_state.update(saved)
+    matmul._bf16_gemm.update(bf16)
+
+
+def test_bf16_prefill_gemm_close_and_only_for_many_rows():
+    """On CPUs with native bf16 (or when asked), quantized linears of more than 16 rows (prefill) multiply
+    in bf16: close to the fp32 reference, not equal to it; decode-size inputs and exact mode keep fp32."""
+    saved = dict(matmul._bf16_gemm)
+    exact = matmul.exact_matmul()
+    try:
+        matmul.set_bf16_prefill(True)
+        matmul.set_exact_matmul(False)
+        lin = make_linear(n=64, k=256, bias=True)
+        q = QuantLinear.from_linear(lin, 4, 32, symmetric=True, search=False)
+        w, b = q.dequantized_weight(), lin.bias.detach()
+        x = torch.randn(40, 256)
+        ref = F.linear(x.double(), w.double(), b.double())
+        got = q(x)
+        assert got.dtype == torch.float32 and rel_err(got, ref) < 1e-2
+        assert rel_err(got, ref) > 1e-6  # bf16 really was used
+        matmul.set_exact_matmul(True)
+        assert rel_err(q(x), ref) < 1e-5
+    finally:
+        matmul._bf16_gemm.update(saved)
+        matmul.set_exact_matmul(exact)
 
 
 def make_linear(n=37, k=256, bias=True, seed=0) -> nn.Linear:

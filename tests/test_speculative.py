@@ -544,19 +544,31 @@ def test_interrupt_inside_a_forward_pass_leaves_a_valid_cache(target, where, mon
     prompt = PROMPTS[1] * 2
     draft = SelfDraftProposer(target.model, search=False)
     engine = Engine(target.model, target.tokenizer, 96, draft=draft, draft_tokens=4)
-    victim = draft.model if where == "draft" else target.model
     calls = {"n": 0}
-    forward = type(victim).forward
+    if where == "draft":  # the draft's one-token steps (the fused C++ step where it applies)
+        step = draft.decoder
 
-    def interrupting(self, *a, **k):
-        if self is victim:
+        def interrupting_step(*a, **k):
             calls["n"] += 1
+            out = step(*a, **k)  # K/V written, cache.length advanced, then the interrupt
             if calls["n"] == 6:
-                out = forward(self, *a, **k)  # K/V written, cache.length advanced, then the interrupt
                 raise KeyboardInterrupt
-        return forward(self, *a, **k)
+            return out
 
-    monkeypatch.setattr(type(victim), "forward", interrupting)
+        monkeypatch.setattr(draft, "decoder", interrupting_step)
+    else:
+        victim = target.model
+        forward = type(victim).forward
+
+        def interrupting(self, *a, **k):
+            if self is victim:
+                calls["n"] += 1
+                if calls["n"] == 6:
+                    out = forward(self, *a, **k)  # K/V written, cache.length advanced, then the interrupt
+                    raise KeyboardInterrupt
+            return forward(self, *a, **k)
+
+        monkeypatch.setattr(type(victim), "forward", interrupting)
     out = []
     with pytest.raises(KeyboardInterrupt):
         for ev in engine.generate(prompt, GenerationSettings(max_tokens=40, ignore_eos=True)):
@@ -619,13 +631,14 @@ def test_gamma_controller():
 
 
 def test_quantized_target_verifies_at_most_kernel_rows(target):
-    """An int4 target on CPU verifies ≤ 16 rows per pass: there the C++ kernel computes each row as a
-    one-token step does (beyond, a float GEMM on dequantized weights takes over, without the kernel's
-    int8 activation rounding), so greedy output stays identical to plain decoding."""
+    """A CPU target verifies ≤ 16 rows per pass: there the fused step's multi-token call and the C++ int
+    kernel compute each row as a one-token step does (beyond, the model's forward and a float GEMM on
+    dequantized weights take over, which round differently), so greedy output stays identical to plain
+    decoding."""
     from edgellm.kernels.matmul import CPU_KERNEL_MAX_M
     from edgellm.quant.linear import QuantLinear
 
-    assert max_draft_tokens(target.model) == GAMMA_MAX
+    assert max_draft_tokens(target.model) == CPU_KERNEL_MAX_M - 1 < GAMMA_MAX
     q = SelfDraftProposer(target.model, search=False).model  # an int4 model
     assert max_draft_tokens(q) == CPU_KERNEL_MAX_M - 1 < GAMMA_MAX
     for lin in [m for m in q.modules() if isinstance(m, QuantLinear)][:3]:
