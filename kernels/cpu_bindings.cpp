@@ -206,19 +206,50 @@ struct DecodePlan {
     return L;
   }
 
+  // One layer's K or V: an fp32 tensor [Hkv, S, D], or (kind 8 | 4, group, codes, fp16 scales, fp16 mins or None).
+  edgellm::DecodeKV kv(const py::handle& o, const char* what) {
+    const int64_t Hkv = m.n_kv_heads, S = m.max_seq_len, D = m.head_dim;
+    edgellm::DecodeKV c;
+    if (!py::isinstance<py::tuple>(o)) {
+      c.f = const_cast<float*>(f32(o, Hkv * S * D, what));
+      TORCH_CHECK(c.f, "edgellm decode plan: ", what, ": no tensor");
+      return c;
+    }
+    const py::tuple spec = o.cast<py::tuple>();
+    TORCH_CHECK(spec.size() == 5, "edgellm decode plan: ", what, ": a quantized cache spec has 5 fields");
+    c.kind = spec[0].cast<int>();
+    c.G = spec[1].cast<int64_t>();
+    TORCH_CHECK((c.kind == 8 || c.kind == 4) && c.G > 0 && D % c.G == 0, "edgellm decode plan: ", what,
+                ": kind ", c.kind, " group ", c.G);
+    const at::Tensor& codes = hold(py::cast<at::Tensor>(spec[2]), c.kind == 8 ? at::kChar : at::kByte, what);
+    TORCH_CHECK(codes.numel() == Hkv * S * (c.kind == 8 ? D : D / 2), "edgellm decode plan: ", what, ": codes ",
+                codes.sizes());
+    c.codes = reinterpret_cast<uint8_t*>(codes.data_ptr());
+    const at::Tensor& sc = hold(py::cast<at::Tensor>(spec[3]), at::kHalf, what);
+    TORCH_CHECK(sc.numel() == Hkv * S * (D / c.G), "edgellm decode plan: ", what, ": scales ", sc.sizes());
+    c.scales = reinterpret_cast<uint16_t*>(sc.data_ptr());
+    TORCH_CHECK((c.kind == 4) == !spec[4].is_none(), "edgellm decode plan: ", what, ": mins go with int4 only");
+    if (c.kind == 4) {
+      const at::Tensor& mn = hold(py::cast<at::Tensor>(spec[4]), at::kHalf, what);
+      TORCH_CHECK(mn.numel() == sc.numel(), "edgellm decode plan: ", what, ": mins ", mn.sizes());
+      c.mins = reinterpret_cast<uint16_t*>(mn.data_ptr());
+    }
+    return c;
+  }
+
   // dims: dim, n_heads, n_kv_heads, head_dim, hidden, vocab, max_seq_len; layers: (qkv, o, w13, w2, attn_norm,
-  // ffn_norm, k_cache, v_cache) each
+  // ffn_norm, k cache, v cache) each; kv_rot: [D, D] fp32 for a quantized cache, else None
   DecodePlan(const std::vector<int64_t>& dims, double eps, double attn_scale, const py::tuple& embedding,
              const py::list& layers, const py::handle& norm, const py::tuple& output, const py::handle& rope_cos,
-             const py::handle& rope_sin) {
+             const py::handle& rope_sin, const py::handle& kv_rot) {
     TORCH_CHECK(dims.size() == 7, "edgellm decode plan: dims has 7 entries");
     auto& M = m;
     M.dim = dims[0]; M.n_heads = dims[1]; M.n_kv_heads = dims[2]; M.head_dim = dims[3]; M.hidden = dims[4];
     M.vocab = dims[5]; M.max_seq_len = dims[6];
     M.eps = (float)eps;
     M.attn_scale = (float)attn_scale;
-    TORCH_CHECK(M.n_kv_heads > 0 && M.n_heads % M.n_kv_heads == 0 && M.head_dim % 2 == 0 && M.head_dim <= 1024,
-                "edgellm decode plan: unsupported head layout");
+    TORCH_CHECK(M.n_kv_heads > 0 && M.n_heads % M.n_kv_heads == 0 && M.head_dim % 2 == 0 && M.head_dim <= 1024 &&
+                    M.n_heads / M.n_kv_heads <= 64, "edgellm decode plan: unsupported head layout");
     const int64_t D = M.head_dim, S = M.max_seq_len, qkv_n = (M.n_heads + 2 * M.n_kv_heads) * D;
     M.embedding = linear(embedding, M.vocab, M.dim, "embedding");
     for (const py::handle& item : layers) {
@@ -231,8 +262,9 @@ struct DecodePlan {
       L.w2 = linear(t[3].cast<py::tuple>(), M.dim, M.hidden, "w2");
       L.attn_norm = f32(t[4], M.dim, "attention_norm");
       L.ffn_norm = f32(t[5], M.dim, "ffn_norm");
-      L.k_cache = const_cast<float*>(f32(t[6], M.n_kv_heads * S * D, "k cache"));
-      L.v_cache = const_cast<float*>(f32(t[7], M.n_kv_heads * S * D, "v cache"));
+      L.k = kv(t[6], "k cache");
+      L.v = kv(t[7], "v cache");
+      TORCH_CHECK(L.k.kind == L.v.kind, "edgellm decode plan: K and V caches of one layer differ in kind");
       M.layers.push_back(L);
     }
     n_layers = (int64_t)M.layers.size();
@@ -243,6 +275,11 @@ struct DecodePlan {
     TORCH_CHECK(c.numel() >= S * D && s.numel() == c.numel(), "edgellm decode plan: rope tables shorter than the cache");
     M.rope_cos = c.data_ptr<float>();
     M.rope_sin = s.data_ptr<float>();
+    M.kv_rot = f32(kv_rot, D * D, "kv rotation");
+    const bool quantized = !M.layers.empty() && M.layers[0].k.kind != edgellm::DecodeKV::F32;
+    for (const auto& L : M.layers)
+      TORCH_CHECK((L.k.kind != edgellm::DecodeKV::F32) == quantized, "edgellm decode plan: mixed KV kinds");
+    TORCH_CHECK(quantized == (M.kv_rot != nullptr), "edgellm decode plan: a quantized cache needs its rotation");
     edgellm::decode_prepare(M);
   }
 
@@ -310,9 +347,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dequantize int4 (mins empty = symmetric) / int8 codes into fp32 buf (>= N*K elements); returns [N, K]");
   py::class_<DecodePlan>(m, "DecodePlan", "the fused CPU decode step of one model + KV cache (see cpu_decode.py)")
       .def(py::init<const std::vector<int64_t>&, double, double, const py::tuple&, const py::list&, const py::handle&,
-                    const py::tuple&, const py::handle&, const py::handle&>(),
+                    const py::tuple&, const py::handle&, const py::handle&, const py::handle&>(),
            py::arg("dims"), py::arg("eps"), py::arg("attn_scale"), py::arg("embedding"), py::arg("layers"),
-           py::arg("norm"), py::arg("output"), py::arg("rope_cos"), py::arg("rope_sin"))
+           py::arg("norm"), py::arg("output"), py::arg("rope_cos"), py::arg("rope_sin"), py::arg("kv_rot") = py::none())
       .def("step", &DecodePlan::step, py::arg("token"), py::arg("pos"), py::arg("logits"), py::arg("variant"),
            "logits [vocab] of token (int64 [1] or [1, 1]) at position pos; writes its K/V into the cache")
       .def("step_many", &DecodePlan::step_many, py::arg("tokens"), py::arg("pos"), py::arg("logits"),

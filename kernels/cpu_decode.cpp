@@ -289,6 +289,191 @@ void attention(const DecodeModel& m, const float* q, const float* kc, const floa
   }
 }
 
+
+// fp32 -> fp16 bits, round to nearest even (as torch's .to(float16)): the cache's scales and mins.
+uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return (uint16_t)(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
+  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // >= 65520 rounds to inf
+  if (ax < 0x38800000u) {                                     // a subnormal half: units of 2^-24
+    float af;
+    std::memcpy(&af, &ax, 4);
+    return (uint16_t)(sign | (uint32_t)std::nearbyint(af * 16777216.0f));
+  }
+  uint32_t h = (((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13);
+  const uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h += 1;
+  return (uint16_t)(sign | h);
+}
+
+// y [D] = x [D] @ R [D, D]
+void rotate(const float* x, const float* R, float* y, int64_t D) {
+  std::memset(y, 0, sizeof(float) * D);
+  for (int64_t i = 0; i < D; ++i) axpy(x[i], R + i * D, y, D);
+}
+
+// y [D] = x [D] @ R^T
+void rotate_back(const float* x, const float* R, float* y, int64_t D) {
+  for (int64_t i = 0; i < D; ++i) y[i] = dot(R + i * D, x, D);
+}
+
+// Write one (rotated) row at (head j, position p): edgellm.kernels.kv_quant's quantize_int8 / quantize_int4 math.
+void kv_write(const DecodeKV& c, int64_t j, int64_t p, int64_t S, int64_t D, const float* x) {
+  const int64_t row = j * S + p;
+  if (c.kind == DecodeKV::F32) {
+    std::memcpy(c.f + row * D, x, sizeof(float) * D);
+    return;
+  }
+  const int64_t ng = D / c.G;
+  uint16_t* sc = c.scales + row * ng;
+  if (c.kind == DecodeKV::INT8) {
+    int8_t* q = reinterpret_cast<int8_t*>(c.codes) + row * D;
+    for (int64_t g = 0; g < ng; ++g) {
+      const float* xg = x + g * c.G;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < c.G; ++i) amax = std::max(amax, std::fabs(xg[i]));
+      sc[g] = float_to_half(amax > 0.0f ? amax / 127.0f : 1.0f);
+      const float s = half_to_float(sc[g]);
+      for (int64_t i = 0; i < c.G; ++i)
+        q[g * c.G + i] = (int8_t)std::min(127.0f, std::max(-127.0f, std::nearbyint(xg[i] / s)));
+    }
+    return;
+  }
+  uint8_t codes[1024];
+  uint16_t* mn = c.mins + row * ng;
+  for (int64_t g = 0; g < ng; ++g) {
+    const float* xg = x + g * c.G;
+    float lo = xg[0], hi = xg[0];
+    for (int64_t i = 1; i < c.G; ++i) { lo = std::min(lo, xg[i]); hi = std::max(hi, xg[i]); }
+    mn[g] = float_to_half(lo);
+    const float m = half_to_float(mn[g]);
+    const float span = hi - m;
+    sc[g] = float_to_half(span > 0.0f ? span / 15.0f : 1.0f);
+    const float s = half_to_float(sc[g]);
+    for (int64_t i = 0; i < c.G; ++i)
+      codes[g * c.G + i] = (uint8_t)std::min(15.0f, std::max(0.0f, std::nearbyint((xg[i] - m) / s)));
+  }
+  uint8_t* out = c.codes + row * (D / 2);
+  for (int64_t i = 0; i < D / 2; ++i) out[i] = (uint8_t)(codes[i] | (codes[i + D / 2] << 4));
+}
+
+// Row (head j, position p) of a quantized cache in fp32: code * scale (+ min).
+void kv_row(const DecodeKV& c, int64_t j, int64_t p, int64_t S, int64_t D, float* out) {
+  const int64_t row = j * S + p, ng = D / c.G;
+  const uint16_t* sc = c.scales + row * ng;
+  if (c.kind == DecodeKV::INT8) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(c.codes) + row * D;
+    for (int64_t g = 0; g < ng; ++g) {
+      const float s = half_to_float(sc[g]);
+      for (int64_t i = g * c.G; i < (g + 1) * c.G; ++i) out[i] = (float)q[i] * s;
+    }
+    return;
+  }
+  const uint8_t* b = c.codes + row * (D / 2);
+  const uint16_t* mn = c.mins + row * ng;
+  const int64_t half = D / 2;
+  int64_t i0 = 0;
+#ifdef EDGELLM_DEC_AVX2
+  const __m256i low4 = _mm256_set1_epi32(15);
+  for (; i0 + 8 <= half; i0 += 8) {  // 8 bytes: elements i.. (low nibbles) and i + D/2.. (high nibbles)
+    const __m256i w = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + i0)));
+    _mm256_storeu_ps(out + i0, _mm256_cvtepi32_ps(_mm256_and_si256(w, low4)));
+    _mm256_storeu_ps(out + half + i0, _mm256_cvtepi32_ps(_mm256_srli_epi32(w, 4)));
+  }
+#endif
+  for (int64_t i = i0; i < half; ++i) {
+    out[i] = (float)(b[i] & 0x0F);
+    out[i + half] = (float)(b[i] >> 4);
+  }
+  for (int64_t g = 0; g < ng; ++g) {  // (an FMA here: attention does not need torch's two roundings)
+    const float s = half_to_float(sc[g]), m = half_to_float(mn[g]);
+    for (int64_t i = g * c.G; i < (g + 1) * c.G; ++i) out[i] = out[i] * s + m;
+  }
+}
+
+// attention() for a quantized cache: q [Hq, D] already scaled and rotated. A key/value row is dequantized
+// once per KV head into a small buffer and serves the g query heads of that KV head.
+void attention_quantized(const DecodeModel& m, const float* q, const DecodeKV& kc, const DecodeKV& vc, int64_t n,
+                         float* out, float* work) {
+  const int64_t D = m.head_dim, Hkv = m.n_kv_heads, g = m.n_heads / m.n_kv_heads, S = m.max_seq_len;
+  const int64_t nt = max_threads();
+  int64_t tiles = 1;
+  if (nt > 1 && n * Hkv * D >= 8192) tiles = std::min<int64_t>((n + 63) / 64, std::max<int64_t>(1, (2 * nt + Hkv - 1) / Hkv));
+  const int64_t tile = (n + tiles - 1) / tiles;
+  tiles = (n + tile - 1) / tile;
+  float* scores = work;
+  float* part = work + m.n_heads * S;
+  auto task = [&](int64_t t0, int64_t t1) {
+    float row[1024];
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j = t / tiles, a = (t % tiles) * tile, b = std::min(n, a + tile);
+      float mx[64], l[64];
+      for (int64_t r = 0; r < g; ++r) mx[r] = -INFINITY;
+      for (int64_t p = a; p < b; ++p) {
+        kv_row(kc, j, p, S, D, row);
+        for (int64_t r = 0; r < g; ++r) {
+          const int64_t h = j * g + r;
+          const float sc = dot(q + h * D, row, D);
+          scores[h * S + p] = sc;
+          mx[r] = std::max(mx[r], sc);
+        }
+      }
+      for (int64_t r = 0; r < g; ++r) {
+        float* s = scores + (j * g + r) * S;
+        float sum = 0.0f;
+        int64_t p = a;
+#ifdef EDGELLM_DEC_AVX2
+        __m256 vl = _mm256_setzero_ps();
+        const __m256 vm = _mm256_set1_ps(mx[r]);
+        for (; p + 8 <= b; p += 8) {
+          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + p), vm));
+          _mm256_storeu_ps(s + p, e);
+          vl = _mm256_add_ps(vl, e);
+        }
+        sum = hsum(vl);
+#endif
+        for (; p < b; ++p) {
+          s[p] = std::exp(s[p] - mx[r]);
+          sum += s[p];
+        }
+        l[r] = sum;
+        std::memset(part + (t * g + r) * (D + 2), 0, sizeof(float) * D);
+      }
+      for (int64_t p = a; p < b; ++p) {
+        kv_row(vc, j, p, S, D, row);
+        for (int64_t r = 0; r < g; ++r) axpy(scores[(j * g + r) * S + p], row, part + (t * g + r) * (D + 2), D);
+      }
+      for (int64_t r = 0; r < g; ++r) {
+        part[(t * g + r) * (D + 2) + D] = mx[r];
+        part[(t * g + r) * (D + 2) + D + 1] = l[r];
+      }
+    }
+  };
+  if (tiles * Hkv == 1 || nt <= 1) task(0, tiles * Hkv);
+  else parallel_run(0, tiles * Hkv, 1, task);
+  for (int64_t j = 0; j < Hkv; ++j) {
+    for (int64_t r = 0; r < g; ++r) {
+      const int64_t h = j * g + r;
+      float M = -INFINITY;
+      for (int64_t i = 0; i < tiles; ++i) M = std::max(M, part[((j * tiles + i) * g + r) * (D + 2) + D]);
+      float L = 0.0f;
+      float* oh = out + h * D;
+      std::memset(oh, 0, sizeof(float) * D);
+      for (int64_t i = 0; i < tiles; ++i) {
+        const float* o = part + ((j * tiles + i) * g + r) * (D + 2);
+        const float w = std::exp(o[D] - M);
+        L += w * o[D + 1];
+        axpy(w, o, oh, D);
+      }
+      const float inv = 1.0f / L;
+      for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
+    }
+  }
+}
+
 }  // namespace
 
 int64_t decode_work_floats(const DecodeModel& m) {
@@ -339,14 +524,32 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
       const float* k = q + qsz;
       const float* v = k + kvsz;
       for (int64_t j = 0; j < Hkv; ++j) {
-        std::memcpy(L.k_cache + (j * S + pos + t) * D, k + j * D, sizeof(float) * D);
-        std::memcpy(L.v_cache + (j * S + pos + t) * D, v + j * D, sizeof(float) * D);
+        if (m.kv_rot) {  // a quantized cache holds K and V rotated (edgellm.cache: outliers spread over the head)
+          float rk[1024], rv[1024];
+          rotate(k + j * D, m.kv_rot, rk, D);
+          rotate(v + j * D, m.kv_rot, rv, D);
+          kv_write(L.k, j, pos + t, S, D, rk);
+          kv_write(L.v, j, pos + t, S, D, rv);
+        } else {
+          kv_write(L.k, j, pos + t, S, D, k + j * D);
+          kv_write(L.v, j, pos + t, S, D, v + j * D);
+        }
       }
       for (int64_t i = 0; i < qsz; ++i) q[i] *= m.attn_scale;
     }
     clk.lap(m.t_other);
     // causal: token t sees positions [0, pos + t]
-    for (int64_t t = 0; t < T; ++t) attention(m, qkv + t * qkvw, L.k_cache, L.v_cache, pos + t + 1, att + t * qsz, work);
+    for (int64_t t = 0; t < T; ++t) {
+      float* o = att + t * qsz;
+      if (L.k.kind == DecodeKV::F32) {
+        attention(m, qkv + t * qkvw, L.k.f, L.v.f, pos + t + 1, o, work);
+        continue;
+      }
+      float* qr = m.qrot.data();  // q @ R per head, attention, then the output rotated back (R^T)
+      for (int64_t h = 0; h < Hq; ++h) rotate(qkv + t * qkvw + h * D, m.kv_rot, qr + h * D, D);
+      attention_quantized(m, qr, L.k, L.v, pos + t + 1, qr + qsz, work);
+      for (int64_t h = 0; h < Hq; ++h) rotate_back(qr + qsz + h * D, m.kv_rot, o + h * D, D);
+    }
     clk.lap(m.t_attention);
     linear(L.o, att, T, tmp, variant);
     clk.lap(m.t_matmul);
@@ -378,6 +581,7 @@ void decode_prepare(DecodeModel& m) {
   const int64_t per_row = 2 * dim + (qsz + 2 * kvsz) + qsz + std::max(dim, 2 * hid) + hid;
   m.buf.assign(kDecodeMaxRows * per_row + 64, 0.0f);
   m.work.assign(decode_work_floats(m) + 64, 0.0f);
+  m.qrot.assign(2 * qsz + 64, 0.0f);
 }
 
 }  // namespace edgellm

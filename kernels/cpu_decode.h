@@ -17,12 +17,24 @@ struct DecodeLinear {
   const float* bias = nullptr;      // [N] or null
 };
 
+// K or V of one layer's cache: fp32 [Hkv, S, D], or edgellm.cache's int8 / int4 groups of the head dim
+// (int8: codes [Hkv, S, D], symmetric; int4: split-halves nibbles [Hkv, S, D/2], scale + min), fp16 scales
+// [Hkv, S, D/G]. Quantized rows hold K/V rotated by DecodeModel::kv_rot.
+struct DecodeKV {
+  enum Kind { F32 = 0, INT4 = 4, INT8 = 8 };
+  int kind = F32;
+  int64_t G = 0;
+  float* f = nullptr;
+  uint8_t* codes = nullptr;
+  uint16_t* scales = nullptr;
+  uint16_t* mins = nullptr;
+};
+
 struct DecodeLayer {
   DecodeLinear qkv, o, w13, w2;
   const float* attn_norm = nullptr;
   const float* ffn_norm = nullptr;
-  float* k_cache = nullptr;  // [Hkv, S, D]
-  float* v_cache = nullptr;
+  DecodeKV k, v;
 };
 
 struct DecodeModel {
@@ -34,7 +46,9 @@ struct DecodeModel {
   DecodeLinear output;
   const float* rope_cos = nullptr;  // [>= S, D]
   const float* rope_sin = nullptr;  // [>= S, D], first half negated
+  const float* kv_rot = nullptr;    // [D, D] orthonormal (a quantized cache: K, V, q times it), or null
   std::vector<float> buf, work;     // activations and attention scratch, sized by decode_prepare
+  std::vector<float> qrot;          // rotated q and attention output of one token (quantized cache)
   bool profile = false;             // accumulate the seconds below (steady clock; off by default)
   double t_matmul = 0, t_attention = 0, t_other = 0;
   int64_t steps = 0;

@@ -6,7 +6,7 @@ matmuls. `fused_decode_step(model, cache)` returns a callable `step(token, pos) 
 the same graph as `edgellm.model.Transformer.forward` for one token in C++ (same int4/int8 kernels, fp32
 everything else), or None where it does not apply; the caller then uses the model as usual.
 
-Applies to: a float32 model on the CPU, a float32 KV cache, every linear an `nn.Linear` (fp32) or a
+Applies to: a float32 model on the CPU, a float32 or int8 / int4 KV cache (fp16 scales), every linear an `nn.Linear` (fp32) or a
 `QuantLinear` (int4 / int8, groups of a multiple of 32), the embedding an `nn.Embedding` (fp32) or a
 `QuantEmbedding`. Disabled by EDGELLM_NO_EXT=1 (no extension) or EDGELLM_FUSED_DECODE=0.
 
@@ -37,6 +37,24 @@ def _linear_spec(mod) -> tuple | None:
     if w is None or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
         return None
     return (0, 0, w.detach().contiguous(), None, None, bias)
+
+
+def _kv_specs(store, cache) -> tuple | None:
+    """(K, V) of one layer as the plan takes them: fp32 tensors, or (bits, group, codes, scales, mins) of an
+    int8 / int4 store with fp16 scales (edgellm.cache), or None (a layout the C++ step does not read)."""
+    kind = getattr(cache, "kind", None)
+    if kind == "fp":
+        ok = all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (store.k, store.v))
+        return (store.k, store.v) if ok else None
+    tensors = [t for t in store if isinstance(t, torch.Tensor)]
+    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+        return None
+    if kind == "int8" and store.k_scale.dtype == torch.float16:
+        return (8, store.group, store.k, store.k_scale, None), (8, store.group, store.v, store.v_scale, None)
+    if kind == "int4" and store.k_scale.dtype == torch.float16 and store.k_min.dtype == torch.float16:
+        return ((4, store.group, store.k, store.k_scale, store.k_min),
+                (4, store.group, store.v, store.v_scale, store.v_min))
+    return None
 
 
 class FusedDecodeStep:
@@ -76,11 +94,13 @@ def fused_decode_step(model, cache) -> FusedDecodeStep | None:
         return None
     try:
         cfg = model.config
-        if model.device.type != "cpu" or model.dtype != torch.float32 or getattr(cache, "kind", None) != "fp":
+        if model.device.type != "cpu" or model.dtype != torch.float32:
             return None
-        stores = cache.layers
-        if any(s.k.dtype != torch.float32 or s.k.device.type != "cpu" or not s.k.is_contiguous()
-               or not s.v.is_contiguous() for s in stores):
+        kv = [_kv_specs(s, cache) for s in cache.layers]
+        if any(s is None for s in kv):
+            return None
+        rot = getattr(cache, "rotation", None)
+        if (cache.kind == "fp") != (rot is None) or (rot is not None and rot.dtype != torch.float32):
             return None
         emb = model.tok_embeddings
         if hasattr(emb, "codes"):
@@ -95,7 +115,7 @@ def fused_decode_step(model, cache) -> FusedDecodeStep | None:
             if any(s is None for s in specs):
                 return None
             layers.append((*specs, blk.attention_norm.weight.detach().contiguous(),
-                           blk.ffn_norm.weight.detach().contiguous(), stores[i].k, stores[i].v))
+                           blk.ffn_norm.weight.detach().contiguous(), *kv[i]))
         if emb_spec is None or out_spec is None or len(layers) != cfg.n_layers:
             return None
         eps = {blk.attention_norm.eps for blk in model.layers} | {blk.ffn_norm.eps for blk in model.layers}
@@ -110,7 +130,8 @@ def fused_decode_step(model, cache) -> FusedDecodeStep | None:
             cos, sin = torch.cat((cos, pad)), torch.cat((sin, pad))
         dims = [cfg.dim, cfg.n_heads, cfg.n_kv_heads, D, cfg.intermediate_size, cfg.vocab_size, S]
         plan = ext.DecodePlan(dims, float(model.norm.eps), float(model.layers[0].attention.scale), emb_spec, layers,
-                              model.norm.weight.detach().contiguous(), out_spec, cos, sin)
+                              model.norm.weight.detach().contiguous(), out_spec, cos, sin,
+                              None if rot is None else rot.contiguous())
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return None  # a model this plan does not describe: the eager path serves it
     return FusedDecodeStep(plan, cache, cfg.vocab_size, limit)
