@@ -216,6 +216,30 @@ void embed(const DecodeModel& m, int64_t tok, float* h) {
   }
 }
 
+// The log-sum-exp combine of flash-decoding: per query head, the tiles' partial outputs (unnormalised, with
+// their running max and sum: part [(Hkv * tiles + tile) * g + r][D + 2]) weighted by exp(max_tile - max).
+void combine_tiles(const DecodeModel& m, const float* part, int64_t tiles, float* out) {
+  const int64_t D = m.head_dim, Hkv = m.n_kv_heads, g = m.n_heads / m.n_kv_heads;
+  for (int64_t j = 0; j < Hkv; ++j) {
+    for (int64_t r = 0; r < g; ++r) {
+      const int64_t h = j * g + r;
+      float M = -INFINITY;
+      for (int64_t i = 0; i < tiles; ++i) M = std::max(M, part[((j * tiles + i) * g + r) * (D + 2) + D]);
+      float L = 0.0f;
+      float* oh = out + h * D;
+      std::memset(oh, 0, sizeof(float) * D);
+      for (int64_t i = 0; i < tiles; ++i) {
+        const float* o = part + ((j * tiles + i) * g + r) * (D + 2);
+        const float w = std::exp(o[D] - M);
+        L += w * o[D + 1];
+        axpy(w, o, oh, D);
+      }
+      const float inv = 1.0f / L;
+      for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
+    }
+  }
+}
+
 // One query per head against keys [0, n) of one layer's cache; q [Hq, D] already scaled; out [Hq, D].
 void attention(const DecodeModel& m, const float* q, const float* kc, const float* vc, int64_t n, float* out,
                float* work) {
@@ -269,24 +293,7 @@ void attention(const DecodeModel& m, const float* q, const float* kc, const floa
   };
   if (tiles * Hkv == 1 || nt <= 1) task(0, tiles * Hkv);
   else parallel_run(0, tiles * Hkv, 1, task);
-  for (int64_t j = 0; j < Hkv; ++j) {
-    for (int64_t r = 0; r < g; ++r) {
-      const int64_t h = j * g + r;
-      float M = -INFINITY;
-      for (int64_t i = 0; i < tiles; ++i) M = std::max(M, part[((j * tiles + i) * g + r) * (D + 2) + D]);
-      float L = 0.0f;
-      float* oh = out + h * D;
-      std::memset(oh, 0, sizeof(float) * D);
-      for (int64_t i = 0; i < tiles; ++i) {
-        const float* o = part + ((j * tiles + i) * g + r) * (D + 2);
-        const float w = std::exp(o[D] - M);
-        L += w * o[D + 1];
-        axpy(w, o, oh, D);
-      }
-      const float inv = 1.0f / L;
-      for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
-    }
-  }
+  combine_tiles(m, part, tiles, out);
 }
 
 
@@ -454,24 +461,7 @@ void attention_quantized(const DecodeModel& m, const float* q, const DecodeKV& k
   };
   if (tiles * Hkv == 1 || nt <= 1) task(0, tiles * Hkv);
   else parallel_run(0, tiles * Hkv, 1, task);
-  for (int64_t j = 0; j < Hkv; ++j) {
-    for (int64_t r = 0; r < g; ++r) {
-      const int64_t h = j * g + r;
-      float M = -INFINITY;
-      for (int64_t i = 0; i < tiles; ++i) M = std::max(M, part[((j * tiles + i) * g + r) * (D + 2) + D]);
-      float L = 0.0f;
-      float* oh = out + h * D;
-      std::memset(oh, 0, sizeof(float) * D);
-      for (int64_t i = 0; i < tiles; ++i) {
-        const float* o = part + ((j * tiles + i) * g + r) * (D + 2);
-        const float w = std::exp(o[D] - M);
-        L += w * o[D + 1];
-        axpy(w, o, oh, D);
-      }
-      const float inv = 1.0f / L;
-      for (int64_t d = 0; d < D; ++d) oh[d] *= inv;
-    }
-  }
+  combine_tiles(m, part, tiles, out);
 }
 
 }  // namespace
