@@ -71,11 +71,18 @@ def _rotation(d: int, dtype: torch.dtype, device: str) -> torch.Tensor:
     return h.to(dtype=dtype, device=device)
 
 
-@torch.compiler.disable  # inductor cannot compile the Triton kernel itself; a CUDA graph records it all the same
 def _graph_attention(q: torch.Tensor, store: KVStore, bound: int, scale: float, lengths: torch.Tensor) -> torch.Tensor:
+    return _opaque_triton_attention()(q, store, bound, 0, scale, lengths=lengths)
+
+
+@functools.lru_cache(maxsize=None)
+def _opaque_triton_attention():
+    """The Triton kernel behind torch.compiler.disable: inductor cannot compile the kernel itself, and a CUDA
+    graph records it all the same. Made on first use: torch.compiler.disable imports torch._dynamo, which
+    imports triton, and at module import that would fix triton's mode before TRITON_INTERPRET can be set."""
     from .kernels.triton_attention import triton_attention
 
-    return triton_attention(q, store, bound, 0, scale, lengths=lengths)
+    return torch.compiler.disable(triton_attention)
 
 
 class KVCache:
