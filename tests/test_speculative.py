@@ -556,19 +556,17 @@ def test_interrupt_inside_a_forward_pass_leaves_a_valid_cache(target, where, mon
             return out
 
         monkeypatch.setattr(draft, "decoder", interrupting_step)
-    else:
-        victim = target.model
-        forward = type(victim).forward
+    else:  # the target's verification pass (the fused step's multi-token call where it applies)
+        verify = engine.verify_logits
 
-        def interrupting(self, *a, **k):
-            if self is victim:
-                calls["n"] += 1
-                if calls["n"] == 6:
-                    out = forward(self, *a, **k)  # K/V written, cache.length advanced, then the interrupt
-                    raise KeyboardInterrupt
-            return forward(self, *a, **k)
+        def interrupting_verify(*a, **k):
+            calls["n"] += 1
+            out = verify(*a, **k)  # K/V written, cache.length advanced, then the interrupt
+            if calls["n"] == 6:
+                raise KeyboardInterrupt
+            return out
 
-        monkeypatch.setattr(type(victim), "forward", interrupting)
+        monkeypatch.setattr(engine, "verify_logits", interrupting_verify)
     out = []
     with pytest.raises(KeyboardInterrupt):
         for ev in engine.generate(prompt, GenerationSettings(max_tokens=40, ignore_eos=True)):
