@@ -216,6 +216,27 @@ void embed(const DecodeModel& m, int64_t tok, float* h) {
   }
 }
 
+// s[p] = exp(s[p] - mx) for p in [a, b); returns their sum (the softmax numerators of one tile and row).
+float exp_sum(float* s, int64_t a, int64_t b, float mx) {
+  float l = 0.0f;
+  int64_t p = a;
+#ifdef EDGELLM_DEC_AVX2
+  __m256 vl = _mm256_setzero_ps();
+  const __m256 vm = _mm256_set1_ps(mx);
+  for (; p + 8 <= b; p += 8) {
+    const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + p), vm));
+    _mm256_storeu_ps(s + p, e);
+    vl = _mm256_add_ps(vl, e);
+  }
+  l = hsum(vl);
+#endif
+  for (; p < b; ++p) {
+    s[p] = std::exp(s[p] - mx);
+    l += s[p];
+  }
+  return l;
+}
+
 // The log-sum-exp combine of flash-decoding: per query head, the tiles' partial outputs (unnormalised, with
 // their running max and sum: part [(Hkv * tiles + tile) * g + r][D + 2]) weighted by exp(max_tile - max).
 void combine_tiles(const DecodeModel& m, const float* part, int64_t tiles, float* out) {
@@ -267,22 +288,7 @@ void attention(const DecodeModel& m, const float* q, const float* kc, const floa
           s[p] = dot(qh, K + p * D, D);
           mx = std::max(mx, s[p]);
         }
-        float l = 0.0f;
-        int64_t p = a;
-#ifdef EDGELLM_DEC_AVX2
-        __m256 vl = _mm256_setzero_ps();
-        const __m256 vm = _mm256_set1_ps(mx);
-        for (; p + 8 <= b; p += 8) {
-          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + p), vm));
-          _mm256_storeu_ps(s + p, e);
-          vl = _mm256_add_ps(vl, e);
-        }
-        l = hsum(vl);
-#endif
-        for (; p < b; ++p) {
-          s[p] = std::exp(s[p] - mx);
-          l += s[p];
-        }
+        const float l = exp_sum(s, a, b, mx);
         float* o = part + (t * g + r) * (D + 2);
         std::memset(o, 0, sizeof(float) * D);
         for (int64_t p2 = a; p2 < b; ++p2) axpy(s[p2], V + p2 * D, o, D);
@@ -429,24 +435,7 @@ void attention_quantized(const DecodeModel& m, const float* q, const DecodeKV& k
         }
       }
       for (int64_t r = 0; r < g; ++r) {
-        float* s = scores + (j * g + r) * S;
-        float sum = 0.0f;
-        int64_t p = a;
-#ifdef EDGELLM_DEC_AVX2
-        __m256 vl = _mm256_setzero_ps();
-        const __m256 vm = _mm256_set1_ps(mx[r]);
-        for (; p + 8 <= b; p += 8) {
-          const __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + p), vm));
-          _mm256_storeu_ps(s + p, e);
-          vl = _mm256_add_ps(vl, e);
-        }
-        sum = hsum(vl);
-#endif
-        for (; p < b; ++p) {
-          s[p] = std::exp(s[p] - mx[r]);
-          sum += s[p];
-        }
-        l[r] = sum;
+        l[r] = exp_sum(scores + (j * g + r) * S, a, b, mx[r]);
         std::memset(part + (t * g + r) * (D + 2), 0, sizeof(float) * D);
       }
       for (int64_t p = a; p < b; ++p) {
