@@ -216,6 +216,16 @@ void embed(const DecodeModel& m, int64_t tok, float* h) {
   }
 }
 
+// Tiles of keys per KV head: enough tasks for the threads once the context (n keys x Hkv heads x D) reaches
+// min_work, else one. Sets `tile` (keys per tile); returns the number of tiles.
+int64_t key_tiles(int64_t n, int64_t Hkv, int64_t D, int64_t nt, int64_t min_work, int64_t& tile) {
+  int64_t tiles = 1;
+  if (nt > 1 && n * Hkv * D >= min_work)
+    tiles = std::min<int64_t>((n + 63) / 64, std::max<int64_t>(1, (2 * nt + Hkv - 1) / Hkv));
+  tile = (n + tiles - 1) / tiles;
+  return (n + tile - 1) / tile;
+}
+
 // s[p] = exp(s[p] - mx) for p in [a, b); returns their sum (the softmax numerators of one tile and row).
 float exp_sum(float* s, int64_t a, int64_t b, float mx) {
   float l = 0.0f;
@@ -265,12 +275,9 @@ void combine_tiles(const DecodeModel& m, const float* part, int64_t tiles, float
 void attention(const DecodeModel& m, const float* q, const float* kc, const float* vc, int64_t n, float* out,
                float* work) {
   const int64_t D = m.head_dim, Hkv = m.n_kv_heads, g = m.n_heads / m.n_kv_heads, S = m.max_seq_len;
-  // Tiles of keys per KV head: enough tasks for the threads once the context is long enough to pay for it.
   const int64_t nt = max_threads();
-  int64_t tiles = 1;
-  if (nt > 1 && n * Hkv * D >= 32768) tiles = std::min<int64_t>((n + 63) / 64, std::max<int64_t>(1, (2 * nt + Hkv - 1) / Hkv));
-  const int64_t tile = (n + tiles - 1) / tiles;
-  tiles = (n + tile - 1) / tile;
+  int64_t tile;
+  const int64_t tiles = key_tiles(n, Hkv, D, nt, 32768, tile);
   // work layout: scores [Hq, S] | partials [Hkv * tiles * g] x (D + 2)
   float* scores = work;
   float* part = work + m.n_heads * S;
@@ -413,10 +420,8 @@ void attention_quantized(const DecodeModel& m, const float* q, const DecodeKV& k
                          float* out, float* work) {
   const int64_t D = m.head_dim, Hkv = m.n_kv_heads, g = m.n_heads / m.n_kv_heads, S = m.max_seq_len;
   const int64_t nt = max_threads();
-  int64_t tiles = 1;
-  if (nt > 1 && n * Hkv * D >= 8192) tiles = std::min<int64_t>((n + 63) / 64, std::max<int64_t>(1, (2 * nt + Hkv - 1) / Hkv));
-  const int64_t tile = (n + tiles - 1) / tiles;
-  tiles = (n + tile - 1) / tile;
+  int64_t tile;  // dequantizing makes each key dearer than in attention(): split from shorter contexts on
+  const int64_t tiles = key_tiles(n, Hkv, D, nt, 8192, tile);
   float* scores = work;
   float* part = work + m.n_heads * S;
   auto task = [&](int64_t t0, int64_t t1) {
