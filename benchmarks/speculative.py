@@ -38,8 +38,9 @@ PARAGRAPH = (
     "week, and speaking with native speakers as soon as possible, even when it feels uncomfortable.")
 PROMPTS = {
     "chat": "What should a first-time visitor to Paris see and do? Give me a few suggestions.",
-    "edit": "Correct the spelling and grammar mistakes in this paragraph. Reply with the corrected paragraph "
-            "only, keeping everything else the same.\n\n" + PARAGRAPH,
+    # (an earlier wording, "Correct the spelling and grammar mistakes in this paragraph. Reply with the
+    # corrected paragraph only, ...", made the 135M model describe itself in 18 tokens instead of editing)
+    "edit": "Rewrite this paragraph with the spelling and grammar mistakes corrected:\n\n" + PARAGRAPH,
     "code": "Write a Python function `merge_sorted(a, b)` that merges two sorted lists into one sorted list, "
             "with a docstring and a few doctest examples.",
 }

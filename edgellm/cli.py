@@ -62,7 +62,7 @@ def add_format_options(p: argparse.ArgumentParser, draft: bool = False) -> None:
                    help="KV-cache storage: fp | int8 | int4, optionally :GROUP (int8:32, int4:64) (default: fp)")
     if draft:
         g.add_argument("--draft", default="none",
-                       help="speculative decoding: none | self | self:int4 | self:int4:L<n> | lookup | MODEL")
+                       help="speculative decoding: none | self[:int4|:int8][:asym|:sym][:L<n>] (int4 asym g32 copy by default) | lookup | MODEL")
         g.add_argument("--draft-tokens", type=int, default=None, help="fix the draft length (default: adaptive)")
         g.add_argument("--show-drafts", action="store_true", help="colour tokens that came from accepted drafts")
 

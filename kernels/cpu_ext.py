@@ -99,15 +99,19 @@ def _cpu_flags() -> set[str]:
 
 def _isa_and_flags() -> tuple[str, list[str]]:
     """(tag, compiler flags) for the best kernel path this CPU runs. EDGELLM_EXT_ISA=scalar forces the
-    portable C++ path (for testing it)."""
+    portable C++ path, EDGELLM_EXT_ISA=avx2 the AVX2 one on an AVX-512 VNNI machine (for testing them)."""
     machine = platform.machine().lower()
     msvc = sys.platform == "win32"
-    if os.environ.get("EDGELLM_EXT_ISA", "").strip().lower() == "scalar":
+    forced = os.environ.get("EDGELLM_EXT_ISA", "").strip().lower()
+    if forced == "scalar":
         return "scalar", ["/DEDGELLM_FORCE_SCALAR" if msvc else "-DEDGELLM_FORCE_SCALAR"]
     flags = _cpu_flags()
     if machine in ("x86_64", "amd64", "i686", "x86"):
         if {"avx2", "fma", "f16c"} <= flags:
-            return "avx2", (["/arch:AVX2"] if msvc else ["-mavx2", "-mfma", "-mf16c"])
+            avx2 = ["/arch:AVX2"] if msvc else ["-mavx2", "-mfma", "-mf16c"]
+            if forced != "avx2" and not msvc and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+                return "avx512vnni", avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+            return "avx2", avx2
         return "scalar", []
     if machine in ("arm64", "aarch64"):
         if "asimddp" in flags and not msvc:

@@ -22,9 +22,12 @@
 //
 // ISA paths, chosen at compile time from the target flags the builder passes:
 //   AVX2+FMA+F16C (x86-64), NEON (arm64; sdot when __ARM_FEATURE_DOTPROD), and portable scalar C++.
-//   No AVX-512 path: on Skylake-SP, the AVX-512 machine at hand, 512-bit integer multiplies issue on one
-//   port only, and counting ops per 8 blocks promised <10%; VNNI (vpdpbusd) would pay, but no machine
-//   here has it to test on.
+//   AVX-512 VNNI (Zen 4, Ice Lake and later): the same AVX2 kernels, with vpdpbusd (u8 x s8, four products
+//   summed into each int32 lane) in place of maddubs + madd + one level of hadd in the full 8-block chunks.
+//   The integer block sums are the same numbers (nothing saturates either way), so results are bit for bit
+//   those of the AVX2 build; it pays where the kernels are compute-bound: a T-token verification pass and
+//   the int8 activation rows of prefill chunks <= 16 tokens. 512-bit registers were not tried (on Skylake-SP
+//   512-bit integer multiplies issue on one port only; on Zen 4 they are double-pumped 256-bit anyway).
 
 #include <algorithm>
 #include <cmath>
@@ -38,6 +41,9 @@
 #if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || (defined(__FMA__) && defined(__F16C__)))
 #define EDGELLM_AVX2 1
 #include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define EDGELLM_VNNI 1
+#endif
 #elif !defined(EDGELLM_FORCE_SCALAR) && (defined(__aarch64__) || defined(_M_ARM64))
 #define EDGELLM_NEON 1
 #include <arm_neon.h>
@@ -357,10 +363,20 @@ static inline __m256 load_w8n(const uint16_t* srow, int64_t c, int64_t G, const 
 // The float operations of one (row, activation row) pair run in the same order whatever T is, so a row of a
 // T-token verification pass is bit-identical to the same row computed alone (M = 1): speculative decoding
 // relies on it.  GS: the group size at compile time (32, the GGUF blocks, is the common case), 0 = any.
+#ifdef EDGELLM_VNNI
+static constexpr bool kVnni = true;
+#else
+static constexpr bool kVnni = false;
+#endif
+
 static inline __m256i q8_pair_dot(__m256i wlo, __m256i ulo, __m256i whi, __m256i uhi, const int8_t* xp,
                                   __m256i ones) {
   const __m256i xa = _mm256_sign_epi8(_mm256_load_si256((const __m256i*)xp), wlo);
   const __m256i xb = _mm256_sign_epi8(_mm256_load_si256((const __m256i*)(xp + 32)), whi);
+#ifdef EDGELLM_VNNI
+  (void)ones;
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ulo, xa), uhi, xb);
+#endif
   return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ulo, xa), ones),
                           _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, xb), ones));
 }
@@ -412,10 +428,17 @@ static inline void qdot_row(const XQ& xq, int64_t m0, const uint8_t* crow, const
           const __m256i v = _mm256_loadu_si256((const __m256i*)(crow + c * 128 + k * 32));
           const __m256i lo = _mm256_and_si256(v, m4);                        // codes 0..15 of blk 2k | 2k+1
           const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);  // codes 16..31
-          for (int t = 0; t < T; ++t)
+          for (int t = 0; t < T; ++t) {
+#ifdef EDGELLM_VNNI  // int32 lanes [blk 2k: 4 sums of 8 products | blk 2k+1: 4]
+            s[t][k2] = _mm256_dpbusd_epi32(
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, _mm256_load_si256((const __m256i*)(xk + t * xstride))),
+                hi, _mm256_load_si256((const __m256i*)(xk + t * xstride + 32)));
+#else
             s[t][k2] = _mm256_add_epi16(
                 _mm256_maddubs_epi16(lo, _mm256_load_si256((const __m256i*)(xk + t * xstride))),
                 _mm256_maddubs_epi16(hi, _mm256_load_si256((const __m256i*)(xk + t * xstride + 32))));
+#endif
+          }
         } else {
           const int8_t* b0 = (const int8_t*)crow + c * 256 + k * 64;  // blocks 2k and 2k+1
           const __m256i wlo = load_2x128(b0, b0 + 32);                 // codes 0..15 of blk 2k | blk 2k+1
@@ -425,14 +448,14 @@ static inline void qdot_row(const XQ& xq, int64_t m0, const uint8_t* crow, const
         }
       }
       for (int t = 0; t < T; ++t)
-        hh[t][kk] = BITS == 4 ? _mm256_hadd_epi16(s[t][0], s[t][1]) : _mm256_hadd_epi32(s[t][0], s[t][1]);
+        hh[t][kk] = BITS == 4 && !kVnni ? _mm256_hadd_epi16(s[t][0], s[t][1]) : _mm256_hadd_epi32(s[t][0], s[t][1]);
     }
     const __m256 dw = w8_natural<GS>(srow, c, G, gof);
     __m256 mw = _mm256_setzero_ps();
     if (ASYM) mw = w8_natural<GS>(mrow, c, G, gof);
     for (int t = 0; t < T; ++t) {
-      __m256i h = BITS == 4 ? _mm256_madd_epi16(_mm256_hadd_epi16(hh[t][0], hh[t][1]), ones)
-                            : _mm256_hadd_epi32(hh[t][0], hh[t][1]);
+      __m256i h = BITS == 4 && !kVnni ? _mm256_madd_epi16(_mm256_hadd_epi16(hh[t][0], hh[t][1]), ones)
+                                      : _mm256_hadd_epi32(hh[t][0], hh[t][1]);
       h = _mm256_permutevar8x32_epi32(h, natural);
       const int64_t o = (m0 + t) * dstride + c * 8;
       // symmetric int4: sum (code - 8) q = sum code q - 8 sum q, exactly, in int32
@@ -1033,7 +1056,9 @@ int max_threads() {
 }
 
 const char* isa_name() {
-#if defined(EDGELLM_AVX2)
+#if defined(EDGELLM_VNNI)
+  return "avx512vnni";
+#elif defined(EDGELLM_AVX2)
   return "avx2";
 #elif defined(EDGELLM_NEON) && defined(__ARM_FEATURE_DOTPROD)
   return "neon-dotprod";

@@ -354,6 +354,11 @@ static double relerr(const std::vector<float>& y, const std::vector<double>& r) 
   for (size_t i = 0; i < y.size(); ++i) { num += (y[i] - r[i]) * (y[i] - r[i]); den += r[i] * r[i]; }
   return std::sqrt(num / (den > 0 ? den : 1e-300));
 }
+static uint64_t digest = 1469598103934665603ull;  // FNV-1a over the int-dot outputs' bits (ISA builds compare it)
+static void fold(const std::vector<float>& y) {
+  const unsigned char* p = reinterpret_cast<const unsigned char*>(y.data());
+  for (size_t i = 0; i < y.size() * sizeof(float); ++i) { digest ^= p[i]; digest *= 1099511628211ull; }
+}
 static std::vector<double> matmul(const std::vector<double>& x, const std::vector<double>& w, int64_t M, int64_t N, int64_t K) {
   std::vector<double> y(M * N, 0);
   for (int64_t m = 0; m < M; ++m) for (int64_t n = 0; n < N; ++n) {
@@ -385,6 +390,7 @@ int main() {
       for (int v : {1, 3, 4}) {
         std::vector<float> y(M * N, NAN);
         edgellm::q4_gemm(x.data(), M, K, codes.data(), sc.data(), asym ? mn.data() : nullptr, N, G, y.data(), v);
+        if (v == 1) fold(y);
         const bool intdot = v != 3;
         const double e = relerr(y, ref), eq = relerr(y, refq);
         const bool ok = intdot ? (e <= 1e-2 && eq <= 1e-4) : e <= 1e-5;
@@ -401,6 +407,7 @@ int main() {
       for (int v : {1, 3, 4}) {
         std::vector<float> y(M * N, NAN);
         edgellm::q8_gemm(x.data(), M, K, codes.data(), sc.data(), N, g, y.data(), v);
+        if (v == 1) fold(y);
         const bool intdot = v != 3;
         const double e = relerr(y, ref), eq = relerr(y, refq);
         const bool ok = intdot ? (e <= 1e-2 && eq <= 1e-4) : e <= 1e-5;
@@ -408,6 +415,7 @@ int main() {
       }
     }
   }
+  std::printf("digest %016llx\n", (unsigned long long)digest);
   std::printf("%s: %d failures\n", fails ? "FAILED" : "ok", fails);
   return fails ? 1 : 0;
 }
@@ -439,6 +447,12 @@ def standalone_builds(tmp_path_factory):
     cxx = _cxx()
     if cxx:
         plan["scalar"] = (cxx, ["-DEDGELLM_FORCE_SCALAR"], [])
+        flags = cpu_ext._cpu_flags()
+        if {"avx2", "fma", "f16c"} <= flags:
+            plan["avx2"] = (cxx, ["-mavx2", "-mfma", "-mf16c"], [])
+            if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+                plan["avx512vnni"] = (cxx, ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                                            "-mavx512vnni"], [])
     cross, qemu = _cross()
     if cross and qemu:
         plan["neon"] = (cross, ["-static"], [qemu])
@@ -465,17 +479,28 @@ def _run_standalone(jobs, name: str) -> str:
     assert proc.returncode == 0, out[-3000:]
     run = subprocess.run([*runner, str(exe)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "ok: 0 failures" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
-    return run.stdout.splitlines()[0]
+    return run.stdout
 
 
 def test_portable_path_standalone(standalone_builds):
     if "scalar" not in standalone_builds:
         pytest.skip("no C++ compiler")
-    assert _run_standalone(standalone_builds, "scalar") == "isa scalar"
+    assert _run_standalone(standalone_builds, "scalar").splitlines()[0] == "isa scalar"
 
 
 @pytest.mark.parametrize("isa", ["neon", "neon-dotprod"])
 def test_neon_path_under_qemu(standalone_builds, isa):
     if isa not in standalone_builds:
         pytest.skip("needs aarch64-linux-gnu-g++ and qemu-aarch64 (apt: g++-aarch64-linux-gnu qemu-user-static)")
-    assert _run_standalone(standalone_builds, isa) == f"isa {isa}"
+    assert _run_standalone(standalone_builds, isa).splitlines()[0] == f"isa {isa}"
+
+
+def test_vnni_path_bit_identical_to_avx2(standalone_builds):
+    """The AVX-512 VNNI build (vpdpbusd) gives the AVX2 build's results bit for bit: same integer block
+    sums, same float order. Both also pass the fp64 bounds."""
+    if "avx512vnni" not in standalone_builds:
+        pytest.skip("this CPU has no AVX-512 VNNI (avx512f/bw/vl/vnni)")
+    avx2 = _run_standalone(standalone_builds, "avx2").splitlines()
+    vnni = _run_standalone(standalone_builds, "avx512vnni").splitlines()
+    assert avx2[0] == "isa avx2" and vnni[0] == "isa avx512vnni"
+    assert avx2[1].startswith("digest ") and avx2[1] == vnni[1]

@@ -166,6 +166,27 @@ def test_drafts_marked_and_stats(target):
     assert st.draft_s > 0 and st.verify_s > 0
 
 
+def test_self_draft_formats(target):
+    """`self` is an int4 asymmetric g32 copy with an int8 LM head; `:sym` asks for symmetric int4; the
+    embedding and norms are the target's own tensors. The draft's weights dequantize to within one
+    quantization step of the target's."""
+    from edgellm.quant.linear import QuantLinear
+
+    for spec, asym in (("self", True), ("self:asym", True), ("self:int4:sym", False), ("self:sym:L1", False)):
+        draft = make_proposer(spec, target).model
+        for name, mod in draft.named_modules():
+            if isinstance(mod, QuantLinear):
+                bits = 8 if name == "output" else 4
+                assert mod.bits == bits and mod.group_size == 32, (spec, name)
+                assert (mod.mins is not None) == (asym and bits == 4), (spec, name)
+        assert draft.tok_embeddings is target.model.tok_embeddings and draft.norm is target.model.norm
+        w = target.model.layers[0].attention.wqkv.weight
+        dq = draft.layers[0].attention.wqkv.dequantized_weight(torch.float32)
+        step = (w.reshape(w.shape[0], -1, 32).amax(-1) - w.reshape(w.shape[0], -1, 32).amin(-1)) / 15
+        assert ((dq - w).abs().reshape(w.shape[0], -1, 32).amax(-1) <= step * (0.5 if asym else 1.1) + 1e-4).all()
+    assert make_proposer("self:int4:L1", target).model.config.n_layers == 1
+
+
 # ------------------------------------------------------------------------------------------------
 # The bundled model (real weights, real tokenizer)
 # ------------------------------------------------------------------------------------------------
