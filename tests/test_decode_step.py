@@ -176,6 +176,37 @@ def test_fused_cpu_step_with_quantized_kv_matches_eager(wide_models, kv, weights
                 assert (diff <= y.abs() * 2 ** -10 + 1e-7).all()
 
 
+@needs_ext
+@pytest.mark.parametrize("kv", ["int8", "int8:32", "int4", "int4:64"])
+@pytest.mark.parametrize("head_dim,heads", [(64, 3), (128, 2)])
+def test_fused_quantized_attention_long_context(tmp_path, kv, head_dim, heads):
+    """The fused step's quantized-cache attention (keys dequantized 32 at a time, 8 scores per horizontal
+    sum, key tiles over both threads) against the eager model over the same cache contents, at lengths
+    that are not multiples of 8 or 32, for head dims 64 and 128 and GQA ratios 3 and 2."""
+    import copy
+
+    folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=5, hidden_size=head_dim * heads,
+                           num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=1024)
+    loaded = load_model(folder, max_seq_len=512)
+    model = loaded.model
+    g = torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for n in (37, 300):
+            cache = KVCache(model.config, 512, torch.float32, "cpu", kv_format=kv)
+            model(torch.randint(0, model.config.vocab_size, (1, n), generator=g), cache, 0)
+            engine = Engine(model, loaded.tokenizer, cache=cache)
+            assert engine.compiled_step() is not None
+            twin = copy.deepcopy(cache)
+            extra = torch.tensor([[7]])
+            fused = engine.step(extra).clone()
+            eager = model(extra, twin, n)[0, -1]
+            torch.testing.assert_close(fused, eager, atol=1e-4, rtol=1e-4)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_unsupported_cache_falls_back_to_eager(tiny_models):
     """A KV cache with fp32 scales is not what the fused CPU step reads: the engine uses the model, same answer."""
     from edgellm.kernels.attention import Int8KV
