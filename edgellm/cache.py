@@ -3,9 +3,11 @@
 `length` is the source of truth for how many positions are valid; `truncate(n)` is O(1) (speculative
 rollback, and a chat turn that diverges from the kept prefix). Storage is per layer, in one of three
 formats (edgellm.kernels.attention): float in the model's dtype, int8 (symmetric, one scale per token
-per head per `group` of the head dim) or int4 (asymmetric, scale + min per group of 32, two codes per
-byte). New tokens are quantized as they are written; attention reads the storage in place, a tile at
-a time, so nothing ever dequantizes the whole cache.
+per head per `group` of the head dim) or int4 (asymmetric, scale + min per group: 16 for keys and 32
+for values by default, two codes per byte). New tokens are quantized as they are written; attention
+reads the storage in place, a tile at a time, so nothing ever dequantizes the whole cache. Quantized
+caches keep their first KV_SINK_TOKENS positions exactly as well (attention sinks) and store K and V
+minus calibrated per-channel centres (kv_centers.py), both exact for attention.
 
 Quantized caches store K and V rotated by an orthonormal Hadamard matrix H along the head dim, and
 attention runs on q·H with its output rotated back (q·k = qH·kH, softmax·VH = (softmax·V)H). The
@@ -27,7 +29,13 @@ from .kernels.attention import FloatKV, Int4KV, Int8KV, KVStore, attention, writ
 KV_FORMATS = ("fp", "int8", "int4")
 # Scales and mins in fp16: a quarter of an int4 token's bytes at head dim 64 instead of half of them.
 SCALE_DTYPE = torch.float16
+# int4 groups: values 32, keys 16 (the keys' error decides the int4 cache's quality: on SmolLM2-135M over
+# GPL-3, keys in fp with int4 values cost KL 0.009, int4 keys with fp values 0.025; halving the key group
+# costs 10% more bytes per token). "int4:G" sets both to G.
 INT4_GROUP = 32
+INT4_K_GROUP = 16
+# Positions kept exactly beside the quantized rows (attention sinks, kernels/attention.py).
+KV_SINK_TOKENS = 4
 
 
 def parse_kv_format(kv_format: str) -> tuple[str, int | None]:
@@ -100,14 +108,40 @@ class KVCache:
             if kind == "fp":
                 make = lambda: FloatKV.empty(*args, dtype=dtype, device=device)  # noqa: E731
             elif kind == "int8":
-                make = lambda: Int8KV.empty(*args, group=group, scale_dtype=SCALE_DTYPE, device=device)  # noqa: E731
+                make = lambda: Int8KV.empty(*args, group=group, scale_dtype=SCALE_DTYPE, device=device,  # noqa: E731
+                                            n_sink=KV_SINK_TOKENS)
             else:
-                make = lambda: Int4KV.empty(*args, group=group or min(INT4_GROUP, cfg.head_dim), scale_dtype=SCALE_DTYPE,  # noqa: E731
-                                            device=device)
+                gv = group or min(INT4_GROUP, cfg.head_dim)
+                gk = group or min(INT4_K_GROUP, cfg.head_dim)
+                make = lambda: Int4KV.empty(*args, group=gv, scale_dtype=SCALE_DTYPE, device=device,  # noqa: E731
+                                            k_group=gk, n_sink=KV_SINK_TOKENS)
             self.layers: list[KVStore] = [make() for _ in range(cfg.n_layers)]
         except ValueError as e:  # a group that does not divide the head dim
             raise ValueError(f"KV-cache format {kv_format!r}: {e}") from None
         self.rotation = None if kind == "fp" else _rotation(cfg.head_dim, dtype, str(torch.device(device)))
+        # per-channel K/V centres subtracted before quantizing (kv_centers.py): set by prepare()
+        self.centers: torch.Tensor | None = None  # [n_layers, 2, Hkv, 1, D] fp32
+        self._v_center_q: torch.Tensor | None = None  # [n_layers, 1, Hq, 1, D] in dtype: added to outputs
+        self._needs_centers = kind != "fp"
+
+    def prepare(self, model) -> None:
+        """Before the first write of a quantized cache: take the model's calibrated K/V centres."""
+        if self._needs_centers:
+            self._needs_centers = False
+            from .kv_centers import kv_centers
+
+            self.set_centers(kv_centers(model))
+
+    def set_centers(self, centers: torch.Tensor | None) -> None:
+        """Use these centres (None: none) from now on; K/V already written must have used the same."""
+        self._needs_centers = False
+        if centers is None or self.rotation is None:
+            self.centers = self._v_center_q = None
+            return
+        dtype, device = self.rotation.dtype, self.rotation.device
+        self.centers = centers.to(device=device, dtype=torch.float32)
+        self._kv_center_t = self.centers.to(dtype)
+        self._v_center_q = self._kv_center_t[:, 1].repeat_interleave(self.group, 1)[:, None]
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def truncate(self, n: int) -> None:
@@ -131,6 +165,9 @@ class KVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | DevicePosition) -> None:
         """k, v [Hkv, T, D] for positions [start, start+T) (quantized here for int8/int4)."""
         if self.rotation is not None:
+            if self.centers is not None:
+                c = self._kv_center_t[layer]
+                k, v = k - c[0], v - c[1]
             k, v = k @ self.rotation, v @ self.rotation
         if isinstance(start, DevicePosition):
             write_kv_at(self.layers[layer], k, v, start.pos)
@@ -143,7 +180,7 @@ class KVCache:
         if isinstance(start, DevicePosition):  # inside a CUDA graph: the Triton kernel reads the lengths
             qr = q if self.rotation is None else q @ self.rotation
             out = _graph_attention(qr, store, start.bound, scale, start.lengths)
-            return out if self.rotation is None else out @ self.rotation.T
+            return out if self.rotation is None else self._unrotate(out, layer)
         T = q.shape[2]
         end = start + T
         if isinstance(store, FloatKV) and (T > 1 or q.is_cuda):
@@ -159,4 +196,9 @@ class KVCache:
         # decode, and anything on a quantized cache: flash-decoding over the storage in place
         if self.rotation is None:
             return attention(q, store, end, start, scale)
-        return attention(q @ self.rotation, store, end, start, scale) @ self.rotation.T
+        return self._unrotate(attention(q @ self.rotation, store, end, start, scale), layer)
+
+    def _unrotate(self, out: torch.Tensor, layer: int) -> torch.Tensor:
+        """A quantized cache's attention output back in the model's basis, the V centre added back."""
+        out = out @ self.rotation.T
+        return out if self._v_center_q is None else out + self._v_center_q[layer]

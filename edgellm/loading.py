@@ -404,6 +404,7 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
                group_size: int = 32, symmetric: bool = True, embeddings: str = "int8",
                search: bool = True) -> LoadedModel:
     """Load weights + tokenizer. `max_seq_len` sizes the RoPE table (default: the model's context)."""
+    from .kv_centers import calibration_ids
     from .tokenizer import load_tokenizer
 
     if weights not in ("fp", "int8", "int4"):
@@ -416,6 +417,7 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
 
         model, tokenizer, cfg, file_bytes, types = load_edgellm(path, dtype, device)
         _setup_context(model, cfg, max_seq_len)
+        model.calibration_ids = calibration_ids(tokenizer)
         return LoadedModel(model, tokenizer, cfg, path, "edgellm", file_bytes, types, time.perf_counter() - t0)
     src, cfg, fmt = open_source(path)
     quant = None
@@ -438,6 +440,7 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
     model.eval().requires_grad_(False)
     _setup_context(model, cfg, max_seq_len)
     tokenizer = load_tokenizer(path if path.is_dir() else src)
+    model.calibration_ids = calibration_ids(tokenizer)  # for a quantized KV cache's centres, on first use
     types = Counter(src.tensor_type(n) for n in src.names())
     return LoadedModel(model, tokenizer, cfg, path, fmt, src.file_bytes, dict(types), time.perf_counter() - t0)
 

@@ -9,6 +9,13 @@ Storages (one per layer, preallocated for max_seq_len S; positions [0, kv_len) a
                                                    element j low, element j + D/2 high, see kv_quant);
                                                    scale/min [Hkv, S, D//group]; x = code * scale + min
 
+Quantized stores may carry `k_group` (K's group when it differs from V's `group`: keys hold the outliers,
+so the default int4 cache gives them groups of 16, values 32) and `k_sink` / `v_sink` fp32 [Hkv, n_sink + 1,
+D]: the first n_sink positions also kept exactly (attention-sink tokens draw most of the attention mass,
+and an error in their keys shifts every score; StreamingLLM, Xiao et al. 2023; IntactKV, Liu et al. 2024).
+Every reader takes rows < n_sink from there instead of dequantizing them; the last row is where a write
+at a device-held position >= n_sink goes (a CUDA graph cannot branch on the position).
+
 `attention(q, store, kv_len, q_start, scale)`: query row i sits at absolute position q_start + i and
 attends keys 0..q_start+i (causal against the cache). GQA: query heads h*g..h*g+g-1 share KV head h;
 their g*T query rows are one matrix against that head's keys, so K/V are never repeated.
@@ -66,21 +73,27 @@ class FloatKV(NamedTuple):
 
 class Int8KV(NamedTuple):
     k: torch.Tensor        # int8 [Hkv, S, D]
-    k_scale: torch.Tensor  # [Hkv, S, D // group] fp16 or fp32
+    k_scale: torch.Tensor  # [Hkv, S, D // k_group] fp16 or fp32
     v: torch.Tensor
-    v_scale: torch.Tensor
+    v_scale: torch.Tensor  # [Hkv, S, D // group]
     group: int
+    k_group: int | None = None         # None: the same as group
+    k_sink: torch.Tensor | None = None  # fp32 [Hkv, n_sink + 1, D]: positions < n_sink, exact
+    v_sink: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, n_kv_heads: int, max_seq_len: int, head_dim: int, group: int | None = None,
-              scale_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "Int8KV":
+              scale_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+              k_group: int | None = None, n_sink: int = 0) -> "Int8KV":
         group = head_dim if group is None else group
+        k_group = group if k_group is None else k_group
         _check_layout(head_dim, group, packed=False)
+        _check_layout(head_dim, k_group, packed=False)
         codes = (n_kv_heads, max_seq_len, head_dim)
-        scales = (n_kv_heads, max_seq_len, head_dim // group)
         z = functools.partial(torch.zeros, device=device)
-        return cls(z(codes, dtype=torch.int8), z(scales, dtype=scale_dtype),
-                   z(codes, dtype=torch.int8), z(scales, dtype=scale_dtype), group)
+        return cls(z(codes, dtype=torch.int8), z((n_kv_heads, max_seq_len, head_dim // k_group), dtype=scale_dtype),
+                   z(codes, dtype=torch.int8), z((n_kv_heads, max_seq_len, head_dim // group), dtype=scale_dtype),
+                   group, k_group, *_sinks(n_kv_heads, n_sink, head_dim, device))
 
     @property
     def bytes_per_token(self) -> int:
@@ -89,23 +102,30 @@ class Int8KV(NamedTuple):
 
 class Int4KV(NamedTuple):
     k: torch.Tensor        # uint8 [Hkv, S, D // 2], split-halves nibbles
-    k_scale: torch.Tensor  # [Hkv, S, D // group]
-    k_min: torch.Tensor    # [Hkv, S, D // group]
+    k_scale: torch.Tensor  # [Hkv, S, D // k_group]
+    k_min: torch.Tensor    # [Hkv, S, D // k_group]
     v: torch.Tensor
-    v_scale: torch.Tensor
+    v_scale: torch.Tensor  # [Hkv, S, D // group]
     v_min: torch.Tensor
     group: int
+    k_group: int | None = None         # None: the same as group
+    k_sink: torch.Tensor | None = None  # fp32 [Hkv, n_sink + 1, D]: positions < n_sink, exact
+    v_sink: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, n_kv_heads: int, max_seq_len: int, head_dim: int, group: int = 32,
-              scale_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "Int4KV":
+              scale_dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+              k_group: int | None = None, n_sink: int = 0) -> "Int4KV":
+        k_group = group if k_group is None else k_group
         _check_layout(head_dim, group, packed=True)
+        _check_layout(head_dim, k_group, packed=True)
         codes = (n_kv_heads, max_seq_len, head_dim // 2)
-        scales = (n_kv_heads, max_seq_len, head_dim // group)
+        ks = (n_kv_heads, max_seq_len, head_dim // k_group)
+        vs = (n_kv_heads, max_seq_len, head_dim // group)
         z = functools.partial(torch.zeros, device=device)
-        return cls(z(codes, dtype=torch.uint8), z(scales, dtype=scale_dtype), z(scales, dtype=scale_dtype),
-                   z(codes, dtype=torch.uint8), z(scales, dtype=scale_dtype), z(scales, dtype=scale_dtype),
-                   group)
+        return cls(z(codes, dtype=torch.uint8), z(ks, dtype=scale_dtype), z(ks, dtype=scale_dtype),
+                   z(codes, dtype=torch.uint8), z(vs, dtype=scale_dtype), z(vs, dtype=scale_dtype),
+                   group, k_group, *_sinks(n_kv_heads, n_sink, head_dim, device))
 
     @property
     def bytes_per_token(self) -> int:
@@ -122,8 +142,28 @@ def _check_layout(head_dim: int, group: int, packed: bool) -> None:
         raise ValueError(f"int4 packing needs an even head dim, got {head_dim}")
 
 
+def _sinks(n_kv_heads: int, n_sink: int, head_dim: int, device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    if n_sink <= 0:
+        return None, None
+    shape = (n_kv_heads, n_sink + 1, head_dim)  # + 1: the slot a device-position write past the sinks hits
+    return torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+
+
+def n_sink(store: KVStore) -> int:
+    """Positions [0, n_sink) a quantized store also keeps exactly (0: none)."""
+    sink = getattr(store, "k_sink", None)
+    return 0 if sink is None else sink.shape[1] - 1
+
+
+def groups(store: KVStore) -> tuple[int, int]:
+    """(K group, V group) of a quantized store."""
+    return (store.group if store.k_group is None else store.k_group), store.group
+
+
 def _bytes_per_token(store: KVStore) -> int:
-    return sum(t[:, 0].numel() * t.element_size() for t in store if isinstance(t, torch.Tensor))
+    """Per-position bytes (the fixed sink rows are not per position)."""
+    fixed = {id(getattr(store, "k_sink", None)), id(getattr(store, "v_sink", None))}
+    return sum(t[:, 0].numel() * t.element_size() for t in store if isinstance(t, torch.Tensor) and id(t) not in fixed)
 
 
 def head_dim_of(store: KVStore) -> int:
@@ -143,22 +183,26 @@ def write_kv(store: KVStore, k_new: torch.Tensor, v_new: torch.Tensor, start: in
     if isinstance(store, FloatKV):
         store.k[:, start:end].copy_(k_new)
         store.v[:, start:end].copy_(v_new)
-    elif isinstance(store, Int8KV):
+    elif isinstance(store, (Int8KV, Int4KV)):
         sd = store.k_scale.dtype
-        for x, codes, scales in ((k_new, store.k, store.k_scale), (v_new, store.v, store.v_scale)):
-            c, s = quantize_int8(x, store.group, sd)
-            codes[:, start:end].copy_(c)
-            scales[:, start:end].copy_(s)
-    elif isinstance(store, Int4KV):
-        sd = store.k_scale.dtype
-        for x, codes, scales, mins in ((k_new, store.k, store.k_scale, store.k_min),
-                                       (v_new, store.v, store.v_scale, store.v_min)):
-            c, s, m = quantize_int4(x, store.group, sd)
-            codes[:, start:end].copy_(c)
-            scales[:, start:end].copy_(s)
-            mins[:, start:end].copy_(m)
+        gk, gv = groups(store)
+        for x, g, parts, sink in ((k_new, gk, _k_parts(store), store.k_sink), (v_new, gv, _v_parts(store), store.v_sink)):
+            q = quantize_int8(x, g, sd) if isinstance(store, Int8KV) else quantize_int4(x, g, sd)
+            for dest, part in zip(parts, q):
+                dest[:, start:end].copy_(part)
+            if sink is not None and start < sink.shape[1] - 1:
+                e = min(end, sink.shape[1] - 1)
+                sink[:, start:e].copy_(x[:, : e - start])
     else:
         raise TypeError(f"unknown KV storage {type(store).__name__}")
+
+
+def _k_parts(store: KVStore) -> tuple[torch.Tensor, ...]:
+    return (store.k, store.k_scale) if isinstance(store, Int8KV) else (store.k, store.k_scale, store.k_min)
+
+
+def _v_parts(store: KVStore) -> tuple[torch.Tensor, ...]:
+    return (store.v, store.v_scale) if isinstance(store, Int8KV) else (store.v, store.v_scale, store.v_min)
 
 
 def write_kv_at(store: KVStore, k_new: torch.Tensor, v_new: torch.Tensor, pos: torch.Tensor) -> None:
@@ -168,22 +212,21 @@ def write_kv_at(store: KVStore, k_new: torch.Tensor, v_new: torch.Tensor, pos: t
         store.k.index_copy_(1, pos, k_new.to(store.k.dtype))
         store.v.index_copy_(1, pos, v_new.to(store.v.dtype))
         return
-    for x, which in ((k_new, 0), (v_new, 1)):
-        if isinstance(store, Int8KV):
-            parts = quantize_int8(x, store.group, store.k_scale.dtype)
-            dests = (store.k, store.k_scale) if which == 0 else (store.v, store.v_scale)
-        elif isinstance(store, Int4KV):
-            parts = quantize_int4(x, store.group, store.k_scale.dtype)
-            dests = ((store.k, store.k_scale, store.k_min) if which == 0 else (store.v, store.v_scale, store.v_min))
-        else:
-            raise TypeError(f"unknown KV storage {type(store).__name__}")
-        for dest, part in zip(dests, parts):
+    if not isinstance(store, (Int8KV, Int4KV)):
+        raise TypeError(f"unknown KV storage {type(store).__name__}")
+    gk, gv = groups(store)
+    for x, g, dests, sink in ((k_new, gk, _k_parts(store), store.k_sink), (v_new, gv, _v_parts(store), store.v_sink)):
+        q = quantize_int8(x, g, store.k_scale.dtype) if isinstance(store, Int8KV) else quantize_int4(
+            x, g, store.k_scale.dtype)
+        for dest, part in zip(dests, q):
             dest.index_copy_(1, pos, part)
+        if sink is not None:  # positions past the sinks land in the spare last row
+            sink.index_copy_(1, pos.clamp(max=sink.shape[1] - 1), x.to(sink.dtype))
 
 
 def dequantize_kv(store: KVStore, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V of positions [start, end) in fp32 (tests, references and debugging; attention never
-    calls this on the whole cache)."""
+    """K, V of positions [start, end) in fp32 as attention reads them (sink rows exact; tests,
+    references and debugging: attention never calls this on the whole cache)."""
     return _tile(store, 0, start, end, None), _tile(store, 1, start, end, None)
 
 
@@ -277,11 +320,11 @@ def _attend_rows(qr: torch.Tensor, store: KVStore, n: int, pos0: int, t_rows: in
     if split is None:
         split = auto_split(store, n_kv, R, D)
     n_tiles = -(-n // split)
-    fold = _folds_scales(store)
+    fold = (_folds_scales(store, 0), _folds_scales(store, 1))
     ws = None if isinstance(store, FloatKV) and store.k.dtype == qr.dtype else _Workspace(
         store, n_kv, min(split, n), D, qr.dtype, qr.device)
     # The int4 min term: q·(c·s + m) = s·(q·c) + m·Σq.
-    qsum = qr.sum(-1, keepdim=True) if fold and isinstance(store, Int4KV) else None
+    qsum = qr.sum(-1, keepdim=True) if fold[0] and isinstance(store, Int4KV) else None
 
     if n_tiles == 1:
         s = _scores(qr, store, 0, n, ws, fold, qsum)
@@ -306,12 +349,12 @@ def _attend_rows(qr: torch.Tensor, store: KVStore, n: int, pos0: int, t_rows: in
     return (o.mul_(w).sum(0)).div_(l.mul_(w).sum(0))
 
 
-def _folds_scales(store: KVStore) -> bool:
-    """Per-token scales (group == head dim): the scale (and min) is constant along the dot product,
-    so it is applied to the [R, L] scores / probabilities instead of the [L, D] tile, saving one fp32
-    pass over each tile (two for int4). Measured: with two or more groups per row the extra small
-    matmuls cost more than the passes they save, so smaller groups dequantize the tile fully."""
-    return not isinstance(store, FloatKV) and store.group == head_dim_of(store)
+def _folds_scales(store: KVStore, which: int = 1) -> bool:
+    """Per-token scales (group == head dim) of K (which=0) or V (1): the scale (and min) is constant
+    along the dot product, so it is applied to the [R, L] scores / probabilities instead of the [L, D]
+    tile, saving one fp32 pass over each tile (two for int4). Measured: with two or more groups per row
+    the extra small matmuls cost more than the passes they save, so smaller groups dequantize the tile."""
+    return not isinstance(store, FloatKV) and groups(store)[which] == head_dim_of(store)
 
 
 class _Workspace:
@@ -347,15 +390,17 @@ def _tile(store: KVStore, which: int, a: int, b: int, ws: _Workspace | None, raw
         if out is None:
             return x.float()
         return x if x.dtype == out.dtype else out.copy_(x)
+    group = groups(store)[which]
     if isinstance(store, Int8KV):
         codes, scales = (store.k, store.k_scale) if which == 0 else (store.v, store.v_scale)
         if raw:
             return out.copy_(codes[:, a:b])
-        return dequantize_int8(codes[:, a:b], scales[:, a:b], store.group, out=out)
+        return _with_sinks(dequantize_int8(codes[:, a:b], scales[:, a:b], group, out=out), store, which, a, b)
     codes, scales, mins = ((store.k, store.k_scale, store.k_min) if which == 0
                            else (store.v, store.v_scale, store.v_min))
     if not raw:
-        return dequantize_int4(codes[:, a:b], scales[:, a:b], mins[:, a:b], store.group, out=out)
+        return _with_sinks(dequantize_int4(codes[:, a:b], scales[:, a:b], mins[:, a:b], group, out=out),
+                           store, which, a, b)
     c, u8 = codes[:, a:b], ws.u8[:, : b - a]
     half = c.shape[-1]
     out[..., :half].copy_(torch.bitwise_and(c, 0xF, out=u8))
@@ -363,9 +408,19 @@ def _tile(store: KVStore, which: int, a: int, b: int, ws: _Workspace | None, raw
     return out
 
 
+def _with_sinks(x: torch.Tensor, store: KVStore, which: int, a: int, b: int) -> torch.Tensor:
+    """A dequantized tile of positions [a, b) with its rows < n_sink replaced by the exact ones."""
+    ns = n_sink(store)
+    if a < ns:
+        e = min(b, ns)
+        x[:, : e - a] = (store.k_sink, store.v_sink)[which][:, a:e]
+    return x
+
+
 def _scores(qr, store, a, b, ws, fold, qsum) -> torch.Tensor:
-    """q·k for keys [a, b) → [Hkv, R, b-a], a fresh tensor the caller may modify in place."""
-    if not fold:
+    """q·k for keys [a, b) → [Hkv, R, b-a], a fresh tensor the caller may modify in place.
+    fold: (K, V) scales fold into the products; a tile holding sink rows never folds (it substitutes)."""
+    if not fold[0] or a < n_sink(store):
         return torch.bmm(qr, _tile(store, 0, a, b, ws).transpose(1, 2))
     k = _tile(store, 0, a, b, ws, raw=True)
     s = torch.bmm(qr, k.transpose(1, 2)).mul_(store.k_scale[:, a:b].transpose(1, 2))  # · [Hkv, 1, L]
@@ -376,7 +431,7 @@ def _scores(qr, store, a, b, ws, fold, qsum) -> torch.Tensor:
 
 def _pv(p, store, a, b, ws, fold) -> torch.Tensor:
     """p [Hkv, R, L] (may be modified) @ V of keys [a, b) → [Hkv, R, D]."""
-    if not fold:
+    if not fold[1] or a < n_sink(store):
         return torch.bmm(p, _tile(store, 1, a, b, ws))
     v = _tile(store, 1, a, b, ws, raw=True)
     if isinstance(store, Int4KV):

@@ -216,7 +216,7 @@ struct DecodePlan {
       return c;
     }
     const py::tuple spec = o.cast<py::tuple>();
-    TORCH_CHECK(spec.size() == 5, "edgellm decode plan: ", what, ": a quantized cache spec has 5 fields");
+    TORCH_CHECK(spec.size() == 6, "edgellm decode plan: ", what, ": a quantized cache spec has 6 fields");
     c.kind = spec[0].cast<int>();
     c.G = spec[1].cast<int64_t>();
     TORCH_CHECK((c.kind == 8 || c.kind == 4) && c.G > 0 && D % c.G == 0, "edgellm decode plan: ", what,
@@ -234,6 +234,14 @@ struct DecodePlan {
       TORCH_CHECK(mn.numel() == sc.numel(), "edgellm decode plan: ", what, ": mins ", mn.sizes());
       c.mins = reinterpret_cast<uint16_t*>(mn.data_ptr());
     }
+    if (!spec[5].is_none()) {  // fp32 [Hkv, n_sink + 1, D], written as well as read
+      const at::Tensor& sk = hold(py::cast<at::Tensor>(spec[5]), at::kFloat, what);
+      TORCH_CHECK(sk.dim() == 3 && sk.size(0) == Hkv && sk.size(1) >= 1 && sk.size(2) == D && sk.is_contiguous() &&
+                      sk.data_ptr() == py::cast<at::Tensor>(spec[5]).data_ptr(),
+                  "edgellm decode plan: ", what, ": sink rows must be contiguous fp32 [Hkv, n + 1, D]");
+      c.sink = sk.data_ptr<float>();
+      c.n_sink = std::min<int64_t>(sk.size(1) - 1, S);
+    }
     return c;
   }
 
@@ -241,7 +249,7 @@ struct DecodePlan {
   // ffn_norm, k cache, v cache) each; kv_rot: [D, D] fp32 for a quantized cache, else None
   DecodePlan(const std::vector<int64_t>& dims, double eps, double attn_scale, const py::tuple& embedding,
              const py::list& layers, const py::handle& norm, const py::tuple& output, const py::handle& rope_cos,
-             const py::handle& rope_sin, const py::handle& kv_rot) {
+             const py::handle& rope_sin, const py::handle& kv_rot, const py::handle& kv_center) {
     TORCH_CHECK(dims.size() == 7, "edgellm decode plan: dims has 7 entries");
     auto& M = m;
     M.dim = dims[0]; M.n_heads = dims[1]; M.n_kv_heads = dims[2]; M.head_dim = dims[3]; M.hidden = dims[4];
@@ -276,6 +284,8 @@ struct DecodePlan {
     M.rope_cos = c.data_ptr<float>();
     M.rope_sin = s.data_ptr<float>();
     M.kv_rot = f32(kv_rot, D * D, "kv rotation");
+    M.kv_center = f32(kv_center, (int64_t)M.layers.size() * 2 * M.n_kv_heads * D, "kv centres");
+    TORCH_CHECK(M.kv_center == nullptr || M.kv_rot != nullptr, "edgellm decode plan: KV centres without a quantized cache");
     const bool quantized = !M.layers.empty() && M.layers[0].k.kind != edgellm::DecodeKV::F32;
     for (const auto& L : M.layers)
       TORCH_CHECK((L.k.kind != edgellm::DecodeKV::F32) == quantized, "edgellm decode plan: mixed KV kinds");
@@ -347,9 +357,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dequantize int4 (mins empty = symmetric) / int8 codes into fp32 buf (>= N*K elements); returns [N, K]");
   py::class_<DecodePlan>(m, "DecodePlan", "the fused CPU decode step of one model + KV cache (see cpu_decode.py)")
       .def(py::init<const std::vector<int64_t>&, double, double, const py::tuple&, const py::list&, const py::handle&,
-                    const py::tuple&, const py::handle&, const py::handle&, const py::handle&>(),
+                    const py::tuple&, const py::handle&, const py::handle&, const py::handle&, const py::handle&>(),
            py::arg("dims"), py::arg("eps"), py::arg("attn_scale"), py::arg("embedding"), py::arg("layers"),
-           py::arg("norm"), py::arg("output"), py::arg("rope_cos"), py::arg("rope_sin"), py::arg("kv_rot") = py::none())
+           py::arg("norm"), py::arg("output"), py::arg("rope_cos"), py::arg("rope_sin"), py::arg("kv_rot") = py::none(),
+           py::arg("kv_center") = py::none())
       .def("step", &DecodePlan::step, py::arg("token"), py::arg("pos"), py::arg("logits"), py::arg("variant"),
            "logits [vocab] of token (int64 [1] or [1, 1]) at position pos; writes its K/V into the cache")
       .def("step_many", &DecodePlan::step_many, py::arg("tokens"), py::arg("pos"), py::arg("logits"),

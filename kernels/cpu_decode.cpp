@@ -366,13 +366,15 @@ void rotate_back(const float* x, const float* R, float* y, int64_t D) {
   for (int64_t i = 0; i < D; ++i) y[i] = dot(R + i * D, x, D);
 }
 
-// Write one (rotated) row at (head j, position p): edgellm.kernels.kv_quant's quantize_int8 / quantize_int4 math.
+// Write one (rotated) row at (head j, position p): edgellm.kernels.kv_quant's quantize_int8 / quantize_int4 math,
+// and the row itself into the exact sink rows when p < n_sink.
 void kv_write(const DecodeKV& c, int64_t j, int64_t p, int64_t S, int64_t D, const float* x) {
   const int64_t row = j * S + p;
   if (c.kind == DecodeKV::F32) {
     std::memcpy(c.f + row * D, x, sizeof(float) * D);
     return;
   }
+  if (p < c.n_sink) std::memcpy(c.sink + (j * (c.n_sink + 1) + p) * D, x, sizeof(float) * D);
   const int64_t ng = D / c.G;
   uint16_t* sc = c.scales + row * ng;
   if (c.kind == DecodeKV::INT8) {
@@ -406,8 +408,12 @@ void kv_write(const DecodeKV& c, int64_t j, int64_t p, int64_t S, int64_t D, con
   for (int64_t i = 0; i < D / 2; ++i) out[i] = (uint8_t)(codes[i] | (codes[i + D / 2] << 4));
 }
 
-// Row (head j, position p) of a quantized cache in fp32: code * scale (+ min).
+// Row (head j, position p) of a quantized cache in fp32: code * scale (+ min), or the exact sink row.
 void kv_row(const DecodeKV& c, int64_t j, int64_t p, int64_t S, int64_t D, float* out) {
+  if (p < c.n_sink) {  // an attention sink, kept exactly
+    std::memcpy(out, c.sink + (j * (c.n_sink + 1) + p) * D, sizeof(float) * D);
+    return;
+  }
   const int64_t row = j * S + p, ng = D / c.G;
   const uint16_t* sc = c.scales + row * ng;
   if (c.kind == DecodeKV::INT8) {
@@ -470,6 +476,10 @@ void kv_rows_avx2(const DecodeKV& c, int64_t j, int64_t p0, int64_t np, int64_t 
     const int64_t row = j * S + p0 + i;
     const uint16_t* sc = c.scales + row * ng;
     float* o = out + i * D;
+    if (p0 + i < c.n_sink) {  // an attention sink, kept exactly
+      std::memcpy(o, c.sink + (j * (c.n_sink + 1) + p0 + i) * D, sizeof(float) * D);
+      continue;
+    }
     float sf[32], mf[32];
     for (int64_t g = 0; g < ng; ++g) sf[g] = _cvtsh_ss(sc[g]);
     if (c.kind == DecodeKV::INT8) {
@@ -662,7 +672,9 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
   float* act = tmp + T * tw;    // [T, hid]
   float* work = m.work.data();
   for (int64_t t = 0; t < T; ++t) embed(m, tokens[t], h + t * dim);
-  for (const DecodeLayer& L : m.layers) {
+  for (size_t li = 0; li < m.layers.size(); ++li) {
+    const DecodeLayer& L = m.layers[li];
+    const float* kcen = m.kv_center ? m.kv_center + li * 2 * kvsz : nullptr;  // [2, Hkv, D] of this layer
     for (int64_t t = 0; t < T; ++t) rmsnorm(h + t * dim, L.attn_norm, m.eps, xn + t * dim, dim);
     clk.lap(m.t_other);
     linear(L.qkv, xn, T, qkv, variant);
@@ -673,10 +685,20 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
       const float* k = q + qsz;
       const float* v = k + kvsz;
       for (int64_t j = 0; j < Hkv; ++j) {
-        if (m.kv_rot) {  // a quantized cache holds K and V rotated (edgellm.cache: outliers spread over the head)
-          float rk[1024], rv[1024];
-          rotate(k + j * D, m.kv_rot, rk, D);
-          rotate(v + j * D, m.kv_rot, rv, D);
+        if (m.kv_rot) {  // a quantized cache holds K and V centred and rotated (edgellm.cache)
+          float rk[1024], rv[1024], ck[1024], cv[1024];
+          const float* kj = k + j * D;
+          const float* vj = v + j * D;
+          if (kcen) {
+            for (int64_t d = 0; d < D; ++d) {
+              ck[d] = kj[d] - kcen[j * D + d];
+              cv[d] = vj[d] - kcen[kvsz + j * D + d];
+            }
+            kj = ck;
+            vj = cv;
+          }
+          rotate(kj, m.kv_rot, rk, D);
+          rotate(vj, m.kv_rot, rv, D);
           kv_write(L.k, j, pos + t, S, D, rk);
           kv_write(L.v, j, pos + t, S, D, rv);
         } else {
@@ -697,7 +719,10 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
       float* qr = m.qrot.data();  // q @ R per head, attention, then the output rotated back (R^T)
       for (int64_t h = 0; h < Hq; ++h) rotate(qkv + t * qkvw + h * D, m.kv_rot, qr + h * D, D);
       attention_quantized(m, qr, L.k, L.v, pos + t + 1, qr + qsz, work);
-      for (int64_t h = 0; h < Hq; ++h) rotate_back(qr + qsz + h * D, m.kv_rot, o + h * D, D);
+      for (int64_t h = 0; h < Hq; ++h) {
+        rotate_back(qr + qsz + h * D, m.kv_rot, o + h * D, D);
+        if (kcen) add_inplace(o + h * D, kcen + kvsz + (h / (Hq / Hkv)) * D, D);
+      }
     }
     clk.lap(m.t_attention);
     linear(L.o, att, T, tmp, variant);

@@ -28,6 +28,8 @@ struct DecodeKV {
   uint8_t* codes = nullptr;
   uint16_t* scales = nullptr;
   uint16_t* mins = nullptr;
+  float* sink = nullptr;  // fp32 [Hkv, n_sink + 1, D]: positions < n_sink kept exactly (read instead), or null
+  int64_t n_sink = 0;
 };
 
 struct DecodeLayer {
@@ -47,6 +49,8 @@ struct DecodeModel {
   const float* rope_cos = nullptr;  // [>= S, D]
   const float* rope_sin = nullptr;  // [>= S, D], first half negated
   const float* kv_rot = nullptr;    // [D, D] orthonormal (a quantized cache: K, V, q times it), or null
+  const float* kv_center = nullptr; // [layers, 2, Hkv, D]: K / V centres subtracted before the rotation
+                                    // (edgellm/kv_centers.py; V's added back to the output), or null
   std::vector<float> buf, work;     // activations and attention scratch, sized by decode_prepare
   std::vector<float> qrot;          // rotated q and attention output of one token (quantized cache)
   bool profile = false;             // accumulate the seconds below (steady clock; off by default)

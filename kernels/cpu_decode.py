@@ -21,6 +21,7 @@ import os
 import torch
 
 from . import matmul as K
+from .attention import groups
 
 
 def _linear_spec(mod) -> tuple | None:
@@ -40,8 +41,9 @@ def _linear_spec(mod) -> tuple | None:
 
 
 def _kv_specs(store, cache) -> tuple | None:
-    """(K, V) of one layer as the plan takes them: fp32 tensors, or (bits, group, codes, scales, mins) of an
-    int8 / int4 store with fp16 scales (edgellm.cache), or None (a layout the C++ step does not read)."""
+    """(K, V) of one layer as the plan takes them: fp32 tensors, or (bits, group, codes, scales, mins, sink)
+    of an int8 / int4 store with fp16 scales and fp32 sink rows (edgellm.cache), or None (a layout the C++
+    step does not read)."""
     kind = getattr(cache, "kind", None)
     if kind == "fp":
         ok = all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (store.k, store.v))
@@ -49,11 +51,15 @@ def _kv_specs(store, cache) -> tuple | None:
     tensors = [t for t in store if isinstance(t, torch.Tensor)]
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         return None
+    if any(t is not None and t.dtype != torch.float32 for t in (store.k_sink, store.v_sink)):
+        return None
+    gk, gv = groups(store)
     if kind == "int8" and store.k_scale.dtype == torch.float16:
-        return (8, store.group, store.k, store.k_scale, None), (8, store.group, store.v, store.v_scale, None)
+        return ((8, gk, store.k, store.k_scale, None, store.k_sink),
+                (8, gv, store.v, store.v_scale, None, store.v_sink))
     if kind == "int4" and store.k_scale.dtype == torch.float16 and store.k_min.dtype == torch.float16:
-        return ((4, store.group, store.k, store.k_scale, store.k_min),
-                (4, store.group, store.v, store.v_scale, store.v_min))
+        return ((4, gk, store.k, store.k_scale, store.k_min, store.k_sink),
+                (4, gv, store.v, store.v_scale, store.v_min, store.v_sink))
     return None
 
 
@@ -129,9 +135,13 @@ def fused_decode_step(model, cache) -> FusedDecodeStep | None:
             pad = torch.zeros(S - cos.shape[0], D)
             cos, sin = torch.cat((cos, pad)), torch.cat((sin, pad))
         dims = [cfg.dim, cfg.n_heads, cfg.n_kv_heads, D, cfg.intermediate_size, cfg.vocab_size, S]
+        if rot is not None:
+            cache.prepare(model)  # the K/V centres, before the first write (edgellm/kv_centers.py)
+        centers = getattr(cache, "centers", None)
         plan = ext.DecodePlan(dims, float(model.norm.eps), float(model.layers[0].attention.scale), emb_spec, layers,
                               model.norm.weight.detach().contiguous(), out_spec, cos, sin,
-                              None if rot is None else rot.contiguous())
+                              None if rot is None else rot.contiguous(),
+                              None if centers is None else centers.reshape(cfg.n_layers, 2, -1).contiguous())
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return None  # a model this plan does not describe: the eager path serves it
     return FusedDecodeStep(plan, cache, cfg.vocab_size, limit)

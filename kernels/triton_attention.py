@@ -12,6 +12,10 @@ int4 uses the split-halves nibble layout of kv_quant: byte j of a row holds elem
 element j + D/2 (high nibble), so the kernel keeps q as two halves and does two half-width dots per
 tile: no interleave or shuffle of the unpacked codes.
 
+Keys and values may have their own groups (GROUP / GROUP_V). A store's exact sink rows (the first
+N_SINK positions, kernels/attention.py) replace the dequantized ones in the tile that holds them: their
+scores are dotted against the fp32 rows, and their probabilities go to the fp32 V rows only.
+
 Runs under TRITON_INTERPRET=1 on CPU tensors (tests); dispatch from attention.py uses it on CUDA only.
 """
 from __future__ import annotations
@@ -22,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import FloatKV, Int4KV, Int8KV, KVStore, triton_supports
+from .attention import FloatKV, Int4KV, Int8KV, KVStore, groups, n_sink, triton_supports
 
 _FLOAT, _INT8, _INT4 = 0, 1, 2
 _LOG2E = 1.4426950408889634
@@ -128,13 +132,21 @@ def _plane_pv(p, V, VS, VM, h, offs_n, n_ok, offs_c, col0,
     return o
 
 
+@triton.jit
+def _sink_plane(SINK, h, offs_n, offs_c, col0, stride_zh, D: tl.constexpr, N_SINK: tl.constexpr):
+    """Columns col0.. of the exact sink rows for keys offs_n (zero past the sinks): [BLOCK_N, C] fp32."""
+    ptr = SINK + h * stride_zh + offs_n[:, None] * D + col0 + offs_c[None, :]
+    return tl.load(ptr, mask=(offs_n < N_SINK)[:, None], other=0.0)
+
+
 @triton.jit(do_not_specialize=["n_keys", "q_start", "split_len"])
-def _split_kernel(Q, K, KS, KM, V, VS, VM, O_part, M_part, L_part, LENS,
+def _split_kernel(Q, K, KS, KM, V, VS, VM, KSINK, VSINK, O_part, M_part, L_part, LENS,
                   stride_qh, stride_qr,
-                  stride_kh, stride_kn, stride_sh, stride_sn,
+                  stride_kh, stride_kn, stride_sh, stride_sn, stride_vsh, stride_vsn, stride_zh,
                   n_keys, q_start, T, R, split_len, n_kv, qk_scale,
                   KIND: tl.constexpr, D: tl.constexpr, C: tl.constexpr, GROUP: tl.constexpr,
-                  FOLD: tl.constexpr, DEVICE_LENS: tl.constexpr,
+                  GROUP_V: tl.constexpr, FOLD: tl.constexpr, FOLD_V: tl.constexpr, N_SINK: tl.constexpr,
+                  DEVICE_LENS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr):
     pid_s = tl.program_id(0)
     h = tl.program_id(1)
@@ -172,6 +184,14 @@ def _split_kernel(Q, K, KS, KM, V, VS, VM, O_part, M_part, L_part, LENS,
         if KIND == 2:
             s += _plane_scores(q1, qsum1, K, KS, KM, h, offs_n, n_ok, offs_c, C, stride_kh, stride_kn,
                                stride_sh, stride_sn, KIND, C, GROUP, 1, FOLD, BLOCK_N, PRECISION)
+        if N_SINK > 0:  # the first keys are read from the exact sink rows instead
+            if n0 < N_SINK:
+                ss = tl.dot(q0, tl.trans(_sink_plane(KSINK, h, offs_n, offs_c, 0, stride_zh, D, N_SINK).to(q0.dtype)),
+                            input_precision=PRECISION)
+                if KIND == 2:
+                    ss += tl.dot(q1, tl.trans(_sink_plane(KSINK, h, offs_n, offs_c, C, stride_zh, D,
+                                                          N_SINK).to(q1.dtype)), input_precision=PRECISION)
+                s = tl.where((offs_n < N_SINK)[None, :], ss, s)
         s = s * qk_scale
         visible = n_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -181,13 +201,24 @@ def _split_kernel(Q, K, KS, KM, V, VS, VM, O_part, M_part, L_part, LENS,
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc0 = acc0 * alpha[:, None] + _plane_pv(p, V, VS, VM, h, offs_n, n_ok, offs_c, 0, stride_kh,
-                                                 stride_kn, stride_sh, stride_sn, KIND, C, GROUP, 0, FOLD,
-                                                 BLOCK_N, PRECISION, q0.dtype)
+        acc0 = acc0 * alpha[:, None]
         if KIND == 2:
-            acc1 = acc1 * alpha[:, None] + _plane_pv(p, V, VS, VM, h, offs_n, n_ok, offs_c, C, stride_kh,
-                                                     stride_kn, stride_sh, stride_sn, KIND, C, GROUP, 1,
-                                                     FOLD, BLOCK_N, PRECISION, q0.dtype)
+            acc1 = acc1 * alpha[:, None]
+        if N_SINK > 0:
+            if n0 < N_SINK:  # sink columns: p times the exact rows; the quantized rows get weight 0
+                is_sink = (offs_n < N_SINK)[None, :]
+                ps = tl.where(is_sink, p, 0.0).to(q0.dtype)
+                acc0 += tl.dot(ps, _sink_plane(VSINK, h, offs_n, offs_c, 0, stride_zh, D, N_SINK).to(q0.dtype),
+                               input_precision=PRECISION)
+                if KIND == 2:
+                    acc1 += tl.dot(ps, _sink_plane(VSINK, h, offs_n, offs_c, C, stride_zh, D, N_SINK).to(q0.dtype),
+                                   input_precision=PRECISION)
+                p = tl.where(is_sink, 0.0, p)
+        acc0 += _plane_pv(p, V, VS, VM, h, offs_n, n_ok, offs_c, 0, stride_kh, stride_kn, stride_vsh, stride_vsn,
+                          KIND, C, GROUP_V, 0, FOLD_V, BLOCK_N, PRECISION, q0.dtype)
+        if KIND == 2:
+            acc1 += _plane_pv(p, V, VS, VM, h, offs_n, n_ok, offs_c, C, stride_kh, stride_kn, stride_vsh,
+                              stride_vsn, KIND, C, GROUP_V, 1, FOLD_V, BLOCK_N, PRECISION, q0.dtype)
         m_i = m_new
 
     part = (pid_s * n_kv + h) * R + rows  # [n_splits, Hkv, R] layout
@@ -275,19 +306,21 @@ def triton_attention(q: torch.Tensor, store: KVStore, kv_len: int, q_start: int,
     R = g * T
     n = kv_len if lengths is not None else min(kv_len, q_start + T)
 
+    ksink = vsink = None
     if isinstance(store, FloatKV):
-        kind, group, dot_dtype = _FLOAT, D, store.k.dtype
+        kind, group, group_v, dot_dtype = _FLOAT, D, D, store.k.dtype
         ks = km = vs = vm = store.k  # unused pointers
         stride_sh = stride_sn = 0
-    elif isinstance(store, Int8KV):
-        kind, group, dot_dtype = _INT8, store.group, torch.float32 if q.dtype == torch.float32 else q.dtype
+    elif isinstance(store, (Int8KV, Int4KV)):
+        kind = _INT8 if isinstance(store, Int8KV) else _INT4
+        (group, group_v), dot_dtype = groups(store), torch.float32 if q.dtype == torch.float32 else q.dtype
         ks, vs = store.k_scale, store.v_scale
-        km, vm = ks, vs
+        km, vm = (ks, vs) if kind == _INT8 else (store.k_min, store.v_min)
         stride_sh, stride_sn = ks.stride(0), ks.stride(1)
-    elif isinstance(store, Int4KV):
-        kind, group, dot_dtype = _INT4, store.group, torch.float32 if q.dtype == torch.float32 else q.dtype
-        ks, km, vs, vm = store.k_scale, store.k_min, store.v_scale, store.v_min
-        stride_sh, stride_sn = ks.stride(0), ks.stride(1)
+        if n_sink(store):
+            ksink, vsink = store.k_sink, store.v_sink
+            if not (ksink.is_contiguous() and vsink.is_contiguous() and ksink.stride() == vsink.stride()):
+                raise ValueError("the sink rows must be contiguous, K's and V's alike")
     else:
         raise TypeError(f"unknown KV storage {type(store).__name__}")
     for t in (store.k, store.v, ks, km, vs, vm):
@@ -318,11 +351,15 @@ def triton_attention(q: torch.Tensor, store: KVStore, kv_len: int, q_start: int,
     out = torch.empty(n_kv, R, D, dtype=q.dtype, device=q.device)
     precision = "ieee" if dot_dtype == torch.float32 else "tf32"
     _split_kernel[(n_splits, n_kv, n_mblocks)](
-        qr, store.k, ks, km, store.v, vs, vm, o_part, m_part, l_part, m_part if lengths is None else lengths,
+        qr, store.k, ks, km, store.v, vs, vm, ksink if ksink is not None else m_part,
+        vsink if vsink is not None else m_part, o_part, m_part, l_part, m_part if lengths is None else lengths,
         qr.stride(0), qr.stride(1),
         store.k.stride(0), store.k.stride(1), stride_sh, stride_sn,
+        *((vs.stride(0), vs.stride(1)) if kind != _FLOAT else (0, 0)),
+        0 if ksink is None else ksink.stride(0),
         n, q_start, T, R, split, n_kv, scale * _LOG2E,
-        KIND=kind, D=D, C=C, GROUP=group, FOLD=kind != _FLOAT and group >= C,
+        KIND=kind, D=D, C=C, GROUP=group, GROUP_V=group_v, FOLD=kind != _FLOAT and group >= C,
+        FOLD_V=kind != _FLOAT and group_v >= C, N_SINK=0 if ksink is None else ksink.shape[1] - 1,
         DEVICE_LENS=lengths is not None, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages)
     _reduce_kernel[(n_kv, R)](o_part, m_part, l_part, out, n_splits, n_kv, R,

@@ -7,7 +7,9 @@ from edgellm.kernels.attention import FloatKV, Int4KV, Int8KV, attention, attent
 from edgellm.kernels.kv_quant import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4, quantize_int8,
                                       unpack_int4)
 
-KINDS = ["fp32", "int8", "int8g32", "int4", "int4g32"]
+# int8s4: per-token int8 with 4 exact sink rows; int4k16s4: the cache's default int4 (keys in groups of 16,
+# values 32, 4 sink rows)
+KINDS = ["fp32", "int8", "int8g32", "int4", "int4g32", "int8s4", "int4k16s4"]
 
 
 def make_store(kind: str, n_kv: int, S: int, D: int, scale_dtype=torch.float32):
@@ -15,10 +17,35 @@ def make_store(kind: str, n_kv: int, S: int, D: int, scale_dtype=torch.float32):
         return FloatKV.empty(n_kv, S, D)
     if kind in ("bf16", "fp16"):
         return FloatKV.empty(n_kv, S, D, getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[kind]))
+    if kind == "int8s4":
+        return Int8KV.empty(n_kv, S, D, None, scale_dtype, n_sink=4)
+    if kind == "int4k16s4":
+        return Int4KV.empty(n_kv, S, D, 32, scale_dtype, k_group=16, n_sink=4)
     group = 32 if kind.endswith("g32") else D
     if kind.startswith("int8"):
         return Int8KV.empty(n_kv, S, D, group, scale_dtype)
     return Int4KV.empty(n_kv, S, D, group, scale_dtype)
+
+
+@pytest.mark.parametrize("kind", ["int8s4", "int4k16s4"])
+def test_sink_rows_exact_and_device_position_writes(kind):
+    """Positions < n_sink read back exactly (the rest quantized); a write at a device-held position
+    fills the same rows as a write at a host position, and past the sinks it touches only the spare row."""
+    n_kv, S, D = 2, 12, 64
+    gen = torch.Generator().manual_seed(4)
+    k, v = torch.randn(n_kv, 10, D, generator=gen) * 3, torch.randn(n_kv, 10, D, generator=gen)
+    store = make_store(kind, n_kv, S, D)
+    write_kv(store, k, v, 0)
+    kd, vd = dequantize_kv(store, 0, 10)
+    assert torch.equal(kd[:, :4], k[:, :4]) and torch.equal(vd[:, :4], v[:, :4])
+    assert not torch.equal(kd[:, 4:], k[:, 4:]) and (kd[:, 4:] - k[:, 4:]).abs().max() < 0.1 * k.abs().max()
+    twin = make_store(kind, n_kv, S, D)
+    for p in range(10):
+        A.write_kv_at(twin, k[:, p:p + 1], v[:, p:p + 1], torch.tensor([p]))
+    for x, y in zip(store, twin):
+        if isinstance(x, torch.Tensor) and x.shape[1] == S:
+            assert torch.equal(x, y)
+    assert torch.equal(twin.k_sink[:, :4], store.k_sink[:, :4]) and torch.equal(twin.k_sink[:, 4], k[:, 9])
 
 
 def poison_tail(store, n: int) -> None:
@@ -27,8 +54,8 @@ def poison_tail(store, n: int) -> None:
         store.k[:, n:] = float("nan")
         store.v[:, n:] = float("nan")
     else:
-        for t in store[:-1]:
-            if t.is_floating_point():
+        for t in store:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.shape[1] == store.k.shape[1]:
                 t[:, n:] = float("nan")
 
 

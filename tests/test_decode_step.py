@@ -165,7 +165,13 @@ def test_fused_cpu_step_with_quantized_kv_matches_eager(wide_models, kv, weights
     torch.testing.assert_close(fused, eager, atol=1e-4, rtol=1e-4)
     n = ref_cache.length
     for a, b in zip(cache.layers, ref_cache.layers):
-        for x, y in zip(a[:-1], b[:-1]):  # the same quantization: a rare ±1 code, a 1-ulp fp16 scale, at a tie
+        for x, y in zip(a, b):  # the same quantization: a rare ±1 code, a 1-ulp fp16 scale, at a tie
+            if not isinstance(x, torch.Tensor):
+                assert x == y
+                continue
+            if x.shape[1] != a.k.shape[1]:  # the exact sink rows (the last row is a spare slot)
+                torch.testing.assert_close(x[:, :-1], y[:, :-1], atol=1e-5, rtol=1e-5)
+                continue
             x, y = x[:, :n].float(), y[:, :n].float()
             if a.k.dtype == torch.uint8 and x.shape[-1] == a.k.shape[-1]:  # int4: compare codes, not bytes
                 x, y = torch.cat((x % 16, x // 16), -1), torch.cat((y % 16, y // 16), -1)

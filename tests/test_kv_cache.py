@@ -1,9 +1,11 @@
 """The KV cache formats through the whole model: quantized caches stay close to the float one, the
 cache reports its bytes, and decoding on a quantized cache matches a one-shot forward on the same cache."""
+import dataclasses
+
 import pytest
 import torch
 
-from edgellm.cache import KVCache, parse_kv_format
+from edgellm.cache import KV_SINK_TOKENS, KVCache, parse_kv_format
 from edgellm.generate import Engine, GenerationSettings
 from edgellm.loading import load_model
 
@@ -42,9 +44,15 @@ def test_bytes_per_token(tiny_llama):
     per = {f: KVCache(cfg, 8, torch.float32, "meta", kv_format=f).bytes_per_token for f in ("fp", "int8", "int4")}
     assert per["fp"] == L * 2 * H * D * 4
     assert per["int8"] == L * 2 * H * (D + 2)  # one fp16 scale per token per head
-    g = min(32, D)
-    assert per["int4"] == L * 2 * H * (D // 2 + 2 * 2 * (D // g))  # fp16 scale + min per group
-    assert KVCache(cfg, 100, torch.float32, "meta", kv_format="int4").nbytes == 100 * per["int4"]
+    gk, gv = min(16, D), min(32, D)  # int4: keys in groups of 16, values 32
+    assert per["int4"] == L * H * (D + 2 * 2 * (D // gk + D // gv))  # fp16 scale + min per group
+    sinks = L * 2 * H * (KV_SINK_TOKENS + 1) * D * 4  # the exact first positions (+ a spare row), fp32
+    assert KVCache(cfg, 100, torch.float32, "meta", kv_format="int4").nbytes == 100 * per["int4"] + sinks
+    wide = dataclasses.replace(cfg, dim=4 * 64, head_dim=64)
+    store = KVCache(wide, 8, torch.float32, "meta", kv_format="int4").layers[0]
+    assert (store.k_scale.shape[-1], store.v_scale.shape[-1]) == (4, 2)
+    store = KVCache(wide, 8, torch.float32, "meta", kv_format="int4:64").layers[0]
+    assert (store.k_scale.shape[-1], store.v_scale.shape[-1]) == (1, 1)
 
 
 def test_bad_formats():

@@ -39,7 +39,7 @@ def run_case(kind, g, D, n, T, split, n_kv=2, dtype=torch.float32, tol=1e-5, q_s
     assert err < tol, f"{kind} g={g} D={D} n={n} T={T} split={split}: max err {err:.2e}"
 
 
-KINDS = ["fp32", "int8", "int8g32", "int4", "int4g32"]
+from tests.test_attention import KINDS  # noqa: E402  (float, int8/int4 per token and g32, sinks, K16/V32)
 
 
 @pytest.mark.parametrize("kind", KINDS)
