@@ -77,6 +77,9 @@ def add_quant_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--embeddings", default="int8", choices=("int8", "int4", "fp"),
                    help="embedding table / LM head format (default int8)")
     g.add_argument("--fast", action="store_true", help="round-to-nearest instead of the scale search")
+    g.add_argument("--calibrate", nargs="?", const="builtin", default=None, metavar="TEXT",
+                   help="weight the scale search by each input channel's activations over a text (llama.cpp's "
+                        "imatrix): the built-in one, or the file TEXT. Loads the float model first")
 
 
 def add_sampling_options(p: argparse.ArgumentParser) -> None:
@@ -124,7 +127,7 @@ def load_from_args(args: argparse.Namespace, on_tensor=None):
     loaded = load_model(args.model, device=device, dtype=dtype, max_seq_len=ctx, on_tensor=on_tensor,
                         weights=weights, group_size=0 if per_channel else getattr(args, "group_size", 32),
                         symmetric=getattr(args, "symmetric", True), embeddings=getattr(args, "embeddings", "int8"),
-                        search=not getattr(args, "fast", False))
+                        search=not getattr(args, "fast", False), calibration=getattr(args, "calibrate", None))
     return loaded
 
 

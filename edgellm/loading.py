@@ -355,10 +355,12 @@ def _magic(path: Path) -> bytes:
 
 
 def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: torch.device,
-                     on_tensor: Callable[[str], None] | None = None, quant: Any = None):
+                     on_tensor: Callable[[str], None] | None = None, quant: Any = None,
+                     importance: dict[str, torch.Tensor] | None = None):
     """Our parameters from the source, one at a time → (float state dict, quantized tensors).
     With `quant` (edgellm.quant.convert.QuantSettings), linears are quantized as they are read, so
-    a float copy of the whole model never exists."""
+    a float copy of the whole model never exists; `importance` weights their scale search per input
+    channel (quant/calibrate.py)."""
     plan = weight_plan(cfg, GGUF_NAMES if fmt == "gguf" else HF_NAMES, gguf_layout=fmt == "gguf")
     available = set(src.names())
     state: dict[str, torch.Tensor] = {}
@@ -388,7 +390,7 @@ def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch
         if qfmt is not None:
             from .quant.convert import quantize_tensor
 
-            qt = quantize_tensor(tensor, qfmt, quant.search)
+            qt = quantize_tensor(tensor, qfmt, quant.search, (importance or {}).get(ours))
         if qt is not None:
             qtensors[ours] = qt
         else:
@@ -402,8 +404,10 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
                dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
                on_tensor: Callable[[str], None] | None = None, weights: str = "fp",
                group_size: int = 32, symmetric: bool = True, embeddings: str = "int8",
-               search: bool = True) -> LoadedModel:
-    """Load weights + tokenizer. `max_seq_len` sizes the RoPE table (default: the model's context)."""
+               search: bool = True, calibration: str | None = None) -> LoadedModel:
+    """Load weights + tokenizer. `max_seq_len` sizes the RoPE table (default: the model's context).
+    `calibration` ("builtin" or a text file, with int8/int4 weights): load the float model first, measure
+    each linear's input activations over that text, and weight the scale search by them."""
     from .kv_centers import calibration_ids
     from .tokenizer import load_tokenizer
 
@@ -425,8 +429,15 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
         from .quant.convert import QuantSettings
 
         quant = QuantSettings(weights=weights, group_size=group_size, symmetric=symmetric,
-                              embeddings=embeddings, search=search)
-    state, qtensors = build_state_dict(src, cfg, fmt, dtype, device, on_tensor, quant)
+                              embeddings=embeddings, search=search, calibration=calibration)
+    importance = None
+    if quant is not None and calibration:
+        from .quant.calibrate import activation_importance, calibration_tokens
+
+        fp = load_model(path, device=device, dtype=torch.float32 if device.type == "cpu" else dtype)  # full context
+        importance = activation_importance(fp.model, calibration_tokens(fp.tokenizer, calibration))
+        del fp
+    state, qtensors = build_state_dict(src, cfg, fmt, dtype, device, on_tensor, quant, importance)
     with torch.device("meta"):
         model = Transformer(cfg)
     if qtensors:

@@ -52,7 +52,10 @@ def _detect_bf16_gemm() -> bool:
     measured 2-4x the fp32 GEMM's speed at 512 tokens on a 2-core Zen 4 (benchmarks/results/decode-cpu.md).
     Without it (AVX2 only) bf16 is several times slower than fp32, so fp32 stays. The weights are int8/int4
     approximations already; bf16 activations cost less than the decode kernel's int8 rounding of them.
-    EDGELLM_PREFILL_BF16=0/1 overrides; exact mode (EDGELLM_EXACT_MATMUL=1) keeps fp32."""
+    That holds for int4; int8 is the near-lossless choice, and bf16 doubled its error (GPL-3, calibrated
+    int8 g32: KL 0.0011 / top-1 97.5% with bf16 prefill, 0.0004 / 98.9% in fp32), so int8 prefill stays
+    fp32 unless EDGELLM_PREFILL_BF16=1 asks for it. EDGELLM_PREFILL_BF16=0 keeps every prefill in fp32;
+    exact mode (EDGELLM_EXACT_MATMUL=1) keeps fp32."""
     env = os.environ.get("EDGELLM_PREFILL_BF16", "").strip()
     if env:
         return env != "0"
@@ -62,17 +65,21 @@ def _detect_bf16_gemm() -> bool:
         return False
 
 
-_bf16_gemm = {"on": _detect_bf16_gemm()}
+_bf16_gemm = {"on": _detect_bf16_gemm(),
+              "int8": os.environ.get("EDGELLM_PREFILL_BF16", "").strip() not in ("", "0")}
 
 
-def set_bf16_prefill(on: bool) -> None:
+def set_bf16_prefill(on: bool, int8: bool = False) -> None:
+    """bf16 prefill GEMMs for int4 weights (on) and also for int8 weights (on and int8)."""
     _bf16_gemm["on"] = on
+    _bf16_gemm["int8"] = int8
 
 
-def _float_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ w.T (+ bias) for a dequantized weight: fp32 in x's dtype, or bf16 on CPUs that multiply it natively."""
+def _float_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, bits: int = 4) -> torch.Tensor:
+    """x @ w.T (+ bias) for a dequantized weight: fp32 in x's dtype, or bf16 on CPUs that multiply it
+    natively (int4 weights; int8 only when EDGELLM_PREFILL_BF16=1)."""
     if (x.device.type == "cpu" and x.dtype == torch.float32 and _bf16_gemm["on"] and _variant["v"] != _FLOAT_FMA
-            and _rows(x) > CPU_KERNEL_MAX_M):
+            and _rows(x) > CPU_KERNEL_MAX_M and (bits == 4 or _bf16_gemm["int8"])):
         out = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16))
         out = out.to(torch.float32)
         return out if bias is None else out.add_(bias.to(torch.float32))
@@ -294,7 +301,7 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, grou
     w = dense if dense is not None else _dequantize_cpu(8, codes, scales, None, group_size, x)
     if w is None:
         w = dequantize_int8(codes, scales, group_size, x.dtype)
-    return _float_linear(x, w, bias)
+    return _float_linear(x, w, bias, bits=8)
 
 
 def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,

@@ -42,7 +42,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if fmt == "gguf" and (group != 32):
         raise EdgeLLMError("GGUF export maps onto Q8_0/Q4_0/Q4_1, which use groups of 32: use --group-size 32")
     settings = QuantSettings(weights=args.weights, group_size=group, symmetric=args.symmetric,
-                             embeddings=args.embeddings, search=not args.fast)
+                             embeddings=args.embeddings, search=not args.fast, calibration=args.calibrate)
     if out.exists() and fmt == "edgellm" and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a folder")
     console = Console(stderr=True)
@@ -55,7 +55,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             task = bar.add_task("quantizing", total=len(src.names()))
             loaded = load_model(path, device=args.device, max_seq_len=1, on_tensor=lambda name: bar.advance(task),
                                 weights=args.weights, group_size=group, symmetric=args.symmetric,
-                                embeddings=args.embeddings, search=not args.fast)
+                                embeddings=args.embeddings, search=not args.fast, calibration=args.calibrate)
             bar.update(task, description="writing", completed=0, total=9 * cfg.n_layers + 3)
             if fmt == "gguf":
                 export_gguf(loaded, out, progress=lambda name: bar.advance(task))
@@ -70,7 +70,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     console.print(f"wrote {out} ({fmt}): {size_in / 2**20:.1f} MiB → {size_out / 2**20:.1f} MiB, "
                   f"{bpw:.2f} bits/weight, {args.weights} g{group or 'channel'} "
                   f"{'sym' if args.symmetric or args.weights == 'int8' else 'asym'}, embeddings {args.embeddings}, "
-                  f"{'RTN' if args.fast else 'search'}, {time.perf_counter() - t0:.1f} s")
+                  f"{'RTN' if args.fast and not args.calibrate else 'search'}"
+                  f"{', calibrated on ' + args.calibrate if args.calibrate else ''}, {time.perf_counter() - t0:.1f} s")
     return 0
 
 

@@ -39,6 +39,7 @@ class QuantSettings:
     symmetric: bool = True  # int4 only; int8 is always symmetric
     embeddings: str = "int8"  # int8 | int4 | fp — the embedding table / LM head
     search: bool = True  # search scales (and mins) instead of round-to-nearest
+    calibration: str | None = None  # "builtin" or a text file: activation-weighted search (calibrate.py)
 
     def __post_init__(self) -> None:
         if self.weights not in ("int8", "int4"):
@@ -67,9 +68,11 @@ class QuantSettings:
         return bits, group, bits == 8 or self.symmetric
 
 
-def quantize_tensor(w: torch.Tensor, fmt: tuple[int, int, bool], search: bool) -> QuantizedTensor | None:
+def quantize_tensor(w: torch.Tensor, fmt: tuple[int, int, bool], search: bool,
+                    importance: torch.Tensor | None = None) -> QuantizedTensor | None:
     """Quantize one weight; a tensor whose input dim is no multiple of the group falls back to a
-    smaller group (as llama.cpp falls back to another type), or stays float (None) if none fits."""
+    smaller group (as llama.cpp falls back to another type), or stays float (None) if none fits.
+    `importance` [in_features]: per-channel weights of the search's error (quant/calibrate.py)."""
     bits, group, sym = fmt
     k = w.shape[1]
     group = group or k
@@ -77,7 +80,8 @@ def quantize_tensor(w: torch.Tensor, fmt: tuple[int, int, bool], search: bool) -
         group //= 2
     if k % group:
         return None
-    return quantize(w.float(), bits, group, symmetric=sym, search=search)
+    return quantize(w.float(), bits, group, symmetric=sym, search=search or importance is not None,
+                    importance=importance)
 
 
 def try_exact_gguf(parts: list[tuple[Any, Any, tuple[int, int]]], fmt: tuple[int, int, bool],

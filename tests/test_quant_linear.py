@@ -30,8 +30,9 @@ def float_path():
 
 
 def test_bf16_prefill_gemm_close_and_only_for_many_rows():
-    """On CPUs with native bf16 (or when asked), quantized linears of more than 16 rows (prefill) multiply
-    in bf16: close to the fp32 reference, not equal to it; decode-size inputs and exact mode keep fp32."""
+    """On CPUs with native bf16 (or when asked), int4 linears of more than 16 rows (prefill) multiply in
+    bf16: close to the fp32 reference, not equal to it; int8 linears, decode-size inputs and exact mode
+    keep fp32."""
     saved = dict(matmul._bf16_gemm)
     exact = matmul.exact_matmul()
     try:
@@ -45,6 +46,12 @@ def test_bf16_prefill_gemm_close_and_only_for_many_rows():
         got = q(x)
         assert got.dtype == torch.float32 and rel_err(got, ref) < 1e-2
         assert rel_err(got, ref) > 1e-6  # bf16 really was used
+        # int8 (the near-lossless format) keeps fp32 unless asked for bf16 too
+        q8 = QuantLinear.from_linear(lin, 8, 32, symmetric=True, search=False)
+        ref8 = F.linear(x.double(), q8.dequantized_weight().double(), b.double())
+        assert rel_err(q8(x), ref8) < 1e-5
+        matmul.set_bf16_prefill(True, int8=True)
+        assert 1e-6 < rel_err(q8(x), ref8) < 1e-2
         matmul.set_exact_matmul(True)
         assert rel_err(q(x), ref) < 1e-5
     finally:
