@@ -288,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("prompt", help="the prompt text, or - to read stdin")
     add_model_options(run)
     add_format_options(run, draft=True)
+    add_quant_options(run)
     add_sampling_options(run)
     run.add_argument("--raw", action="store_true", help="send the text as is, without the chat template")
     run.add_argument("--truncate", action="store_true", help="keep the end of a prompt longer than the context")

@@ -373,7 +373,9 @@ class _Workspace:
         key = (name, str(device), dtype)
         numel = math.prod(shape)
         flat = cls._cache.get(key)
-        if flat is None or flat.numel() < numel:
+        # a buffer made under torch.inference_mode cannot be written outside it: make a new one then
+        stale = flat is not None and flat.is_inference() and not torch.is_inference_mode_enabled()
+        if flat is None or flat.numel() < numel or stale:
             flat = cls._cache[key] = torch.empty(numel, dtype=dtype, device=device)
         return flat[:numel].view(shape)
 

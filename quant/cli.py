@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
     p.add_argument("--weights", default="int4", choices=("int8", "int4"))
     p.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128),
                    help="group size along the input dimension (int8 also: --per-channel)")
-    add_quant_options(p)  # --per-channel --sym/--asym --embeddings --fast, as run/chat/bench take them
+    add_quant_options(p)  # --per-channel --sym/--asym --embeddings --fast --calibrate, as run/chat/perplexity take them
     p.add_argument("--format", default=None, choices=("edgellm", "gguf"),
                    help="output format (default: gguf if OUT ends in .gguf, else edgellm)")
     p.add_argument("--device", default="cpu")

@@ -332,3 +332,16 @@ def test_auto_split_is_bounded_by_memory():
             assert split == 256 or split * 8 * rows * 4 <= A.TILE_BYTES  # the score matrix
             if kind != "fp32":  # the dequantized tile
                 assert split == 256 or split * 8 * 128 * 4 <= A.TILE_BYTES
+
+
+def test_workspace_made_in_inference_mode_serves_later_calls():
+    """The reused tile buffers may first be allocated under torch.inference_mode (perplexity, bench);
+    a later call outside it must still run (an inference tensor cannot be written there)."""
+    A._Workspace._cache.clear()
+    store, k, v = filled("int8s4", 2, 40, 64)
+    q = torch.randn(1, 4, 1, 64)
+    with torch.inference_mode():
+        inside = attention_torch(q, store, 40, 39, 0.125)
+    store2, _, _ = filled("int8s4", 2, 40, 64)
+    outside = attention_torch(q, store2, 40, 39, 0.125)
+    torch.testing.assert_close(inside, outside)

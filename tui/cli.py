@@ -14,6 +14,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                           "Esc stops an answer, Ctrl+N starts a new chat, /help lists commands.")
     core.add_model_options(p)
     core.add_format_options(p, draft=True)  # --weights, --kv, --draft, --draft-tokens, --show-drafts
+    core.add_quant_options(p)  # --per-channel, --sym/--asym, --embeddings, --fast, --calibrate
     core.add_sampling_options(p)
     g = p.add_argument_group("chat")
     g.add_argument("--resume", action="store_true", help="reopen the last chat (or the one --history-file names)")
