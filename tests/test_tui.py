@@ -65,6 +65,7 @@ def slow_down(app, seconds: float) -> None:
 async def ready(pilot, app) -> None:
     await wait_for(pilot, lambda: app.chat_ready or app.load_error is not None, 60, "the model to load")
     assert app.load_error is None, app.load_error
+    await pilot.pause()  # let callbacks scheduled by the mount run before the test acts (or exits)
 
 
 def record_status(monkeypatch) -> list[tuple[str, str]]:

@@ -137,6 +137,11 @@ class ChatScreen(Screen):
         await self.show_conversation()
         self.query_one(PromptArea).focus()
         self.set_interval(1.0, self.refresh_status)
+        # ready once the screen has been refreshed: the Header's title update (scheduled on its mount) has
+        # run by then, so a test or a quick quit never tears the header down under it (Textual 8 raises)
+        self.call_after_refresh(self._set_ready)
+
+    def _set_ready(self) -> None:
         self.ready = True
 
     @property
