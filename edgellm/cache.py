@@ -120,7 +120,8 @@ class KVCache:
             raise ValueError(f"KV-cache format {kv_format!r}: {e}") from None
         self.rotation = None if kind == "fp" else _rotation(cfg.head_dim, dtype, str(torch.device(device)))
         # per-channel K/V centres subtracted before quantizing (kv_centers.py): set by prepare()
-        self.centers: torch.Tensor | None = None  # [n_layers, 2, Hkv, 1, D] fp32
+        self.centers: torch.Tensor | None = None  # [n_layers, 2, Hkv, 1, D] fp32 (the fused C++ step reads it)
+        self._kv_center_t: torch.Tensor | None = None  # the same in the cache's dtype: subtracted on write
         self._v_center_q: torch.Tensor | None = None  # [n_layers, 1, Hq, 1, D] in dtype: added to outputs
         self._needs_centers = kind != "fp"
 
@@ -136,7 +137,7 @@ class KVCache:
         """Use these centres (None: none) from now on; K/V already written must have used the same."""
         self._needs_centers = False
         if centers is None or self.rotation is None:
-            self.centers = self._v_center_q = None
+            self.centers = self._kv_center_t = self._v_center_q = None
             return
         dtype, device = self.rotation.dtype, self.rotation.device
         self.centers = centers.to(device=device, dtype=torch.float32)

@@ -376,9 +376,10 @@ static inline __m256i q8_pair_dot(__m256i wlo, __m256i ulo, __m256i whi, __m256i
 #ifdef EDGELLM_VNNI
   (void)ones;
   return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ulo, xa), uhi, xb);
-#endif
+#else
   return _mm256_add_epi32(_mm256_madd_epi16(_mm256_maddubs_epi16(ulo, xa), ones),
                           _mm256_madd_epi16(_mm256_maddubs_epi16(uhi, xb), ones));
+#endif
 }
 
 template <int GS>

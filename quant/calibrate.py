@@ -44,7 +44,7 @@ def activation_importance(model, chunks: list[list[int]]) -> dict[str, torch.Ten
     from ..cache import KVCache
 
     sums: dict[str, torch.Tensor] = {}
-    count = [0]
+    count = 0
 
     def hook(name):
         def record(module, inputs):
@@ -60,12 +60,12 @@ def activation_importance(model, chunks: list[list[int]]) -> dict[str, torch.Ten
                 n = min(len(ids), model.rope_len)
                 cache = KVCache(model.config, n, model.dtype, model.device)
                 model(torch.tensor([ids[:n]], device=model.device), cache, 0, all_logits=True)
-                count[0] += n
+                count += n
     finally:
         for h in handles:
             h.remove()
     out = {}
     for name, s in sums.items():
-        imp = (s / count[0]).cpu()
+        imp = (s / count).cpu()
         out[name] = imp + 1e-6 * imp.mean().clamp_min(1e-30)  # no channel weighs exactly 0
     return out

@@ -565,29 +565,20 @@ def test_interrupt_inside_a_forward_pass_leaves_a_valid_cache(target, where, mon
     prompt = PROMPTS[1] * 2
     draft = SelfDraftProposer(target.model, search=False)
     engine = Engine(target.model, target.tokenizer, 96, draft=draft, draft_tokens=4)
+    # the draft's one-token steps (the fused C++ step where it applies), or the target's verification pass
+    # (the fused step's multi-token call where it applies)
+    owner, attr = (draft, "decoder") if where == "draft" else (engine, "verify_logits")
+    forward = getattr(owner, attr)
     calls = {"n": 0}
-    if where == "draft":  # the draft's one-token steps (the fused C++ step where it applies)
-        step = draft.decoder
 
-        def interrupting_step(*a, **k):
-            calls["n"] += 1
-            out = step(*a, **k)  # K/V written, cache.length advanced, then the interrupt
-            if calls["n"] == 6:
-                raise KeyboardInterrupt
-            return out
+    def interrupting(*a, **k):
+        calls["n"] += 1
+        out = forward(*a, **k)  # K/V written, cache.length advanced, then the interrupt
+        if calls["n"] == 6:
+            raise KeyboardInterrupt
+        return out
 
-        monkeypatch.setattr(draft, "decoder", interrupting_step)
-    else:  # the target's verification pass (the fused step's multi-token call where it applies)
-        verify = engine.verify_logits
-
-        def interrupting_verify(*a, **k):
-            calls["n"] += 1
-            out = verify(*a, **k)  # K/V written, cache.length advanced, then the interrupt
-            if calls["n"] == 6:
-                raise KeyboardInterrupt
-            return out
-
-        monkeypatch.setattr(engine, "verify_logits", interrupting_verify)
+    monkeypatch.setattr(owner, attr, interrupting)
     out = []
     with pytest.raises(KeyboardInterrupt):
         for ev in engine.generate(prompt, GenerationSettings(max_tokens=40, ignore_eos=True)):
