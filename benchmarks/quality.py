@@ -425,6 +425,7 @@ WEIGHT_NOTES = [
     "Each row's figures are what its recorded `edgellm perplexity` command prints (checked for fp32 and "
     "the exact-import row: identical to all printed digits).",
     "ppl and KL are deterministic; the time columns in the JSON are not (2 cores shared with other jobs).",
+    "Tried for int4 g128 asym (2026-11-23, not adopted): AWQ-style equivalent scaling before the calibrated search (columns of w2 × s with the up rows ÷ s, of w13 / wqkv × s with their RMSNorm weights ÷ s; s = E[x²]^(α/2), α chosen per layer by the importance-weighted reconstruction error). The search picked α = 0 for every w13 and wqkv and 0.1-0.3 for w2 in 18 of 30 layers (+7.86% → +7.36%); forcing α = 0.25 / 0.5 everywhere gave +8.66% / +12.45%. With the E[x²]-weighted scale search already in place, per-channel scaling buys ~nothing here.",
 ]
 KV_NOTES = [
     "The int8/int4 caches store K and V minus per-channel centres calibrated once per model "

@@ -59,6 +59,15 @@ NOTE = """Notes:
   ~2.2 ms step (compute-bound int8-activation kernels; AVX-512 VNNI took 0.1 ms off that), and the
   model's edit rewrites more than it copies (mean accepted ~0.95 per round), so the controller keeps γ
   at 2-3; a fixed larger γ was slower (int4, edit: γ 2: 1.27×, 4: 0.92×, 8: 0.84×).
+- Tried and reverted (2026-11-23): an int4 kernel over 8 weight rows at a time (codes of the 8 rows
+  transposed in registers so each vpdpbusd with 4 broadcast activation bytes feeds all 8 rows; one
+  convert + FMA per block and token, no horizontal sums). Verification matmuls got cheaper (fused step,
+  pos 300: T=8 matmul 7.0 -> 5.6 ms, T=4 3.7 -> 3.2 ms) but the one-token step did not (2.0 -> 2.3 ms in
+  the same A/B; int8 rows 5-8% slower end to end), and int4 lookup on edit did not move (~420-430 tok/s
+  with either kernel, 2 A/B runs each): γ stays at 1-2 and the int8 LM head dominates the extra rows.
+  A replay of the int4 target's greedy output offline (proposals vs what it then emitted) gives lookup
+  on edit 1.41x at the best fixed γ and 1.73x for an oracle that knows each round's accepted length,
+  at this machine's verification costs: the 1.5x target needs extra rows at ~0.5 of today's cost.
 - The edit prompt was reworded this session: the previous wording ("Correct the spelling and grammar
   mistakes in this paragraph. Reply with the corrected paragraph only, ...") made the 135M model describe
   itself in 18 tokens instead of editing, so nothing was measured.
