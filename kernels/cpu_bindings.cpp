@@ -23,8 +23,8 @@ void q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* codes, const ui
              int64_t G, float* out, int variant);
 const char* isa_name();
 void dequant_int4(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K, int64_t G,
-                  void* out, bool bf16);
-void dequant_int8(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t G, void* out, bool bf16);
+                  float* out);
+void dequant_int8(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t G, float* out);
 }  // namespace edgellm
 
 namespace {
@@ -137,18 +137,16 @@ at::Tensor dequant_out(const at::Tensor& codes, const at::Tensor& scales, const 
     TORCH_CHECK(bits == 4 && mins.is_contiguous(), "edgellm dequantize: mins are for int4 only");
     check_scales(mins, N, K, group_size, "mins");
   }
-  const bool bf16 = buf.scalar_type() == at::kBFloat16;
-  TORCH_CHECK((bf16 || buf.scalar_type() == at::kFloat) && buf.is_contiguous() && buf.device().is_cpu() &&
-                  buf.numel() >= N * K,
-              "edgellm dequantize: buf must be a contiguous fp32 or bf16 CPU tensor of at least ", N * K, " elements");
-  void* out = buf.data_ptr();
+  TORCH_CHECK(buf.scalar_type() == at::kFloat && buf.is_contiguous() && buf.device().is_cpu() && buf.numel() >= N * K,
+              "edgellm dequantize: buf must be a contiguous fp32 CPU tensor of at least ", N * K, " elements");
+  float* out = buf.data_ptr<float>();
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
   if (bits == 4)
     edgellm::dequant_int4(codes.data_ptr<uint8_t>(), s,
                           asym ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr, N, K,
-                          group_size, out, bf16);
+                          group_size, out);
   else
-    edgellm::dequant_int8(codes.data_ptr<int8_t>(), s, N, K, group_size, out, bf16);
+    edgellm::dequant_int8(codes.data_ptr<int8_t>(), s, N, K, group_size, out);
   return buf.view({-1}).narrow(0, 0, N * K).view({N, K});
 }
 
@@ -356,7 +354,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction set the kernels were compiled for");
   m.def("dequant_out", &dequant_out, py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("group_size"),
         py::arg("bits"), py::arg("buf"),
-        "dequantize int4 (mins empty = symmetric) / int8 codes into buf (fp32 or bf16, >= N*K elements); returns [N, K]");
+        "dequantize int4 (mins empty = symmetric) / int8 codes into fp32 buf (>= N*K elements); returns [N, K]");
   py::class_<DecodePlan>(m, "DecodePlan", "the fused CPU decode step of one model + KV cache (see cpu_decode.py)")
       .def(py::init<const std::vector<int64_t>&, double, double, const py::tuple&, const py::list&, const py::handle&,
                     const py::tuple&, const py::handle&, const py::handle&, const py::handle&, const py::handle&>(),

@@ -980,53 +980,18 @@ static inline __m256 no_contract8(__m256 v) {
 }
 #endif
 
-// fp32 -> bf16 bits, round to nearest even, NaN kept quiet: what torch's .to(torch.bfloat16) gives.
-static inline uint16_t bf16_bits(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, 4);
-  if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x0040u);
-  return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
-
-#ifdef EDGELLM_AVX2
-static inline __m256i bf16_bits8(__m256 v) {  // 8 lanes of bf16_bits, as int32
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i r = _mm256_srli_epi32(
-      _mm256_add_epi32(_mm256_add_epi32(b, _mm256_set1_epi32(0x7FFF)), _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1))), 16);
-  const __m256i nan = _mm256_or_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(0x0040));
-  return _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-}
-
-// 16 consecutive outputs from two vectors of 8: fp32, or bf16.
-static inline void store16(void* out, int64_t i, __m256 a, __m256 b, bool bf16) {
-  if (!bf16) {
-    _mm256_storeu_ps(static_cast<float*>(out) + i, a);
-    _mm256_storeu_ps(static_cast<float*>(out) + i + 8, b);
-    return;
-  }
-  const __m256i p = _mm256_permute4x64_epi64(_mm256_packus_epi32(bf16_bits8(a), bf16_bits8(b)), 0xD8);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + i), p);
-}
-#endif
-
-static inline void store1(void* out, int64_t i, float v, bool bf16) {
-  if (bf16) static_cast<uint16_t*>(out)[i] = bf16_bits(v);
-  else static_cast<float*>(out)[i] = v;
-}
-
-// `out`: fp32 [N, K], or bf16 [N, K] when `bf16` (each value the fp32 one rounded as torch rounds it), so the
-// bf16 prefill GEMM needs no second pass over the weights.
 void dequant_int4(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K, int64_t G,
-                  void* out, bool bf16) {
+                  float* out) {
   const int64_t ng = K / G;
   edgellm_par::parallel_for(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const uint8_t* c = codes + n * (K / 2);
       const uint16_t* s = scales + n * ng;
       const uint16_t* mn = mins ? mins + n * ng : nullptr;
+      float* o = out + n * K;
       for (int64_t b = 0; b < K / 32; ++b) {
         const uint8_t* cb = c + b * 16;
-        const int64_t ob = n * K + b * 32;
+        float* ob = o + b * 32;
 #ifdef EDGELLM_AVX2
         const float d = _cvtsh_ss(s[b * 32 / G]);
         const float m = mn ? _cvtsh_ss(mn[b * 32 / G]) : 0.0f;
@@ -1035,20 +1000,19 @@ void dequant_int4(const uint8_t* codes, const uint16_t* scales, const uint16_t* 
         const __m128i lo = _mm_and_si128(v, m4), hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
         const __m128i q[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
         const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m), eight = _mm256_set1_ps(8.0f);
-        __m256 w[4];
         for (int j = 0; j < 4; ++j) {
           const __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[j]));
-          w[j] = mn ? _mm256_add_ps(no_contract8(_mm256_mul_ps(f, vd)), vm) : _mm256_mul_ps(_mm256_sub_ps(f, eight), vd);
+          const __m256 w = mn ? _mm256_add_ps(no_contract8(_mm256_mul_ps(f, vd)), vm)
+                              : _mm256_mul_ps(_mm256_sub_ps(f, eight), vd);
+          _mm256_storeu_ps(ob + j * 8, w);
         }
-        store16(out, ob, w[0], w[1], bf16);
-        store16(out, ob + 16, w[2], w[3], bf16);
 #else
         const float d = half_to_float(s[b * 32 / G]);
         const float m = mn ? half_to_float(mn[b * 32 / G]) : 0.0f;
         for (int j = 0; j < 16; ++j) {
           const float q0 = (float)(cb[j] & 0x0F), q1 = (float)(cb[j] >> 4);
-          store1(out, ob + j, mn ? no_contract(q0 * d) + m : (q0 - 8.0f) * d, bf16);
-          store1(out, ob + j + 16, mn ? no_contract(q1 * d) + m : (q1 - 8.0f) * d, bf16);
+          ob[j] = mn ? no_contract(q0 * d) + m : (q0 - 8.0f) * d;
+          ob[j + 16] = mn ? no_contract(q1 * d) + m : (q1 - 8.0f) * d;
         }
 #endif
       }
@@ -1056,28 +1020,25 @@ void dequant_int4(const uint8_t* codes, const uint16_t* scales, const uint16_t* 
   });
 }
 
-void dequant_int8(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t G, void* out, bool bf16) {
+void dequant_int8(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t G, float* out) {
   const int64_t ng = K / G;
   edgellm_par::parallel_for(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int8_t* c = codes + n * K;
       const uint16_t* s = scales + n * ng;
-      const int64_t o = n * K;
+      float* o = out + n * K;
       for (int64_t g = 0; g < ng; ++g) {
         int64_t k = g * G;
         const int64_t e = k + G;
 #ifdef EDGELLM_AVX2
         const float d = _cvtsh_ss(s[g]);
         const __m256 vd = _mm256_set1_ps(d);
-        for (; k + 16 <= e; k += 16) {
-          const __m128i v = _mm_loadu_si128((const __m128i*)(c + k));
-          store16(out, o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), vd),
-                  _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8))), vd), bf16);
-        }
+        for (; k + 8 <= e; k += 8)
+          _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(c + k)))), vd));
 #else
         const float d = half_to_float(s[g]);
 #endif
-        for (; k < e; ++k) store1(out, o + k, (float)c[k] * d, bf16);
+        for (; k < e; ++k) o[k] = (float)c[k] * d;
       }
     }
   });

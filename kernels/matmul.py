@@ -75,17 +75,11 @@ def set_bf16_prefill(on: bool, int8: bool = False) -> None:
     _bf16_gemm["int8"] = int8
 
 
-def _bf16_prefill(x: torch.Tensor, bits: int) -> bool:
-    """Whether this float GEMM of a dequantized weight runs in bf16 (see _detect_bf16_gemm)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and _bf16_gemm["on"] and _variant["v"] != _FLOAT_FMA
-            and _rows(x) > CPU_KERNEL_MAX_M and (bits == 4 or _bf16_gemm["int8"]))
-
-
 def _float_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, bits: int = 4) -> torch.Tensor:
-    """x @ w.T (+ bias) for a dequantized weight (fp32, or bf16 already where the GEMM runs in bf16): fp32
-    in x's dtype, or bf16 on CPUs that multiply it natively (int4 weights; int8 only when
-    EDGELLM_PREFILL_BF16=1)."""
-    if _bf16_prefill(x, bits):
+    """x @ w.T (+ bias) for a dequantized weight: fp32 in x's dtype, or bf16 on CPUs that multiply it
+    natively (int4 weights; int8 only when EDGELLM_PREFILL_BF16=1)."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and _bf16_gemm["on"] and _variant["v"] != _FLOAT_FMA
+            and _rows(x) > CPU_KERNEL_MAX_M and (bits == 4 or _bf16_gemm["int8"])):
         out = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16))
         out = out.to(torch.float32)
         return out if bias is None else out.add_(bias.to(torch.float32))
@@ -257,15 +251,14 @@ def _finish_cpu(out2: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) 
 # Prefill (M > 16 on CPU) dequantizes a layer's weight for the float GEMM into one buffer per thread, reused by
 # every layer: a fresh multi-MB tensor per call costs page faults and torch's ~6 passes over it (measured: the
 # torch dequantize took a third of a 512-token int4 prefill). Weights larger than this are not kept.
-SCRATCH_MAX_BYTES = 64 << 20
+SCRATCH_MAX_ELEMENTS = 16 << 20  # 64 MiB of fp32
 _scratch = threading.local()
 
 
 def _dequantize_cpu(bits: int, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                     group_size: int, x: torch.Tensor) -> torch.Tensor | None:
-    """The weight from the C++ dequantizer (bit-identical to `dequantize_int4/8`, or to their `.to(bf16)`
-    where the GEMM runs in bf16: one pass over the weight instead of two) in the reused buffer, or None (not
-    CPU / fp32, no extension, a layout it does not take): the caller uses the torch one."""
+    """The fp32 weight from the C++ dequantizer (bit-identical to `dequantize_int4/8`) in the reused buffer,
+    or None (not CPU / fp32, no extension, a layout it does not take): the caller uses the torch one."""
     if x.device.type != "cpu" or x.dtype != torch.float32 or codes.device.type != "cpu":
         return None
     ext = cpu_extension()
@@ -275,15 +268,13 @@ def _dequantize_cpu(bits: int, codes: torch.Tensor, scales: torch.Tensor, mins: 
     k = codes.shape[1] * (2 if bits == 4 else 1)
     if k % BLOCK or group_size % BLOCK or not (codes.is_contiguous() and scales.is_contiguous()):
         return None
-    dtype = torch.bfloat16 if _bf16_prefill(x, bits) else torch.float32
-    nbytes = n * k * dtype.itemsize
+    numel = n * k
     buf = getattr(_scratch, "buf", None)
-    if nbytes > SCRATCH_MAX_BYTES:
-        buf = torch.empty(nbytes, dtype=torch.uint8)
-    elif buf is None or buf.numel() < nbytes:
-        buf = _scratch.buf = torch.empty(nbytes, dtype=torch.uint8)
-    return ext.dequant_out(codes, scales, _NO_MINS if mins is None else mins.contiguous(), group_size, bits,
-                           buf[:nbytes].view(dtype))
+    if numel > SCRATCH_MAX_ELEMENTS:
+        buf = torch.empty(numel, dtype=torch.float32)
+    elif buf is None or buf.numel() < numel:
+        buf = _scratch.buf = torch.empty(numel, dtype=torch.float32)
+    return ext.dequant_out(codes, scales, _NO_MINS if mins is None else mins.contiguous(), group_size, bits, buf)
 
 
 def _rows(x: torch.Tensor) -> int:
