@@ -45,6 +45,7 @@ _cpu_ext_state: dict[str, object] = {}
 _INT_DOT_OR_AUTO, _FLOAT_FMA = 0, 2
 _variant = {"v": _FLOAT_FMA if os.environ.get("EDGELLM_EXACT_MATMUL", "") not in ("", "0") else _INT_DOT_OR_AUTO}
 _NO_MINS = torch.empty(0, dtype=torch.float16, device="cpu")  # the C++ kernel takes an empty tensor for "no mins"
+_PREFILL_BF16_ENV = os.environ.get("EDGELLM_PREFILL_BF16", "").strip()
 
 
 def _detect_bf16_gemm() -> bool:
@@ -56,17 +57,15 @@ def _detect_bf16_gemm() -> bool:
     int8 g32: KL 0.0011 / top-1 97.5% with bf16 prefill, 0.0004 / 98.9% in fp32), so int8 prefill stays
     fp32 unless EDGELLM_PREFILL_BF16=1 asks for it. EDGELLM_PREFILL_BF16=0 keeps every prefill in fp32;
     exact mode (EDGELLM_EXACT_MATMUL=1) keeps fp32."""
-    env = os.environ.get("EDGELLM_PREFILL_BF16", "").strip()
-    if env:
-        return env != "0"
+    if _PREFILL_BF16_ENV:
+        return _PREFILL_BF16_ENV != "0"
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
 
 
-_bf16_gemm = {"on": _detect_bf16_gemm(),
-              "int8": os.environ.get("EDGELLM_PREFILL_BF16", "").strip() not in ("", "0")}
+_bf16_gemm = {"on": _detect_bf16_gemm(), "int8": _PREFILL_BF16_ENV not in ("", "0")}
 
 
 def set_bf16_prefill(on: bool, int8: bool = False) -> None:
