@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <vector>
@@ -163,6 +164,15 @@ static uint8_t* scratch(size_t bytes) {
   if (buf.size() < bytes + 64) buf.resize(bytes + 64);
   uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
   return reinterpret_cast<uint8_t*>((p + 63) & ~uintptr_t(63));
+}
+
+// The 8-row kernel's transposed scales: a buffer of their own (scratch() holds the quantized activations,
+// which the calling thread is still reading).
+static float* scale_scratch(size_t floats) {
+  static thread_local std::vector<float> buf;
+  if (buf.size() < floats + 16) buf.resize(floats + 16);
+  uintptr_t p = reinterpret_cast<uintptr_t>(buf.data());
+  return reinterpret_cast<float*>((p + 63) & ~uintptr_t(63));
 }
 
 static inline void prefetch(const void* p) {
@@ -388,22 +398,36 @@ static inline __m256 w8_natural(const uint16_t* srow, int64_t c, int64_t G, cons
   return load_w8n(srow, c, G, gof);
 }
 
-template <int GS>
-static inline __m128 w2_pair(const uint16_t* srow, int64_t b, const GroupOf& gof) {
-  uint32_t two;
-  if (GS == 32) {
-    std::memcpy(&two, srow + b, 4);
-  } else {
-    two = (uint32_t)srow[gof(b)] | ((uint32_t)srow[gof(b + 1)] << 16);
-  }
-  return _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));  // [w_b, w_b+1, 0, 0]
-}
-
-static inline float hsum_tail(__m256 acc, __m128 tail) {
-  __m128 s = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)), tail);
+// ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): the one order every AVX2 int-dot kernel sums the 8
+// lanes (block residues mod 8) of a row's accumulator in.
+static inline float hsum8(__m256 acc) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// The exact integer dot of one 32-block of a weight row with its quantized activations (x0..15 at xl,
+// x16..31 at xh): sum code*q for int4 (codes 0..15), sum w*q for int8.
+template <int BITS>
+static inline int32_t block_isum(const uint8_t* crow, int64_t b, const int8_t* xl, const int8_t* xh) {
+  const __m128i one = _mm_set1_epi16(1);
+  const __m128i x0 = _mm_loadu_si128((const __m128i*)xl), x1 = _mm_loadu_si128((const __m128i*)xh);
+  __m128i p;
+  if (BITS == 4) {
+    const __m128i m4s = _mm_set1_epi8(0x0F);
+    const __m128i v = _mm_loadu_si128((const __m128i*)(crow + b * 16));
+    p = _mm_madd_epi16(_mm_add_epi16(_mm_maddubs_epi16(_mm_and_si128(v, m4s), x0),
+                                     _mm_maddubs_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m4s), x1)), one);
+  } else {  // |w| as u8 against x with w's sign: |products| <= 128 * 127, pairs fit int16
+    const int8_t* w = (const int8_t*)crow + b * 32;
+    const __m128i w0 = _mm_loadu_si128((const __m128i*)w), w1 = _mm_loadu_si128((const __m128i*)(w + 16));
+    p = _mm_add_epi32(_mm_madd_epi16(_mm_maddubs_epi16(_mm_sign_epi8(w0, w0), _mm_sign_epi8(x0, w0)), one),
+                      _mm_madd_epi16(_mm_maddubs_epi16(_mm_sign_epi8(w1, w1), _mm_sign_epi8(x1, w1)), one));
+  }
+  p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0x4e));
+  p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0xb1));
+  return _mm_cvtsi128_si32(p);
 }
 
 // Row n of W (codes row crow, scales srow, mins mrow) against activation rows m0 .. m0+T-1 -> out[(m0+t)*ldo].
@@ -413,11 +437,9 @@ static inline void qdot_row(const XQ& xq, int64_t m0, const uint8_t* crow, const
   const int64_t nb = xq.nb, nfull = xq.nfull, xstride = xq.nc * 256, dstride = xq.nc * 8;
   const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i natural = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  const __m256i expand2 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const int8_t* xq0 = xq.qrow(m0);
   __m256 acc[T];
-  __m128 tail[T];
-  for (int t = 0; t < T; ++t) { acc[t] = _mm256_setzero_ps(); tail[t] = _mm_setzero_ps(); }
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t c = 0; c < nfull; ++c) {
     __m256i hh[T][2];
     for (int kk = 0; kk < 2; ++kk) {
@@ -465,77 +487,241 @@ static inline void qdot_row(const XQ& xq, int64_t m0, const uint8_t* crow, const
       if (ASYM) acc[t] = _mm256_fmadd_ps(mw, _mm256_load_ps(xq.s + o), acc[t]);
     }
   }
-  int64_t b = nfull * 8;
-  for (; b + 2 <= nb; b += 2) {
-    const int8_t* xb = xq0 + xq_off(b, 0);
-    __m256i lo, hi, wlo, whi, ulo, uhi;
-    if (BITS == 4) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(crow + b * 16));
-      lo = _mm256_and_si256(v, m4);
-      hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    } else {
-      const int8_t* b0 = (const int8_t*)crow + b * 32;
-      wlo = load_2x128(b0, b0 + 32);
-      whi = load_2x128(b0 + 16, b0 + 48);
-      ulo = _mm256_sign_epi8(wlo, wlo);
-      uhi = _mm256_sign_epi8(whi, whi);
+  // The blocks after the full chunks (K not a multiple of 256): one more, partial chunk.  Each block's exact
+  // integer sum goes to lane (b mod 8) like a full chunk's, with zeros (and a zero scale) in the lanes past
+  // the end, so every block reaches the float accumulators by the same operation in any kernel: the 8-row
+  // kernel below reproduces these results bit for bit.
+  const int64_t b0 = nfull * 8, r = nb - b0;
+  if (r > 0) {
+    alignas(32) int32_t isum[T][8] = {};
+    alignas(32) float dwv[8] = {}, mwv[8] = {};
+    for (int64_t j = 0; j < r; ++j) {
+      const int64_t b = b0 + j;
+      dwv[j] = _cvtsh_ss(srow[gof(b)]);
+      if (ASYM) mwv[j] = _cvtsh_ss(mrow[gof(b)]);
+      for (int t = 0; t < T; ++t) {
+        const int8_t* xp = xq0 + t * xstride;
+        isum[t][j] = block_isum<BITS>(crow, b, xp + xq_off(b, 0), xp + xq_off(b, 1));
+        if (BITS == 4 && !ASYM) isum[t][j] -= xq.q8[(m0 + t) * dstride + b];  // (code - 8) * q, in int32
+      }
     }
-    const __m128 dw2 = w2_pair<GS>(srow, b, gof);
-    __m128 mw2 = _mm_setzero_ps();
-    if (ASYM) mw2 = w2_pair<GS>(mrow, b, gof);
+    const __m256 dw = _mm256_load_ps(dwv), mw = _mm256_load_ps(mwv);
     for (int t = 0; t < T; ++t) {
-      __m256i p;
-      if (BITS == 4) {
-        const __m256i sp = _mm256_add_epi16(
-            _mm256_maddubs_epi16(lo, _mm256_load_si256((const __m256i*)(xb + t * xstride))),
-            _mm256_maddubs_epi16(hi, _mm256_load_si256((const __m256i*)(xb + t * xstride + 32))));
-        p = _mm256_madd_epi16(sp, ones);  // [blk b: 4 partial sums | blk b+1: 4]
-      } else {
-        p = q8_pair_dot(wlo, ulo, whi, uhi, xb + t * xstride, ones);
-      }
-      const int64_t o = (m0 + t) * dstride + b;
-      const __m128 c2 = _mm_mul_ps(dw2, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)(xq.d + o))));
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(_mm256_castps128_ps256(c2), expand2),
-                               acc[t]);
-      if (BITS == 4) {
-        if (ASYM)
-          tail[t] = _mm_fmadd_ps(mw2, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)(xq.s + o))), tail[t]);
-        else
-          tail[t] = _mm_fnmadd_ps(c2, _mm_cvtepi32_ps(_mm_loadl_epi64((const __m128i*)(xq.q8 + o))), tail[t]);
-      }
+      const int64_t o = (m0 + t) * dstride + b0;  // the activation scalars' padding lanes are zero
+      const __m256i h = _mm256_load_si256((const __m256i*)isum[t]);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(dw, _mm256_loadu_ps(xq.d + o)), acc[t]);
+      if (ASYM) acc[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xq.s + o), acc[t]);
     }
   }
-  float rest[T];
-  for (int t = 0; t < T; ++t) rest[t] = 0.0f;
-  if (b < nb) {  // one last block
-    const float dw0 = _cvtsh_ss(srow[gof(b)]);
-    const float mw0 = ASYM ? _cvtsh_ss(mrow[gof(b)]) : 0.0f;
-    for (int t = 0; t < T; ++t) {
-      const int8_t* xp = xq0 + t * xstride + xq_off(b, 0);
-      const int64_t o = (m0 + t) * dstride + b;
-      const float c0 = dw0 * xq.d[o];
-      __m128i p;
-      if (BITS == 4) {
-        const __m128i m4s = _mm_set1_epi8(0x0F);
-        const __m128i v = _mm_loadu_si128((const __m128i*)(crow + b * 16));
-        const __m128i sp = _mm_add_epi16(_mm_maddubs_epi16(_mm_and_si128(v, m4s), _mm_loadu_si128((const __m128i*)xp)),
-                                         _mm_maddubs_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m4s),
-                                                           _mm_loadu_si128((const __m128i*)(xp + 32))));
-        p = _mm_madd_epi16(sp, _mm_set1_epi16(1));
-        rest[t] = ASYM ? mw0 * xq.s[o] : -c0 * (float)xq.q8[o];
-      } else {
-        const int8_t* b0 = (const int8_t*)crow + b * 32;
-        const __m128i w0 = _mm_loadu_si128((const __m128i*)b0), w1 = _mm_loadu_si128((const __m128i*)(b0 + 16));
-        const __m128i one = _mm_set1_epi16(1);
-        const __m128i xa = _mm_sign_epi8(_mm_loadu_si128((const __m128i*)xp), w0);
-        const __m128i xc = _mm_sign_epi8(_mm_loadu_si128((const __m128i*)(xp + 32)), w1);
-        p = _mm_add_epi32(_mm_madd_epi16(_mm_maddubs_epi16(_mm_sign_epi8(w0, w0), xa), one),
-                          _mm_madd_epi16(_mm_maddubs_epi16(_mm_sign_epi8(w1, w1), xc), one));
-      }
-      tail[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(p), _mm_set1_ps(c0), tail[t]);
-    }
+  for (int t = 0; t < T; ++t) out[(m0 + t) * ldo] = hsum8(acc[t]);
+}
+
+// ---- approach (a), 8 weight rows at a time (for 2+ activation rows; N % 8 leftover rows take the one-row kernel).
+// The 8 rows' codes of one 32-block are transposed in registers so that each int32 lane holds 4 consecutive
+// codes of one row: an integer dot (vpdpbusd, or maddubs + madd) with 4 activation bytes broadcast to all
+// lanes then adds 4 products to each of the 8 rows at once.  Every block ends with the 8 rows' int32 sums in
+// natural lane order, so the float epilogue is one convert and one FMA per block and token for all 8 rows
+// (the one-row kernel needs three horizontal adds and a permute per 8 blocks and token), and the result is
+// stored as 8 consecutive outputs with no horizontal sum at all.  The transpose (12 shuffles per block for
+// int4, 24 for int8) is shared by up to 4 activation rows; a T-token verification pass is what this is for.
+// Per (row, token) the float operations are those of the one-row kernel (rows8_tile), so a row's result
+// does not depend on which kernel computed it, nor on the number of tokens: rows of a verification pass stay
+// bit-identical to one-token steps, which take the one-row kernel (no transpose to amortise there).
+static constexpr int64_t ROWS8 = 8;
+#if defined(__GNUC__) || defined(__clang__)
+#define EDGELLM_INLINE static inline __attribute__((always_inline))
+#else
+#define EDGELLM_INLINE static __forceinline
+#endif
+
+static inline __m256i bcast32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Rows r0..r7 at p + r * stride, 16 bytes each (4 dwords q0..q3) -> q[j] = [row 0 qj, row 1 qj, ..., row 7 qj].
+EDGELLM_INLINE void transpose_8x16(const uint8_t* p, int64_t stride, __m256i q[4]) {
+  const __m256i a0 = load_2x128(p, p + 4 * stride), a1 = load_2x128(p + stride, p + 5 * stride);
+  const __m256i a2 = load_2x128(p + 2 * stride, p + 6 * stride), a3 = load_2x128(p + 3 * stride, p + 7 * stride);
+  const __m256i l01 = _mm256_unpacklo_epi32(a0, a1), h01 = _mm256_unpackhi_epi32(a0, a1);
+  const __m256i l23 = _mm256_unpacklo_epi32(a2, a3), h23 = _mm256_unpackhi_epi32(a2, a3);
+  q[0] = _mm256_unpacklo_epi64(l01, l23);
+  q[1] = _mm256_unpackhi_epi64(l01, l23);
+  q[2] = _mm256_unpacklo_epi64(h01, h23);
+  q[3] = _mm256_unpackhi_epi64(h01, h23);
+}
+
+// u8 x s8 dot of 4-byte groups, added to the int32 lanes of acc (exact: no lane saturates for int4 codes, or
+// for |int8| weights against sign-moved activations).
+static inline __m256i dot4_u8s8(__m256i acc, __m256i u, __m256i x) {
+#ifdef EDGELLM_VNNI
+  return _mm256_dpbusd_epi32(acc, u, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+// acc + u . (the 4 bytes at p, broadcast): VNNI folds the broadcast into the instruction's memory operand
+// (compilers load it separately from intrinsics, one more uop per dot).
+static inline __m256i dot4_u8s8_bcast(__m256i acc, __m256i u, const int8_t* p) {
+#if defined(EDGELLM_VNNI) && (defined(__GNUC__) || defined(__clang__))
+  __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
+  return acc;
+#else
+  return dot4_u8s8(acc, u, bcast32(p));
+#endif
+}
+
+// The fp32 scales (or mins) of rows n0..n0+7 for every group, transposed to [group][8]: one aligned load per
+// block in the kernel.  fp16 -> fp32 is exact, so this changes no result.
+static void transpose_scales8(const uint16_t* s, int64_t ng, float* out) {
+  if (ng < 8) {
+    for (int64_t g = 0; g < ng; ++g)
+      for (int i = 0; i < 8; ++i) out[g * 8 + i] = _cvtsh_ss(s[i * ng + g]);
+    return;
   }
-  for (int t = 0; t < T; ++t) out[(m0 + t) * ldo] = hsum_tail(acc[t], tail[t]) + rest[t];
+  for (int64_t g0 = 0; g0 < ng; g0 += 8) {
+    const int64_t g = std::min(g0, ng - 8);  // the last chunk overlaps the one before (same values written)
+    __m256 r[8];
+    for (int i = 0; i < 8; ++i) r[i] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(s + i * ng + g)));
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    float* o = out + g * 8;
+    _mm256_store_ps(o + 0, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_store_ps(o + 8, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_store_ps(o + 16, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_store_ps(o + 24, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_store_ps(o + 32, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_store_ps(o + 40, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_store_ps(o + 48, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_store_ps(o + 56, _mm256_permute2f128_ps(u3, u7, 0x31));
+  }
+}
+
+// Rows n0..n0+7 (codes at `codes`, row stride rb bytes) against activation rows m0..m0+T-1.
+// One block b of rows n0..n0+7 against activation rows m0..m0+T-1, into accumulators acc[t].
+template <int BITS, bool ASYM, int T>
+EDGELLM_INLINE void rows8_block(const XQ& xq, int64_t m0, int64_t b, const uint8_t* codes, int64_t rb,
+                               const float* wsc, const float* wmn, const GroupOf& gof, __m256* acc) {
+  const int64_t xstride = xq.nc * 256, dstride = xq.nc * 8;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256i lo[4], hi[4];  // lanes = rows; lo: codes (or bytes) 4j..4j+3 of the block, hi: 16+4j..16+4j+3
+  if (BITS == 4) {
+    __m256i q[4];
+    transpose_8x16(codes + b * 16, rb, q);
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = _mm256_and_si256(q[j], m4);
+      hi[j] = _mm256_and_si256(_mm256_srli_epi16(q[j], 4), m4);
+    }
+  } else {
+    transpose_8x16(codes + b * 32, rb, lo);
+    transpose_8x16(codes + b * 32 + 16, rb, hi);
+  }
+#if defined(EDGELLM_VNNI)
+  if (BITS == 8) {  // w + 128 as u8; the 128 * sum(x) it adds is taken off below, exactly, in int32
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int j = 0; j < 4; ++j) { lo[j] = _mm256_xor_si256(lo[j], flip); hi[j] = _mm256_xor_si256(hi[j], flip); }
+  }
+#else
+  __m256i alo[4], ahi[4];  // |w| as u8; the activations take w's sign per token (|.| <= 2*128*127 in int16)
+  if (BITS == 8)
+    for (int j = 0; j < 4; ++j) { alo[j] = _mm256_abs_epi8(lo[j]); ahi[j] = _mm256_abs_epi8(hi[j]); }
+#endif
+  const __m256 dw = _mm256_load_ps(wsc + gof(b) * 8);
+  __m256 mw = _mm256_setzero_ps();
+  if (ASYM) mw = _mm256_load_ps(wmn + gof(b) * 8);
+  const int8_t* x0 = xq.qrow(m0);
+  const int64_t off0 = xq_off(b, 0), off1 = xq_off(b, 1);
+  for (int t = 0; t < T; ++t) {
+    const int8_t* xl = x0 + t * xstride + off0;
+    const int8_t* xh = x0 + t * xstride + off1;
+    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    for (int j = 0; j < 4; ++j) {
+#if defined(EDGELLM_VNNI)
+      s0 = dot4_u8s8_bcast(s0, lo[j], xl + 4 * j);
+      s1 = dot4_u8s8_bcast(s1, hi[j], xh + 4 * j);
+#else
+      if (BITS == 4) {
+        s0 = dot4_u8s8_bcast(s0, lo[j], xl + 4 * j);
+        s1 = dot4_u8s8_bcast(s1, hi[j], xh + 4 * j);
+      } else {
+        s0 = dot4_u8s8(s0, alo[j], _mm256_sign_epi8(bcast32(xl + 4 * j), lo[j]));
+        s1 = dot4_u8s8(s1, ahi[j], _mm256_sign_epi8(bcast32(xh + 4 * j), hi[j]));
+      }
+#endif
+    }
+    __m256i isum = _mm256_add_epi32(s0, s1);
+    const int64_t o = (m0 + t) * dstride + b;
+#if defined(EDGELLM_VNNI)
+    if (BITS == 8) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(xq.q8[o] * 16));  // 128 * sum(q)
+#endif
+    if (BITS == 4 && !ASYM) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(xq.q8[o]));  // (code - 8) * q
+    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(xq.d[o])), acc[t]);
+    if (ASYM) acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xq.s[o]), acc[t]);
+  }
+}
+
+// Rows n0..n0+7 (codes at `codes`, row stride rb bytes) against activation rows m0..m0+T-1.  Block b goes to
+// the accumulator of its residue b mod 8, blocks in increasing order, the 8 residues summed as hsum8 does:
+// per (row, token) exactly the float operations of the one-row kernel, whose lane j is residue j.  Residues
+// go two at a time (two independent FMA chains per token).  pf: memory to prefetch over the blocks (or null).
+template <int BITS, bool ASYM, int T>
+static inline void rows8_tile(const XQ& xq, int64_t m0, const uint8_t* codes, int64_t rb, const float* wsc,
+                              const float* wmn, const GroupOf& gof, float* out, int64_t ldo, const uint8_t* pf) {
+  const int64_t nb = xq.nb;
+  constexpr int64_t bpb = ROWS8 * BITS * 4;  // bytes of one block of the 8 rows
+  __m256 res[T][8];
+  for (int j = 0; j < 8; j += 2) {
+    __m256 even[T], odd[T];
+    for (int t = 0; t < T; ++t) even[t] = odd[t] = _mm256_setzero_ps();
+    for (int64_t b = j; b < nb; b += 8) {
+      if (pf)
+        for (int64_t o = 0; o < 2 * bpb; o += 64) prefetch(pf + b * bpb + o);
+      rows8_block<BITS, ASYM, T>(xq, m0, b, codes, rb, wsc, wmn, gof, even);
+      if (b + 1 < nb) rows8_block<BITS, ASYM, T>(xq, m0, b + 1, codes, rb, wsc, wmn, gof, odd);
+    }
+    for (int t = 0; t < T; ++t) { res[t][j] = even[t]; res[t][j + 1] = odd[t]; }
+  }
+  for (int t = 0; t < T; ++t) {
+    const __m256 lo = _mm256_add_ps(_mm256_add_ps(res[t][0], res[t][4]), _mm256_add_ps(res[t][2], res[t][6]));
+    const __m256 hi = _mm256_add_ps(_mm256_add_ps(res[t][1], res[t][5]), _mm256_add_ps(res[t][3], res[t][7]));
+    _mm256_storeu_ps(out + (m0 + t) * ldo, _mm256_add_ps(lo, hi));
+  }
+}
+
+template <int BITS, bool ASYM>
+static void rows8_group(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
+                        const uint16_t* mins, int64_t N, int64_t G, float* out, int64_t n0, float* wbuf) {
+  const int64_t ng = K / G, rb = BITS == 4 ? K / 2 : K;
+  const GroupOf gof(G);
+  const uint8_t* c = codes + n0 * rb;
+  // the next groups' codes stream in while this one computes (rows n0.. are contiguous: 8 * rb bytes)
+  const int64_t ahead = std::max<int64_t>(1, (2 * PREFETCH_BYTES + ROWS8 * rb - 1) / (ROWS8 * rb)) * ROWS8 * rb;
+  const int64_t sahead = ahead / rb * ng;  // the same rows' scales (and mins): 8 * ng contiguous fp16
+  for (int64_t o = 0; o < ROWS8 * ng; o += 32) {
+    prefetch(scales + n0 * ng + sahead + o);
+    if (ASYM) prefetch(mins + n0 * ng + sahead + o);
+  }
+  float* wsc = wbuf;
+  float* wmn = wbuf + ng * 8;
+  transpose_scales8(scales + n0 * ng, ng, wsc);
+  if (ASYM) transpose_scales8(mins + n0 * ng, ng, wmn);
+  int64_t m = 0;
+  const uint8_t* pf = c + ahead;  // swept a few lines per block by the first tile
+  for (; m + 4 <= M; m += 4, pf = nullptr) rows8_tile<BITS, ASYM, 4>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf);
+  switch (M - m) {
+    case 3: rows8_tile<BITS, ASYM, 3>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+    case 2: rows8_tile<BITS, ASYM, 2>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+    case 1: rows8_tile<BITS, ASYM, 1>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+    default: break;
+  }
 }
 
 // Rows [n0, n1) of out[m, n] = W[n] . x[m] for all M activation rows: each weight row is read from memory once
@@ -577,6 +763,25 @@ static void qdot(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const
   } else {
     if (G == 32) qdot_range<4, false, 32>(xq, M, K, codes, scales, nullptr, N, G, out, n0, n1);
     else qdot_range<4, false, 0>(xq, M, K, codes, scales, nullptr, N, G, out, n0, n1);
+  }
+}
+
+// Groups [g0, g1) of 8 rows (the last one may be partial: its rows go through the one-row kernel).
+template <int BITS>
+static void qdot_groups(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
+                        const uint16_t* mins, int64_t N, int64_t G, float* out, int64_t g0, int64_t g1) {
+  const int64_t full = N / ROWS8;
+  float* wbuf = scale_scratch(static_cast<size_t>(2 * (K / G) * ROWS8));
+  for (int64_t g = g0; g < g1; ++g) {
+    if (g >= full) {
+      qdot<BITS>(xq, M, K, codes, scales, mins, N, G, out, full * ROWS8, N);
+    } else if (BITS == 8) {
+      rows8_group<8, false>(xq, M, K, codes, scales, nullptr, N, G, out, g * ROWS8, wbuf);
+    } else if (mins) {
+      rows8_group<4, true>(xq, M, K, codes, scales, mins, N, G, out, g * ROWS8, wbuf);
+    } else {
+      rows8_group<4, false>(xq, M, K, codes, scales, nullptr, N, G, out, g * ROWS8, wbuf);
+    }
   }
 }
 
@@ -824,6 +1029,32 @@ static int64_t grain_for(int64_t K, int64_t M) {
 
 enum Variant { AUTO = 0, INT_DOT = 1, FLOAT_FMA = 2, SCALAR = 3, INT_DOT_PORTABLE = 4 };
 
+#ifdef EDGELLM_AVX2
+// One token: the one-row kernel (memory-bound; the 8-row transpose would be pure overhead).  Several (a
+// verification pass, a short prefill): groups of 8 rows, the transpose shared by up to 4 tokens.  Both give
+// the same bits for a row (rows8_tile), so the choice is free to follow speed.
+static int64_t rows8_min_tokens() {
+  static const int64_t v = [] {
+    const char* e = std::getenv("EDGELLM_ROWS8_MIN_TOKENS");
+    return e && *e ? std::max<int64_t>(1, std::atoll(e)) : int64_t(2);
+  }();
+  return v;
+}
+
+template <int BITS>
+static void qdot_all(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
+                     const uint16_t* mins, int64_t N, int64_t G, float* out) {
+  if (M < rows8_min_tokens()) {
+    edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
+      qdot<BITS>(xq, M, K, codes, scales, mins, N, G, out, n0, n1);
+    });
+    return;
+  }
+  edgellm_par::parallel_for(0, (N + ROWS8 - 1) / ROWS8, (grain_for(K, M) + ROWS8 - 1) / ROWS8,
+                            [&](int64_t g0, int64_t g1) { qdot_groups<BITS>(xq, M, K, codes, scales, mins, N, G, out, g0, g1); });
+}
+#endif
+
 #ifndef EDGELLM_AVX2  // (the AVX2 build has qdot above)
 template <bool ASYM>
 static void q4_dot_range(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
@@ -868,14 +1099,14 @@ void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const u
   }
   if (variant == INT_DOT) {
     const XQ xq = quantize_x(x, M, K);
-    edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
 #ifdef EDGELLM_AVX2
-      qdot<4>(xq, M, K, codes, scales, mins, N, G, out, n0, n1);
+    qdot_all<4>(xq, M, K, codes, scales, mins, N, G, out);
 #else
+    edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
       if (mins) q4_dot_range<true>(xq, M, K, codes, scales, mins, N, G, out, n0, n1);
       else q4_dot_range<false>(xq, M, K, codes, scales, mins, N, G, out, n0, n1);
-#endif
     });
+#endif
     return;
   }
 #ifdef EDGELLM_AVX2
@@ -919,10 +1150,10 @@ void q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* codes, const ui
   }
   if (variant == INT_DOT) {
     const XQ xq = quantize_x(x, M, K);
-    edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
 #ifdef EDGELLM_AVX2
-      qdot<8>(xq, M, K, reinterpret_cast<const uint8_t*>(codes), scales, nullptr, N, G, out, n0, n1);
+    qdot_all<8>(xq, M, K, reinterpret_cast<const uint8_t*>(codes), scales, nullptr, N, G, out);
 #else
+    edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
       const GroupOf gof(G);
       for (int64_t n = n0; n < n1; ++n) {
         const int8_t* crow = codes + n * K;
@@ -937,8 +1168,8 @@ void q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* codes, const ui
           default: break;
         }
       }
-#endif
     });
+#endif
     return;
   }
 #ifdef EDGELLM_AVX2

@@ -158,6 +158,33 @@ def test_int8_matches_reference(ext, m, n, k, g):
             assert rel_err(yv, ref_q) <= TOL_EMULATED, variant
 
 
+# ------------------------------------------------------------------------------------------------ T-invariance
+# N = 35 and 13 leave rows outside every group of 8 (those take the one-row kernel); K = 96, 288 and 576 leave
+# blocks after the last 256-wide chunk; M up to 9 crosses the 8-row kernel's tiles of 4 tokens.
+ROWS_SHAPES = [(35, 576, 32), (16, 1536, 32), (13, 96, 32), (24, 288, 32), (40, 576, 64), (16, 1536, 128)]
+
+
+@pytest.mark.parametrize("kind", ["int4 sym", "int4 asym", "int8"])
+@pytest.mark.parametrize("n,k,g", ROWS_SHAPES)
+def test_rows_bit_identical_whatever_the_number_of_tokens(ext, kind, n, k, g):
+    """A token's output row is the same bits whether it is computed alone (the one-row kernel) or among
+    2..9 tokens (the 8-row kernel on AVX2): what keeps greedy speculative decoding identical to plain."""
+    gen = torch.Generator().manual_seed(n * 7 + k + g)
+    x = torch.randn(9, k, generator=gen) * torch.linspace(0.1, 3.0, k)
+    if kind == "int8":
+        codes, scales = make_int8(n, k, g, gen)
+        gemm = lambda xs: ext.int8_gemm(xs, codes, scales, g)  # noqa: E731
+    else:
+        packed, scales, mins = make_int4(n, k, g, kind == "int4 asym", gen)
+        if kind == "int4 sym":
+            mins = torch.empty(0, dtype=torch.float16)
+        gemm = lambda xs: ext.int4_gemm(xs, packed, scales, mins, g)  # noqa: E731
+    alone = torch.cat([gemm(x[i:i + 1]) for i in range(9)])
+    for m in range(2, 10):
+        together = gemm(x[:m])
+        assert torch.equal(together, alone[:m]), m
+
+
 # ------------------------------------------------------------------------------------------------ edge cases
 def test_zero_rows_give_exact_zeros(ext):
     """All-zero activation rows (max|x| = 0: the int-dot scale must not divide by zero) and weight rows
