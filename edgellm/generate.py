@@ -356,13 +356,19 @@ class Engine:
                 if not begun:
                     self.draft.begin(prompt, s, sampler)
                     begun = True
-                gamma = min(gamma_ctl.gamma, settings.max_tokens - len(out_ids) - 1, self.max_seq_len - len(context))
+                room = min(settings.max_tokens - len(out_ids) - 1, self.max_seq_len - len(context))
+                free = self.draft.free_proposals and gamma_ctl.fixed is None
+                gamma = min(gamma_ctl.hi if free else gamma_ctl.gamma, room)
                 t_a = now(self.device)
                 drafts: list[int] = []
                 q = None
+                kind = None
                 if gamma > 0:
                     with torch.no_grad():
                         d, q = self.draft.propose(context, gamma)
+                    kind = self.draft.kind
+                    if free:  # as many as pay for this kind of guess
+                        gamma = min(gamma_ctl.gamma_for(kind), gamma)
                     drafts = d.tolist()[:gamma]
                     if q is not None:
                         q = q[:len(drafts)]
@@ -378,7 +384,7 @@ class Engine:
                 t_c = now(self.device)
                 self.cache.truncate(start + n_ok + 1)  # keep [last, accepted drafts]; drop the rest
                 self.cached_ids.extend(([context[-1]] + drafts)[:n_ok + 1])
-                gamma_ctl.update(len(drafts), n_ok, t_b - t_a, t_c - t_b)
+                gamma_ctl.update(len(drafts), n_ok, t_b - t_a, t_c - t_b, kind)
                 stats.draft_s += t_b - t_a
                 stats.verify_s += t_c - t_b
                 stats.draft_gamma_history.append(gamma)

@@ -114,6 +114,34 @@ def test_fused_many_rows_equal_one_token_steps(tiny_models, variant, weights):
         step.many(torch.zeros(step.max_rows + 1, dtype=torch.long), 0)
 
 
+@needs_ext
+@pytest.mark.parametrize("kv", ["fp", "int8", "int4"])
+@pytest.mark.parametrize("weights", ["fp", "int4"])
+def test_fused_many_rows_equal_one_token_steps_long_context(tmp_path, kv, weights):
+    """The same at 600 cached keys on two threads, where every token's attention splits into key tiles and a
+    T-token call runs all its tokens' tiles in one parallel region: still each row bit for bit the one-token
+    step, for fp32 and quantized caches."""
+    folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=11, hidden_size=192, num_attention_heads=3,
+                           num_key_value_heads=1, max_position_embeddings=1024)
+    loaded = load_model(folder, max_seq_len=1024, weights=weights)
+    model = loaded.model
+    prompt = torch.randint(0, model.config.vocab_size, (600,), generator=torch.Generator().manual_seed(1)).tolist()
+    tokens = [5, 17, 3, 29, 11, 8, 2]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a, b = (Engine(model, loaded.tokenizer, cache=KVCache(model.config, 1024, torch.float32, "cpu", kv_format=kv))
+                for _ in range(2))
+        a.prefill(prompt)
+        one = [a.step(torch.tensor([[t]])).clone() for t in tokens]
+        b.prefill(prompt)
+        rows = b.compiled_step().many(torch.tensor(tokens), len(prompt))
+    finally:
+        torch.set_num_threads(threads)
+    for got, want in zip(rows, one):
+        assert torch.equal(got, want)
+
+
 def test_compile_modes_from_the_command_line(tiny_models):
     """--compile off / --no-compile run the eager model (same logits as transformers); inductor on the
     CPU is the fused step, as auto."""

@@ -620,6 +620,13 @@ def test_prompt_lookup_proposals():
     assert p.propose(ctx + [7], 4)[0].tolist() == []  # nothing ever followed 7
     assert p.propose(ctx + [7, 2], 2)[0].tolist() == [3, 7]  # the 1-gram "2": its latest occurrence
     assert p.propose([6, 6], 3)[0].tolist() == [6]  # stops at the end of the context
+    assert p.kind == 1
+    q = PromptLookupProposer(max_ngram=3)  # (a proposer's context only grows between begin calls)
+    q.device = "cpu"
+    q.propose(ctx, 4)
+    assert q.kind == 3 and q.free_proposals  # the kind of guess: the matched n-gram's length
+    q.propose(ctx + [7], 4)
+    assert q.kind is None
 
 
 def test_gamma_controller():
@@ -638,6 +645,23 @@ def test_gamma_controller():
     assert GammaController(fixed=40, hi=15).gamma == 15
     with pytest.raises(EdgeLLMError):
         GammaController(fixed=0)
+
+
+def test_gamma_per_proposal_kind():
+    """Free proposals (prompt lookup) get γ from their own kind's acceptance: a kind that is always right
+    drafts long, one that always misses at the first guess drafts one; --draft-tokens still pins γ."""
+    g = GammaController()
+    assert g.gamma_for(3) == 4  # no cost measured yet: the starting γ
+    for _ in range(30):
+        for kind, right in ((3, True), (1, False)):
+            n = g.gamma_for(kind)
+            g.update(n, n if right else 0, draft_s=1e-5, verify_s=0.01 * (1 + 0.3 * n), kind=kind)
+    assert g.gamma_for(3) >= 8
+    assert g.gamma_for(1) == 1
+    assert g.alpha_of(3) > 0.9 > 0.1 > g.alpha_of(1)
+    fixed = GammaController(fixed=5)
+    fixed.update(5, 0, 1e-5, 0.01, kind=1)
+    assert fixed.gamma_for(1) == 5
 
 
 def test_quantized_target_verifies_at_most_kernel_rows(target):
