@@ -297,6 +297,12 @@ void combine_tiles(const DecodeModel& m, const float* part, int64_t tiles, float
   }
 }
 
+#ifdef EDGELLM_DEC_AVX2
+template <int NV>
+void f32_tile(const DecodeModel& m, const float* q, const float* kc, const float* vc, int64_t j, int64_t a,
+              int64_t b, float* scores, float* part);
+#endif
+
 // One query per head against keys [0, n) of one layer's cache; q [Hq, D] already scaled; out [Hq, D].
 void attention(const DecodeModel& m, const float* q, const float* kc, const float* vc, int64_t n, float* out,
                float* work) {
@@ -307,9 +313,22 @@ void attention(const DecodeModel& m, const float* q, const float* kc, const floa
   // work layout: scores [Hq, S] | partials [Hkv * tiles * g] x (D + 2)
   float* scores = work;
   float* part = work + m.n_heads * S;
+#ifdef EDGELLM_DEC_AVX2
+  const bool fast = (D == 64 || D == 128) && g <= 64;
+#else
+  const bool fast = false;
+#endif
   auto task = [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t j = t / tiles, a = (t % tiles) * tile, b = std::min(n, a + tile);
+#ifdef EDGELLM_DEC_AVX2
+      if (fast) {
+        if (D == 64) f32_tile<8>(m, q, kc, vc, j, a, b, scores, part + t * g * (D + 2));
+        else f32_tile<16>(m, q, kc, vc, j, a, b, scores, part + t * g * (D + 2));
+        continue;
+      }
+#endif
+      (void)fast;
       const float* K = kc + j * S * D;
       const float* V = vc + j * S * D;
       for (int64_t r = 0; r < g; ++r) {
@@ -509,17 +528,20 @@ void kv_rows_avx2(const DecodeKV& c, int64_t j, int64_t p0, int64_t np, int64_t 
 // dequantized 32 at a time into an L1 buffer; each query head then keeps its q (or its output) in NV
 // registers over those 32 keys, scores come 8 at a time out of hsum8. Returns nothing; writes the tile's
 // scores (exp'd), and per head the partial output, max and sum into part.
-template <int NV>
-void quantized_tile(const DecodeModel& m, const float* q, const DecodeKV& kc, const DecodeKV& vc, int64_t j,
-                    int64_t a, int64_t b, float* scores, float* part) {
+// keys(c0, nc, buf) / values(...): rows c0 .. c0+nc-1 of KV head j as fp32 [nc, D] (dequantized into buf, or
+// the fp32 cache's own rows). The fp32 cache takes this tile too (f32_tile): scores 8 at a time and the
+// output in registers instead of a dot (one horizontal sum each) and an axpy (load + store) per key.
+template <int NV, class Rows>
+void attention_tile(const DecodeModel& m, const float* q, int64_t j, int64_t a, int64_t b, float* scores,
+                    float* part, const Rows& keys, const Rows& values) {
   constexpr int64_t D = NV * 8, CH = 32;
   const int64_t g = m.n_heads / m.n_kv_heads, S = m.max_seq_len;
-  alignas(32) float buf[CH * D];
+  alignas(32) float kvbuf[CH * D];
   float mx[64];
   for (int64_t r = 0; r < g; ++r) mx[r] = -INFINITY;
   for (int64_t c0 = a; c0 < b; c0 += CH) {
     const int64_t nc = std::min<int64_t>(CH, b - c0);
-    kv_rows_avx2(kc, j, c0, nc, S, D, buf);
+    const float* buf = keys(c0, nc, kvbuf);
     for (int64_t r = 0; r < g; ++r) {
       const float* qh = q + (j * g + r) * D;
       float* s = scores + (j * g + r) * S + c0;
@@ -531,8 +553,8 @@ void quantized_tile(const DecodeModel& m, const float* q, const DecodeKV& kc, co
         __m256 acc[8];
         for (int k = 0; k < 8; ++k) {
           const float* kr = buf + (i + k) * D;
-          __m256 x = _mm256_mul_ps(qv[0], _mm256_load_ps(kr));
-          for (int v = 1; v < NV; ++v) x = _mm256_fmadd_ps(qv[v], _mm256_load_ps(kr + v * 8), x);
+          __m256 x = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr));
+          for (int v = 1; v < NV; ++v) x = _mm256_fmadd_ps(qv[v], _mm256_loadu_ps(kr + v * 8), x);
           acc[k] = x;
         }
         const __m256 sc = hsum8(acc);
@@ -542,8 +564,8 @@ void quantized_tile(const DecodeModel& m, const float* q, const DecodeKV& kc, co
       float mr = std::max(mx[r], hmax(vmx));
       for (; i < nc; ++i) {
         const float* kr = buf + i * D;
-        __m256 x = _mm256_mul_ps(qv[0], _mm256_load_ps(kr));
-        for (int v = 1; v < NV; ++v) x = _mm256_fmadd_ps(qv[v], _mm256_load_ps(kr + v * 8), x);
+        __m256 x = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kr));
+        for (int v = 1; v < NV; ++v) x = _mm256_fmadd_ps(qv[v], _mm256_loadu_ps(kr + v * 8), x);
         s[i] = hsum(x);
         mr = std::max(mr, s[i]);
       }
@@ -555,7 +577,7 @@ void quantized_tile(const DecodeModel& m, const float* q, const DecodeKV& kc, co
   for (int64_t r = 0; r < g; ++r) std::memset(part + r * (D + 2), 0, sizeof(float) * D);
   for (int64_t c0 = a; c0 < b; c0 += CH) {
     const int64_t nc = std::min<int64_t>(CH, b - c0);
-    kv_rows_avx2(vc, j, c0, nc, S, D, buf);
+    const float* buf = values(c0, nc, kvbuf);
     for (int64_t r = 0; r < g; ++r) {
       const float* w = scores + (j * g + r) * S + c0;
       float* o = part + r * (D + 2);
@@ -563,7 +585,7 @@ void quantized_tile(const DecodeModel& m, const float* q, const DecodeKV& kc, co
       for (int v = 0; v < NV; ++v) acc[v] = _mm256_loadu_ps(o + v * 8);
       for (int64_t i = 0; i < nc; ++i) {
         const __m256 wi = _mm256_set1_ps(w[i]);
-        for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(wi, _mm256_load_ps(buf + i * D + v * 8), acc[v]);
+        for (int v = 0; v < NV; ++v) acc[v] = _mm256_fmadd_ps(wi, _mm256_loadu_ps(buf + i * D + v * 8), acc[v]);
       }
       for (int v = 0; v < NV; ++v) _mm256_storeu_ps(o + v * 8, acc[v]);
     }
@@ -572,6 +594,29 @@ void quantized_tile(const DecodeModel& m, const float* q, const DecodeKV& kc, co
     part[r * (D + 2) + D] = mx[r];
     part[r * (D + 2) + D + 1] = l[r];
   }
+}
+
+template <int NV>
+void quantized_tile(const DecodeModel& m, const float* q, const DecodeKV& kc, const DecodeKV& vc, int64_t j,
+                    int64_t a, int64_t b, float* scores, float* part) {
+  const int64_t S = m.max_seq_len;
+  auto rows = [&](const DecodeKV& c) {
+    return [&c, j, S](int64_t c0, int64_t nc, float* buf) -> const float* {
+      kv_rows_avx2(c, j, c0, nc, S, NV * 8, buf);
+      return buf;
+    };
+  };
+  attention_tile<NV>(m, q, j, a, b, scores, part, rows(kc), rows(vc));
+}
+
+template <int NV>
+void f32_tile(const DecodeModel& m, const float* q, const float* kc, const float* vc, int64_t j, int64_t a,
+              int64_t b, float* scores, float* part) {
+  const int64_t D = NV * 8, S = m.max_seq_len;
+  auto rows = [j, S, D](const float* c) {
+    return [c, j, S, D](int64_t c0, int64_t, float*) -> const float* { return c + (j * S + c0) * D; };
+  };
+  attention_tile<NV>(m, q, j, a, b, scores, part, rows(kc), rows(vc));
 }
 #endif
 

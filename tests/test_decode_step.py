@@ -211,12 +211,12 @@ def test_fused_cpu_step_with_quantized_kv_matches_eager(wide_models, kv, weights
 
 
 @needs_ext
-@pytest.mark.parametrize("kv", ["int8", "int8:32", "int4", "int4:64"])
+@pytest.mark.parametrize("kv", ["fp", "int8", "int8:32", "int4", "int4:64"])
 @pytest.mark.parametrize("head_dim,heads", [(64, 3), (128, 2)])
 def test_fused_quantized_attention_long_context(tmp_path, kv, head_dim, heads):
-    """The fused step's quantized-cache attention (keys dequantized 32 at a time, 8 scores per horizontal
-    sum, key tiles over both threads) against the eager model over the same cache contents, at lengths
-    that are not multiples of 8 or 32, for head dims 64 and 128 and GQA ratios 3 and 2."""
+    """The fused step's attention tiles (keys dequantized 32 at a time, or read in place from an fp32 cache;
+    8 scores per horizontal sum, key tiles over both threads) against the eager model over the same cache
+    contents, at lengths that are not multiples of 8 or 32, for head dims 64 and 128, GQA ratios 3 and 2."""
     import copy
 
     folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=5, hidden_size=head_dim * heads,
