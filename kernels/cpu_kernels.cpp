@@ -528,6 +528,13 @@ static inline void qdot_row(const XQ& xq, int64_t m0, const uint8_t* crow, const
 // does not depend on which kernel computed it, nor on the number of tokens: rows of a verification pass stay
 // bit-identical to one-token steps, which take the one-row kernel (no transpose to amortise there).
 static constexpr int64_t ROWS8 = 8;
+// Tokens per pass over a group's transposed codes: each keeps 2 accumulators in registers, so 8 where AVX-512
+// gives 32 vector registers, 4 with AVX2's 16.
+#if defined(EDGELLM_VNNI)
+#define ROWS8_TILE 8
+#else
+#define ROWS8_TILE 4
+#endif
 #if defined(__GNUC__) || defined(__clang__)
 #define EDGELLM_INLINE static inline __attribute__((always_inline))
 #else
@@ -713,14 +720,25 @@ static void rows8_group(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes
   float* wmn = wbuf + ng * 8;
   transpose_scales8(scales + n0 * ng, ng, wsc);
   if (ASYM) transpose_scales8(mins + n0 * ng, ng, wmn);
-  int64_t m = 0;
+  // tiles of at most ROWS8_TILE tokens, as even as possible (5 = 3 + 2, not 4 + 1: a 1-token tile pays a
+  // whole transpose per block for one token)
+  const int64_t tiles = (M + ROWS8_TILE - 1) / ROWS8_TILE;
   const uint8_t* pf = c + ahead;  // swept a few lines per block by the first tile
-  for (; m + 4 <= M; m += 4, pf = nullptr) rows8_tile<BITS, ASYM, 4>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf);
-  switch (M - m) {
-    case 3: rows8_tile<BITS, ASYM, 3>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
-    case 2: rows8_tile<BITS, ASYM, 2>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
-    case 1: rows8_tile<BITS, ASYM, 1>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
-    default: break;
+  for (int64_t i = 0, m = 0; i < tiles; ++i, pf = nullptr) {
+    const int64_t size = M / tiles + (i < M % tiles ? 1 : 0);
+    switch (size) {
+#if ROWS8_TILE > 4
+      case 8: rows8_tile<BITS, ASYM, 8>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 7: rows8_tile<BITS, ASYM, 7>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 6: rows8_tile<BITS, ASYM, 6>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 5: rows8_tile<BITS, ASYM, 5>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+#endif
+      case 4: rows8_tile<BITS, ASYM, 4>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 3: rows8_tile<BITS, ASYM, 3>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 2: rows8_tile<BITS, ASYM, 2>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      default: rows8_tile<BITS, ASYM, 1>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+    }
+    m += size;
   }
 }
 
