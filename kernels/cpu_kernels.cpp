@@ -398,36 +398,22 @@ static inline __m256 w8_natural(const uint16_t* srow, int64_t c, int64_t G, cons
   return load_w8n(srow, c, G, gof);
 }
 
-// ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)): the one order every AVX2 int-dot kernel sums the 8
-// lanes (block residues mod 8) of a row's accumulator in.
-static inline float hsum8(__m256 acc) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+template <int GS>
+static inline __m128 w2_pair(const uint16_t* srow, int64_t b, const GroupOf& gof) {
+  uint32_t two;
+  if (GS == 32) {
+    std::memcpy(&two, srow + b, 4);
+  } else {
+    two = (uint32_t)srow[gof(b)] | ((uint32_t)srow[gof(b + 1)] << 16);
+  }
+  return _mm_cvtph_ps(_mm_cvtsi32_si128((int)two));  // [w_b, w_b+1, 0, 0]
+}
+
+static inline float hsum_tail(__m256 acc, __m128 tail) {
+  __m128 s = _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)), tail);
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-// The exact integer dot of one 32-block of a weight row with its quantized activations (x0..15 at xl,
-// x16..31 at xh): sum code*q for int4 (codes 0..15), sum w*q for int8.
-template <int BITS>
-static inline int32_t block_isum(const uint8_t* crow, int64_t b, const int8_t* xl, const int8_t* xh) {
-  const __m128i one = _mm_set1_epi16(1);
-  const __m128i x0 = _mm_loadu_si128((const __m128i*)xl), x1 = _mm_loadu_si128((const __m128i*)xh);
-  __m128i p;
-  if (BITS == 4) {
-    const __m128i m4s = _mm_set1_epi8(0x0F);
-    const __m128i v = _mm_loadu_si128((const __m128i*)(crow + b * 16));
-    p = _mm_madd_epi16(_mm_add_epi16(_mm_maddubs_epi16(_mm_and_si128(v, m4s), x0),
-                                     _mm_maddubs_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m4s), x1)), one);
-  } else {  // |w| as u8 against x with w's sign: |products| <= 128 * 127, pairs fit int16
-    const int8_t* w = (const int8_t*)crow + b * 32;
-    const __m128i w0 = _mm_loadu_si128((const __m128i*)w), w1 = _mm_loadu_si128((const __m128i*)(w + 16));
-    p = _mm_add_epi32(_mm_madd_epi16(_mm_maddubs_epi16(_mm_sign_epi8(w0, w0), _mm_sign_epi8(x0, w0)), one),
-                      _mm_madd_epi16(_mm_maddubs_epi16(_mm_sign_epi8(w1, w1), _mm_sign_epi8(x1, w1)), one));
-  }
-  p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0x4e));
-  p = _mm_add_epi32(p, _mm_shuffle_epi32(p, 0xb1));
-  return _mm_cvtsi128_si32(p);
 }
 
 // Row n of W (codes row crow, scales srow, mins mrow) against activation rows m0 .. m0+T-1 -> out[(m0+t)*ldo].
@@ -437,9 +423,11 @@ static inline void qdot_row(const XQ& xq, int64_t m0, const uint8_t* crow, const
   const int64_t nb = xq.nb, nfull = xq.nfull, xstride = xq.nc * 256, dstride = xq.nc * 8;
   const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i natural = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i expand2 = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   const int8_t* xq0 = xq.qrow(m0);
   __m256 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  __m128 tail[T];
+  for (int t = 0; t < T; ++t) { acc[t] = _mm256_setzero_ps(); tail[t] = _mm_setzero_ps(); }
   for (int64_t c = 0; c < nfull; ++c) {
     __m256i hh[T][2];
     for (int kk = 0; kk < 2; ++kk) {
@@ -487,33 +475,77 @@ static inline void qdot_row(const XQ& xq, int64_t m0, const uint8_t* crow, const
       if (ASYM) acc[t] = _mm256_fmadd_ps(mw, _mm256_load_ps(xq.s + o), acc[t]);
     }
   }
-  // The blocks after the full chunks (K not a multiple of 256): one more, partial chunk.  Each block's exact
-  // integer sum goes to lane (b mod 8) like a full chunk's, with zeros (and a zero scale) in the lanes past
-  // the end, so every block reaches the float accumulators by the same operation in any kernel: the 8-row
-  // kernel below reproduces these results bit for bit.
-  const int64_t b0 = nfull * 8, r = nb - b0;
-  if (r > 0) {
-    alignas(32) int32_t isum[T][8] = {};
-    alignas(32) float dwv[8] = {}, mwv[8] = {};
-    for (int64_t j = 0; j < r; ++j) {
-      const int64_t b = b0 + j;
-      dwv[j] = _cvtsh_ss(srow[gof(b)]);
-      if (ASYM) mwv[j] = _cvtsh_ss(mrow[gof(b)]);
-      for (int t = 0; t < T; ++t) {
-        const int8_t* xp = xq0 + t * xstride;
-        isum[t][j] = block_isum<BITS>(crow, b, xp + xq_off(b, 0), xp + xq_off(b, 1));
-        if (BITS == 4 && !ASYM) isum[t][j] -= xq.q8[(m0 + t) * dstride + b];  // (code - 8) * q, in int32
+  int64_t b = nfull * 8;
+  for (; b + 2 <= nb; b += 2) {
+    const int8_t* xb = xq0 + xq_off(b, 0);
+    __m256i lo, hi, wlo, whi, ulo, uhi;
+    if (BITS == 4) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(crow + b * 16));
+      lo = _mm256_and_si256(v, m4);
+      hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    } else {
+      const int8_t* b0 = (const int8_t*)crow + b * 32;
+      wlo = load_2x128(b0, b0 + 32);
+      whi = load_2x128(b0 + 16, b0 + 48);
+      ulo = _mm256_sign_epi8(wlo, wlo);
+      uhi = _mm256_sign_epi8(whi, whi);
+    }
+    const __m128 dw2 = w2_pair<GS>(srow, b, gof);
+    __m128 mw2 = _mm_setzero_ps();
+    if (ASYM) mw2 = w2_pair<GS>(mrow, b, gof);
+    for (int t = 0; t < T; ++t) {
+      __m256i p;
+      if (BITS == 4) {
+        const __m256i sp = _mm256_add_epi16(
+            _mm256_maddubs_epi16(lo, _mm256_load_si256((const __m256i*)(xb + t * xstride))),
+            _mm256_maddubs_epi16(hi, _mm256_load_si256((const __m256i*)(xb + t * xstride + 32))));
+        p = _mm256_madd_epi16(sp, ones);  // [blk b: 4 partial sums | blk b+1: 4]
+      } else {
+        p = q8_pair_dot(wlo, ulo, whi, uhi, xb + t * xstride, ones);
+      }
+      const int64_t o = (m0 + t) * dstride + b;
+      const __m128 c2 = _mm_mul_ps(dw2, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)(xq.d + o))));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_permutevar8x32_ps(_mm256_castps128_ps256(c2), expand2),
+                               acc[t]);
+      if (BITS == 4) {
+        if (ASYM)
+          tail[t] = _mm_fmadd_ps(mw2, _mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)(xq.s + o))), tail[t]);
+        else
+          tail[t] = _mm_fnmadd_ps(c2, _mm_cvtepi32_ps(_mm_loadl_epi64((const __m128i*)(xq.q8 + o))), tail[t]);
       }
     }
-    const __m256 dw = _mm256_load_ps(dwv), mw = _mm256_load_ps(mwv);
+  }
+  float rest[T];
+  for (int t = 0; t < T; ++t) rest[t] = 0.0f;
+  if (b < nb) {  // one last block
+    const float dw0 = _cvtsh_ss(srow[gof(b)]);
+    const float mw0 = ASYM ? _cvtsh_ss(mrow[gof(b)]) : 0.0f;
     for (int t = 0; t < T; ++t) {
-      const int64_t o = (m0 + t) * dstride + b0;  // the activation scalars' padding lanes are zero
-      const __m256i h = _mm256_load_si256((const __m256i*)isum[t]);
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(dw, _mm256_loadu_ps(xq.d + o)), acc[t]);
-      if (ASYM) acc[t] = _mm256_fmadd_ps(mw, _mm256_loadu_ps(xq.s + o), acc[t]);
+      const int8_t* xp = xq0 + t * xstride + xq_off(b, 0);
+      const int64_t o = (m0 + t) * dstride + b;
+      const float c0 = dw0 * xq.d[o];
+      __m128i p;
+      if (BITS == 4) {
+        const __m128i m4s = _mm_set1_epi8(0x0F);
+        const __m128i v = _mm_loadu_si128((const __m128i*)(crow + b * 16));
+        const __m128i sp = _mm_add_epi16(_mm_maddubs_epi16(_mm_and_si128(v, m4s), _mm_loadu_si128((const __m128i*)xp)),
+                                         _mm_maddubs_epi16(_mm_and_si128(_mm_srli_epi16(v, 4), m4s),
+                                                           _mm_loadu_si128((const __m128i*)(xp + 32))));
+        p = _mm_madd_epi16(sp, _mm_set1_epi16(1));
+        rest[t] = ASYM ? mw0 * xq.s[o] : -c0 * (float)xq.q8[o];
+      } else {
+        const int8_t* b0 = (const int8_t*)crow + b * 32;
+        const __m128i w0 = _mm_loadu_si128((const __m128i*)b0), w1 = _mm_loadu_si128((const __m128i*)(b0 + 16));
+        const __m128i one = _mm_set1_epi16(1);
+        const __m128i xa = _mm_sign_epi8(_mm_loadu_si128((const __m128i*)xp), w0);
+        const __m128i xc = _mm_sign_epi8(_mm_loadu_si128((const __m128i*)(xp + 32)), w1);
+        p = _mm_add_epi32(_mm_madd_epi16(_mm_maddubs_epi16(_mm_sign_epi8(w0, w0), xa), one),
+                          _mm_madd_epi16(_mm_maddubs_epi16(_mm_sign_epi8(w1, w1), xc), one));
+      }
+      tail[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(p), _mm_set1_ps(c0), tail[t]);
     }
   }
-  for (int t = 0; t < T; ++t) out[(m0 + t) * ldo] = hsum8(acc[t]);
+  for (int t = 0; t < T; ++t) out[(m0 + t) * ldo] = hsum_tail(acc[t], tail[t]) + rest[t];
 }
 
 // ---- approach (a), 8 weight rows at a time (for 2+ activation rows; N % 8 leftover rows take the one-row kernel).
@@ -675,31 +707,111 @@ EDGELLM_INLINE void rows8_block(const XQ& xq, int64_t m0, int64_t b, const uint8
   }
 }
 
-// Rows n0..n0+7 (codes at `codes`, row stride rb bytes) against activation rows m0..m0+T-1.  Block b goes to
-// the accumulator of its residue b mod 8, blocks in increasing order, the 8 residues summed as hsum8 does:
-// per (row, token) exactly the float operations of the one-row kernel, whose lane j is residue j.  Residues
-// go two at a time (two independent FMA chains per token).  pf: memory to prefetch over the blocks (or null).
+// The 4 partial integer sums of block b (partial l: codes 4l..4l+3 and 16+4l..16+4l+3, the one-row kernel's
+// lane split) of rows n0..n0+7 against activation rows m0..m0+T-1: the blocks after the last full chunk,
+// which the one-row kernel folds into its float sums part by part.
+template <int BITS, int T>
+EDGELLM_INLINE void rows8_parts(const XQ& xq, int64_t m0, int64_t b, const uint8_t* codes, int64_t rb,
+                                __m256i part[][4]) {
+  const int64_t xstride = xq.nc * 256;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  __m256i lo[4], hi[4];
+  if (BITS == 4) {
+    __m256i q[4];
+    transpose_8x16(codes + b * 16, rb, q);
+    for (int j = 0; j < 4; ++j) {
+      lo[j] = _mm256_and_si256(q[j], m4);
+      hi[j] = _mm256_and_si256(_mm256_srli_epi16(q[j], 4), m4);
+    }
+  } else {
+    transpose_8x16(codes + b * 32, rb, lo);
+    transpose_8x16(codes + b * 32 + 16, rb, hi);
+  }
+  const int8_t* x0 = xq.qrow(m0);
+  const int64_t off0 = xq_off(b, 0), off1 = xq_off(b, 1);
+  for (int t = 0; t < T; ++t) {
+    const int8_t* xl = x0 + t * xstride + off0;
+    const int8_t* xh = x0 + t * xstride + off1;
+    for (int j = 0; j < 4; ++j) {
+      if (BITS == 4) {
+        part[t][j] = dot4_u8s8_bcast(dot4_u8s8_bcast(_mm256_setzero_si256(), lo[j], xl + 4 * j), hi[j], xh + 4 * j);
+      } else {  // |w| against x with w's sign: exact, no offset to take off
+        part[t][j] = dot4_u8s8(dot4_u8s8(_mm256_setzero_si256(), _mm256_abs_epi8(lo[j]),
+                                         _mm256_sign_epi8(bcast32(xl + 4 * j), lo[j])),
+                               _mm256_abs_epi8(hi[j]), _mm256_sign_epi8(bcast32(xh + 4 * j), hi[j]));
+      }
+    }
+  }
+}
+
+// Rows n0..n0+7 (codes at `codes`, row stride rb bytes) against activation rows m0..m0+T-1, by exactly the
+// float operations of the one-row kernel (qdot_row) for each (row, token), so that a row's result does not
+// depend on the kernel nor on the number of tokens: its accumulator lane j is kept here as acc[j] (the full
+// chunks' blocks b = j mod 8, in increasing order, two residues at a time for two independent FMA chains),
+// then the blocks after the last full chunk go in as qdot_row's pair loop and last block put them (partial
+// sums into lanes 0-3 / 4-7 and the tail, offsets in the tail or `rest`), and the sum is hsum_tail's.
+// pf: memory to prefetch over the blocks (or null).
 template <int BITS, bool ASYM, int T>
 static inline void rows8_tile(const XQ& xq, int64_t m0, const uint8_t* codes, int64_t rb, const float* wsc,
                               const float* wmn, const GroupOf& gof, float* out, int64_t ldo, const uint8_t* pf) {
-  const int64_t nb = xq.nb;
+  const int64_t nb = xq.nb, bf = xq.nfull * 8, dstride = xq.nc * 8;
   constexpr int64_t bpb = ROWS8 * BITS * 4;  // bytes of one block of the 8 rows
-  __m256 res[T][8];
+  __m256 acc[T][8], tail[T][4], rest[T];
+  for (int t = 0; t < T; ++t) {
+    for (int j = 0; j < 4; ++j) tail[t][j] = _mm256_setzero_ps();
+    rest[t] = _mm256_setzero_ps();
+  }
   for (int j = 0; j < 8; j += 2) {
     __m256 even[T], odd[T];
     for (int t = 0; t < T; ++t) even[t] = odd[t] = _mm256_setzero_ps();
-    for (int64_t b = j; b < nb; b += 8) {
+    for (int64_t b = j; b < bf; b += 8) {
       if (pf)
         for (int64_t o = 0; o < 2 * bpb; o += 64) prefetch(pf + b * bpb + o);
       rows8_block<BITS, ASYM, T>(xq, m0, b, codes, rb, wsc, wmn, gof, even);
-      if (b + 1 < nb) rows8_block<BITS, ASYM, T>(xq, m0, b + 1, codes, rb, wsc, wmn, gof, odd);
+      rows8_block<BITS, ASYM, T>(xq, m0, b + 1, codes, rb, wsc, wmn, gof, odd);
     }
-    for (int t = 0; t < T; ++t) { res[t][j] = even[t]; res[t][j + 1] = odd[t]; }
+    for (int t = 0; t < T; ++t) { acc[t][j] = even[t]; acc[t][j + 1] = odd[t]; }
   }
-  for (int t = 0; t < T; ++t) {
-    const __m256 lo = _mm256_add_ps(_mm256_add_ps(res[t][0], res[t][4]), _mm256_add_ps(res[t][2], res[t][6]));
-    const __m256 hi = _mm256_add_ps(_mm256_add_ps(res[t][1], res[t][5]), _mm256_add_ps(res[t][3], res[t][7]));
-    _mm256_storeu_ps(out + (m0 + t) * ldo, _mm256_add_ps(lo, hi));
+  __m256i part[T][4];
+  int64_t b = bf;
+  for (; b + 2 <= nb; b += 2) {  // qdot_row's pair loop: block b into lanes 0-3, block b + 1 into lanes 4-7
+    for (int h = 0; h < 2; ++h) {
+      if (pf)
+        for (int64_t o = 0; o < bpb; o += 64) prefetch(pf + (b + h) * bpb + o);
+      rows8_parts<BITS, T>(xq, m0, b + h, codes, rb, part);
+      const __m256 dw = _mm256_load_ps(wsc + gof(b + h) * 8);
+      for (int t = 0; t < T; ++t) {
+        const int64_t o = (m0 + t) * dstride + b + h;
+        const __m256 c = _mm256_mul_ps(dw, _mm256_set1_ps(xq.d[o]));
+        for (int j = 0; j < 4; ++j) acc[t][4 * h + j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[t][j]), c, acc[t][4 * h + j]);
+        if (BITS == 4) {
+          if (ASYM)
+            tail[t][h] = _mm256_fmadd_ps(_mm256_load_ps(wmn + gof(b + h) * 8), _mm256_set1_ps(xq.s[o]), tail[t][h]);
+          else
+            tail[t][h] = _mm256_fnmadd_ps(c, _mm256_set1_ps((float)xq.q8[o]), tail[t][h]);
+        }
+      }
+    }
+  }
+  if (b < nb) {  // qdot_row's last block: partial sums into the tail, the offset into `rest`
+    if (pf)
+      for (int64_t o = 0; o < bpb; o += 64) prefetch(pf + b * bpb + o);
+    rows8_parts<BITS, T>(xq, m0, b, codes, rb, part);
+    const __m256 dw = _mm256_load_ps(wsc + gof(b) * 8);
+    for (int t = 0; t < T; ++t) {
+      const int64_t o = (m0 + t) * dstride + b;
+      const __m256 c = _mm256_mul_ps(dw, _mm256_set1_ps(xq.d[o]));
+      if (BITS == 4)
+        rest[t] = ASYM ? _mm256_mul_ps(_mm256_load_ps(wmn + gof(b) * 8), _mm256_set1_ps(xq.s[o]))
+                       : _mm256_mul_ps(_mm256_xor_ps(c, _mm256_set1_ps(-0.0f)), _mm256_set1_ps((float)xq.q8[o]));  // (-c0) * q8
+      for (int j = 0; j < 4; ++j) tail[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[t][j]), c, tail[t][j]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {  // hsum_tail: ((a0 + a4) + t0 + (a2 + a6) + t2) + ((a1 + a5) + t1 + (a3 + a7) + t3)
+    __m256 s4[4];
+    for (int j = 0; j < 4; ++j) s4[j] = _mm256_add_ps(_mm256_add_ps(acc[t][j], acc[t][j + 4]), tail[t][j]);
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(s4[0], s4[2]), _mm256_add_ps(s4[1], s4[3]));
+    _mm256_storeu_ps(out + (m0 + t) * ldo, _mm256_add_ps(sum, rest[t]));
   }
 }
 
