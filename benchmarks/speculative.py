@@ -55,19 +55,26 @@ NOTE = """Notes:
   + ~0.4 ms per extra token since the 3×4-tile GEMM with next-tile prefetch (T=9: 29.7 → 17 ms).
   With a symmetric int4 draft (and the older verification pass) acceptance was 51% / 68% / 85% on
   chat / edit / code and the speed-up 1.00× / 1.06× / 1.69×.
-- Lookup on int8/int4 targets gains less: their verification pass costs ~1 ms per extra token against a
-  ~2.2 ms step (compute-bound int8-activation kernels; AVX-512 VNNI took 0.1 ms off that), and the
-  model's edit rewrites more than it copies (mean accepted ~0.95 per round), so the controller keeps γ
-  at 2-3; a fixed larger γ was slower (int4, edit: γ 2: 1.27×, 4: 0.92×, 8: 0.84×).
-- Tried and reverted (2026-11-23): an int4 kernel over 8 weight rows at a time (codes of the 8 rows
-  transposed in registers so each vpdpbusd with 4 broadcast activation bytes feeds all 8 rows; one
-  convert + FMA per block and token, no horizontal sums). Verification matmuls got cheaper (fused step,
-  pos 300: T=8 matmul 7.0 -> 5.6 ms, T=4 3.7 -> 3.2 ms) but the one-token step did not (2.0 -> 2.3 ms in
-  the same A/B; int8 rows 5-8% slower end to end), and int4 lookup on edit did not move (~420-430 tok/s
-  with either kernel, 2 A/B runs each): γ stays at 1-2 and the int8 LM head dominates the extra rows.
+- Lookup on int8/int4 targets gains less: one token is a ~2.5 ms step (memory-bound int4/int8
+  weights), each extra verified token ~0.6-0.7 ms of int8-activation compute (matmuls ~0.55 ms, attention
+  ~0.15 ms at position 300), and the model's edit rewrites more than it copies (mean accepted ~1.3-1.5).
+- Since 2026-11-23 (second session): (1) verification passes take an 8-row int-dot kernel (the codes of 8
+  weight rows transposed in registers, one vpdpbusd per 4 codes feeding all 8 rows, tiles of up to 8
+  tokens on AVX-512); it reproduces the one-row kernel's float operations exactly (T-invariance test), so
+  one-token steps keep the one-row kernel. Microbenchmark, hot cache: LM head (int8 49152x576) 4 tokens
+  0.88 -> 0.61-0.71 ms, 8 tokens 1.65 -> 1.1-1.2 ms; w13 (int4 3072x576) 4 tokens 0.047 -> 0.039 ms.
+  (2) The fp32 cache's attention uses the quantized cache's tile (8 scores per horizontal sum): per call
+  at pos 300, T1 0.80 -> 0.52 ms, T8 3.3 -> 1.6 ms. (3) Lookup's γ is chosen per matched n-gram length,
+  each with its own acceptance estimate (offline replay, edit: 1.41x -> 1.47x at equal costs).
+  A first version of (1) changed the one-row kernel's tail blocks to suit the 8-row kernel, which made
+  one-token steps slower and so inflated the ratio (edit, int8/int4 lookup read 1.47-1.55x against a slow
+  `alone`); with the one-row kernel restored, the same run reads ~1.1-1.35x: the numbers above.
+- Tried and reverted (2026-11-23, first session): the same 8-row kernel for every token count, one-token
+  steps included (2.0 -> 2.3 ms per step: nothing gained end to end). Also tried (second session): all of a
+  verification pass's tokens' attention tiles in one parallel region instead of one per token (no gain).
   A replay of the int4 target's greedy output offline (proposals vs what it then emitted) gives lookup
-  on edit 1.41x at the best fixed γ and 1.73x for an oracle that knows each round's accepted length,
-  at this machine's verification costs: the 1.5x target needs extra rows at ~0.5 of today's cost.
+  on edit ~1.5x at the best policy and ~2x for an oracle that knows each round's accepted length,
+  at this machine's verification costs: the 1.5x target needs extra rows at about half today's cost.
 - The edit prompt was reworded this session: the previous wording ("Correct the spelling and grammar
   mistakes in this paragraph. Reply with the corrected paragraph only, ...") made the 135M model describe
   itself in 18 tokens instead of editing, so nothing was measured.

@@ -456,6 +456,7 @@ class GammaController:
     DECAY = 0.9
     VERIFY_SLOPE = 0.05  # prior: each extra verified token costs 5% of a pass (memory-bound decode)
     HYSTERESIS = 1.03
+    EXPLORE = 8  # gamma_for: one guess every 8 rounds of a kind not worth guessing for
 
     def __init__(self, fixed: int | None = None, start: int = GAMMA_START, lo: int = GAMMA_MIN, hi: int = GAMMA_MAX):
         if fixed is not None and fixed < 1:
@@ -466,6 +467,7 @@ class GammaController:
         self.gamma = fixed if fixed is not None else min(start, hi)
         self.succ, self.fail = 1.5, 1.0  # prior: α ≈ 0.6, forgotten after a few rounds
         self.by_kind: dict[Any, list[float]] = {}  # proposal kind → its own [succ, fail], same prior
+        self.skipped: dict[Any, int] = {}  # proposal kind → rounds gamma_for answered 0
         self.c_draft: float | None = None
         self.c_verify: dict[int, float] = {}
         self.history: list[int] = []
@@ -482,6 +484,7 @@ class GammaController:
         T = proposed + 1
         old = self.c_verify.get(T)
         self.c_verify[T] = verify_s if old is None else self.DECAY * old + (1 - self.DECAY) * verify_s
+        self._fit_verify_cost()
         if proposed:
             missed = 1.0 if accepted < proposed else 0.0
             self.succ = self.DECAY * self.succ + accepted
@@ -494,19 +497,24 @@ class GammaController:
         if self.fixed is None:
             self.gamma = self.choose()
 
-    def verify_cost(self, T: int) -> float:
+    def _fit_verify_cost(self) -> None:
+        """c_verify(T) ≈ ym + slope (T - xm), fitted once per update (rate() asks for it ~30 times a round)."""
         pts = sorted(self.c_verify.items())
-        if not pts:
-            return 1.0
         if len(pts) == 1:
             t0, c0 = pts[0]
             base = c0 / (1 + self.VERIFY_SLOPE * (t0 - 1))
-            return base * (1 + self.VERIFY_SLOPE * (T - 1))
+            self._fit = (1.0, base, base * self.VERIFY_SLOPE)
+            return
         xs = [t for t, _ in pts]
         ys = [c for _, c in pts]
         xm, ym = sum(xs) / len(xs), sum(ys) / len(ys)
         var = sum((x - xm) ** 2 for x in xs)
-        slope = max(0.0, sum((x - xm) * (y - ym) for x, y in zip(xs, ys)) / var)
+        self._fit = (xm, ym, max(0.0, sum((x - xm) * (y - ym) for x, y in zip(xs, ys)) / var))
+
+    def verify_cost(self, T: int) -> float:
+        if not self.c_verify:
+            return 1.0
+        xm, ym, slope = self._fit
         return max(ym + slope * (T - xm), 1e-9)
 
     def expected_tokens(self, gamma: int, alpha: float | None = None) -> float:
@@ -520,12 +528,19 @@ class GammaController:
 
     def gamma_for(self, kind: Any) -> int:
         """γ for a free proposal of this kind (Proposer.free_proposals): the best rate under that kind's own
-        acceptance estimate, chosen afresh each round (no hysteresis: nothing is paid to switch)."""
+        acceptance estimate, chosen afresh each round (no hysteresis: nothing is paid to switch). 0 (verify
+        nothing, a plain step) where even one guess costs more than it is expected to bring, but every
+        EXPLORE-th such round still tries one, so that kind's estimate can recover."""
         if self.fixed is not None or kind is None or not self.c_verify:
             return self.gamma
         alpha = self.alpha_of(kind)
-        self.gamma = max(range(self.lo, self.hi + 1), key=lambda g: self.rate(g, alpha))
-        return self.gamma
+        best = max(range(self.lo, self.hi + 1), key=lambda g: self.rate(g, alpha))
+        if self.rate(best, alpha) < self.rate(0, alpha):
+            skipped = self.skipped[kind] = self.skipped.get(kind, 0) + 1
+            if skipped % self.EXPLORE:
+                return 0
+        self.gamma = best
+        return best
 
     def choose(self) -> int:
         if self.c_draft is None:

@@ -114,7 +114,9 @@ def test_greedy_identical_to_plain(target, other, name, gamma):
             # the cache plain decoding leaves: every emitted token but the last
             assert engine.cache.length == len(prompt) + n - 1
             assert engine.cached_ids == (prompt + done.tokens)[:engine.cache.length]
-            assert all(1 <= g <= GAMMA_MAX for g in done.stats.draft_gamma_history[:-1] or [1])
+            # (adaptive lookup may verify nothing in a round, a plain step, where a guess does not pay)
+            lo = 0 if name == "lookup" and gamma is None else 1
+            assert all(lo <= g <= GAMMA_MAX for g in done.stats.draft_gamma_history[:-1] or [1])
             if gamma is not None:  # a fixed γ is only shortened by max_tokens
                 assert all(g == min(gamma, n - 1 - i) for g, i in
                            zip(done.stats.draft_gamma_history, _emitted_before_rounds(toks)))
@@ -649,7 +651,8 @@ def test_gamma_controller():
 
 def test_gamma_per_proposal_kind():
     """Free proposals (prompt lookup) get γ from their own kind's acceptance: a kind that is always right
-    drafts long, one that always misses at the first guess drafts one; --draft-tokens still pins γ."""
+    drafts long; one that always misses at the first guess is not worth a verified row: γ 0 (a plain step),
+    with one guess every EXPLORE rounds so its estimate can recover; --draft-tokens still pins γ."""
     g = GammaController()
     assert g.gamma_for(3) == 4  # no cost measured yet: the starting γ
     for _ in range(30):
@@ -657,8 +660,9 @@ def test_gamma_per_proposal_kind():
             n = g.gamma_for(kind)
             g.update(n, n if right else 0, draft_s=1e-5, verify_s=0.01 * (1 + 0.3 * n), kind=kind)
     assert g.gamma_for(3) >= 8
-    assert g.gamma_for(1) == 1
-    assert g.alpha_of(3) > 0.9 > 0.1 > g.alpha_of(1)
+    tries = [g.gamma_for(1) for _ in range(2 * GammaController.EXPLORE)]
+    assert sorted(set(tries)) == [0, 1] and tries.count(1) == 2
+    assert g.alpha_of(3) > 0.9 > 0.2 > g.alpha_of(1)
     fixed = GammaController(fixed=5)
     fixed.update(5, 0, 1e-5, 0.01, kind=1)
     assert fixed.gamma_for(1) == 5
