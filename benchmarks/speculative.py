@@ -68,7 +68,8 @@ NOTE = """Notes:
   each with its own acceptance estimate (offline replay, edit: 1.41x -> 1.47x at equal costs).
   A first version of (1) changed the one-row kernel's tail blocks to suit the 8-row kernel, which made
   one-token steps slower and so inflated the ratio (edit, int8/int4 lookup read 1.47-1.55x against a slow
-  `alone`); with the one-row kernel restored, the same run reads ~1.1-1.35x: the numbers above.
+  `alone`); with the one-row kernel restored, edit reads 1.37x (int8) / 1.46x (int4) in the table above,
+  and 1.06-1.41x in single side-by-side runs of the same code (this machine's noise).
 - Tried and reverted (2026-11-23, first session): the same 8-row kernel for every token count, one-token
   steps included (2.0 -> 2.3 ms per step: nothing gained end to end). Also tried (second session): all of a
   verification pass's tokens' attention tiles in one parallel region instead of one per token (no gain).
