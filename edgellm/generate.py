@@ -134,9 +134,10 @@ class Engine:
         self.draft = draft
         self.draft_tokens = draft_tokens
         if draft is not None:
-            from .speculative import GammaController, max_draft_tokens
+            from .speculative import GammaController, VerifyCosts, max_draft_tokens
 
             self.draft_max = max_draft_tokens(model)  # drafts per verification pass that keep it exact
+            self.draft_costs = VerifyCosts()  # measured by each answer's γ controller, kept for the next
             GammaController(draft_tokens, hi=self.draft_max)  # validates draft_tokens now, not at the first answer
             draft.bind(self)
 
@@ -292,7 +293,7 @@ class Engine:
         s = settings.sampling
         stats = GenerationStats(prompt_tokens=len(prompt), draft=getattr(self.draft, "name", "draft"))
         sampler = Sampler(s, self.device)
-        gamma_ctl = GammaController(self.draft_tokens, hi=self.draft_max)
+        gamma_ctl = GammaController(self.draft_tokens, hi=self.draft_max, costs=self.draft_costs)
         penalty = s.repeat_penalty != 1.0
         eos = set() if settings.ignore_eos else self.tokenizer.eos_ids
         detok = self.tokenizer.stream()

@@ -37,7 +37,7 @@ from .errors import EdgeLLMError
 from .sampling import Sampler, SamplingSettings, apply_repeat_penalty, probabilities
 
 __all__ = ["Proposer", "DraftModelProposer", "SelfDraftProposer", "PromptLookupProposer", "GammaController",
-           "make_proposer", "build_self_draft", "check_tokenizers", "residual", "verify_greedy",
+           "VerifyCosts", "make_proposer", "build_self_draft", "check_tokenizers", "residual", "verify_greedy",
            "verify_sampled", "max_draft_tokens", "GAMMA_MIN", "GAMMA_MAX", "GAMMA_START"]
 
 GAMMA_START, GAMMA_MIN, GAMMA_MAX = 4, 1, 16
@@ -443,6 +443,14 @@ def max_draft_tokens(model: torch.nn.Module) -> int:
     return GAMMA_MAX
 
 
+@dataclasses.dataclass
+class VerifyCosts:
+    """What the γ controller has measured about this engine: seconds of a verification pass per T and per
+    draft token (decayed means)."""
+    c_verify: dict[int, float] = dataclasses.field(default_factory=dict)
+    c_draft: float | None = None
+
+
 class GammaController:
     """Picks γ (drafts per round) to maximise expected tokens per second:
         E[tokens | α, γ] = (1 - α^(γ+1)) / (1 - α)        (Leviathan et al. 2023, eq. 1)
@@ -451,33 +459,50 @@ class GammaController:
     drafts after a rejection are never tested, so proposed-minus-accepted would bias α low);
     c_draft: decayed mean seconds per draft token; c_verify(T): decayed mean seconds of a verification
     pass per T seen so far, linear between and beyond the measured T (prior slope VERIFY_SLOPE · c(T)
-    per extra token until two T have been measured). `fixed` pins γ (--draft-tokens N)."""
+    per extra token until two T have been measured). `fixed` pins γ (--draft-tokens N).
+    Free proposals (prompt lookup) get γ per kind of guess from that kind's own α (gamma_for), and may
+    get 0: no verified guess that round, a plain step."""
 
     DECAY = 0.9
     VERIFY_SLOPE = 0.05  # prior: each extra verified token costs 5% of a pass (memory-bound decode)
     HYSTERESIS = 1.03
     EXPLORE = 8  # gamma_for: one guess every 8 rounds of a kind not worth guessing for
+    PRIOR = (1.5, 1.0)  # decayed (accepted, first rejections) before any round: α ≈ 0.6, soon forgotten
 
-    def __init__(self, fixed: int | None = None, start: int = GAMMA_START, lo: int = GAMMA_MIN, hi: int = GAMMA_MAX):
+    def __init__(self, fixed: int | None = None, start: int = GAMMA_START, lo: int = GAMMA_MIN, hi: int = GAMMA_MAX,
+                 costs: VerifyCosts | None = None):
+        """`costs`: measured costs to start from and to keep updating (an Engine's, shared by its answers:
+        they belong to the model and machine, not to one prompt); α always starts from the prior."""
         if fixed is not None and fixed < 1:
             raise EdgeLLMError(f"--draft-tokens must be at least 1 (got {fixed})")
         if fixed is not None:
             fixed = min(fixed, hi)  # beyond `hi` verification would not be exact (max_draft_tokens)
         self.fixed, self.lo, self.hi = fixed, lo, hi
         self.gamma = fixed if fixed is not None else min(start, hi)
-        self.succ, self.fail = 1.5, 1.0  # prior: α ≈ 0.6, forgotten after a few rounds
+        self.succ, self.fail = self.PRIOR
         self.by_kind: dict[Any, list[float]] = {}  # proposal kind → its own [succ, fail], same prior
         self.skipped: dict[Any, int] = {}  # proposal kind → rounds gamma_for answered 0
-        self.c_draft: float | None = None
-        self.c_verify: dict[int, float] = {}
+        self.costs = costs if costs is not None else VerifyCosts()
+        self.c_verify = self.costs.c_verify  # seconds of a verification pass per T (decayed means)
+        self._fit = (1.0, 1.0, 0.0)  # verify_cost's line (x mean, y mean, slope), refitted by update
+        if self.c_verify:
+            self._fit_verify_cost()
         self.history: list[int] = []
 
     @property
     def alpha(self) -> float:
         return self.succ / (self.succ + self.fail)
 
+    @property
+    def c_draft(self) -> float | None:  # decayed mean seconds per draft token
+        return self.costs.c_draft
+
+    @c_draft.setter
+    def c_draft(self, value: float | None) -> None:
+        self.costs.c_draft = value
+
     def alpha_of(self, kind: Any) -> float:
-        succ, fail = self.by_kind.get(kind, (1.5, 1.0))
+        succ, fail = self.by_kind.get(kind, self.PRIOR)
         return succ / (succ + fail)
 
     def update(self, proposed: int, accepted: int, draft_s: float, verify_s: float, kind: Any = None) -> None:
@@ -490,7 +515,7 @@ class GammaController:
             self.succ = self.DECAY * self.succ + accepted
             self.fail = self.DECAY * self.fail + missed
             if kind is not None:
-                succ, fail = self.by_kind.get(kind, (1.5, 1.0))
+                succ, fail = self.by_kind.get(kind, self.PRIOR)
                 self.by_kind[kind] = [self.DECAY * succ + accepted, self.DECAY * fail + missed]
             per = draft_s / proposed
             self.c_draft = per if self.c_draft is None else self.DECAY * self.c_draft + (1 - self.DECAY) * per

@@ -26,7 +26,7 @@ from edgellm.generate import Done, Engine, GenerationSettings, Token
 from edgellm.loading import load_model
 from edgellm.model import Transformer
 from edgellm.sampling import SamplingSettings, probabilities
-from edgellm.speculative import (GAMMA_MAX, DraftModelProposer, GammaController, PromptLookupProposer,
+from edgellm.speculative import (GAMMA_MAX, DraftModelProposer, GammaController, PromptLookupProposer, VerifyCosts,
                                  SelfDraftProposer, check_tokenizers, make_proposer, max_draft_tokens)
 
 PROMPTS = [[1, 17, 42, 99, 7, 3, 250, 11, 64, 5, 33, 8],
@@ -666,6 +666,19 @@ def test_gamma_per_proposal_kind():
     fixed = GammaController(fixed=5)
     fixed.update(5, 0, 1e-5, 0.01, kind=1)
     assert fixed.gamma_for(1) == 5
+
+
+def test_verification_costs_carry_over_to_the_next_answer():
+    """What a controller measured (seconds per verification pass and per draft token) starts the next one:
+    the costs belong to the engine, only α starts again from the prior."""
+    costs = VerifyCosts()
+    first = GammaController(costs=costs)
+    for T, sec in ((2, 0.012), (5, 0.024)):
+        first.update(T - 1, 0, draft_s=1e-4 * (T - 1), verify_s=sec)
+    second = GammaController(costs=costs)
+    assert second.verify_cost(5) == pytest.approx(0.024) and second.verify_cost(2) == pytest.approx(0.012)
+    assert second.c_draft == pytest.approx(first.c_draft)
+    assert second.alpha == pytest.approx(0.6) and GammaController().verify_cost(5) == 1.0
 
 
 def test_quantized_target_verifies_at_most_kernel_rows(target):
