@@ -68,8 +68,9 @@ NOTE = """Notes:
   each with its own acceptance estimate (offline replay, edit: 1.41x -> 1.47x at equal costs).
   A first version of (1) changed the one-row kernel's tail blocks to suit the 8-row kernel, which made
   one-token steps slower and so inflated the ratio (edit, int8/int4 lookup read 1.47-1.55x against a slow
-  `alone`); with the one-row kernel restored, edit reads 1.37x (int8) / 1.46x (int4) in the table above,
-  and 1.06-1.41x in single side-by-side runs of the same code (this machine's noise).
+  `alone`); with the one-row kernel restored, edit reads 1.23x (int8) / 1.21x (int4) in the table above
+  and 1.06-1.46x over this session's other runs of the same kernels (this machine's noise: the same
+  binary's one-token step read 2.4-3.5 ms across runs).
 - Tried and reverted (2026-11-23, first session): the same 8-row kernel for every token count, one-token
   steps included (2.0 -> 2.3 ms per step: nothing gained end to end). Also tried (second session): all of a
   verification pass's tokens' attention tiles in one parallel region instead of one per token (no gain).
