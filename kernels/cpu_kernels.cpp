@@ -554,8 +554,8 @@ static inline void qdot_row(const XQ& xq, int64_t m0, const uint8_t* crow, const
 // lanes then adds 4 products to each of the 8 rows at once.  Every block ends with the 8 rows' int32 sums in
 // natural lane order, so the float epilogue is one convert and one FMA per block and token for all 8 rows
 // (the one-row kernel needs three horizontal adds and a permute per 8 blocks and token), and the result is
-// stored as 8 consecutive outputs with no horizontal sum at all.  The transpose (12 shuffles per block for
-// int4, 24 for int8) is shared by up to 4 activation rows; a T-token verification pass is what this is for.
+// stored as 8 consecutive outputs.  The transpose (12 shuffles per block for int4, 24 for int8) is shared by
+// the tokens of a tile (up to ROWS8_TILE); a T-token verification pass is what this is for.
 // Per (row, token) the float operations are those of the one-row kernel (rows8_tile), so a row's result
 // does not depend on which kernel computed it, nor on the number of tokens: rows of a verification pass stay
 // bit-identical to one-token steps, which take the one-row kernel (no transpose to amortise there).
@@ -644,8 +644,8 @@ static void transpose_scales8(const uint16_t* s, int64_t ng, float* out) {
   }
 }
 
-// Rows n0..n0+7 (codes at `codes`, row stride rb bytes) against activation rows m0..m0+T-1.
-// One block b of rows n0..n0+7 against activation rows m0..m0+T-1, into accumulators acc[t].
+// One block b of rows n0..n0+7 (codes at `codes`, row stride rb bytes) against activation rows m0..m0+T-1,
+// into accumulators acc[t]: the block's exact integer sums, times d_w * d_x (+ min_w * s_x), one FMA each.
 template <int BITS, bool ASYM, int T>
 EDGELLM_INLINE void rows8_block(const XQ& xq, int64_t m0, int64_t b, const uint8_t* codes, int64_t rb,
                                const float* wsc, const float* wmn, const GroupOf& gof, __m256* acc) {
