@@ -160,7 +160,8 @@ def test_int8_matches_reference(ext, m, n, k, g):
 
 # ------------------------------------------------------------------------------------------------ T-invariance
 # N = 35 and 13 leave rows outside every group of 8 (those take the one-row kernel); K = 96, 288 and 576 leave
-# blocks after the last 256-wide chunk; M up to 9 crosses the 8-row kernel's tiles of 4 tokens.
+# blocks after the last 256-wide chunk (the one-row kernel's pair loop and last block); M = 2..9 gives the 8-row
+# kernel every tile size and, at 5+ (AVX2) or 9 (AVX-512) tokens, more than one tile.
 ROWS_SHAPES = [(35, 576, 32), (16, 1536, 32), (13, 96, 32), (24, 288, 32), (40, 576, 64), (16, 1536, 128)]
 
 

@@ -118,9 +118,9 @@ def test_fused_many_rows_equal_one_token_steps(tiny_models, variant, weights):
 @pytest.mark.parametrize("kv", ["fp", "int8", "int4"])
 @pytest.mark.parametrize("weights", ["fp", "int4"])
 def test_fused_many_rows_equal_one_token_steps_long_context(tmp_path, kv, weights):
-    """The same at 600 cached keys on two threads, where every token's attention splits into key tiles and a
-    T-token call runs all its tokens' tiles in one parallel region: still each row bit for bit the one-token
-    step, for fp32 and quantized caches."""
+    """The same at 600 cached keys on two threads, where every token's attention splits into key tiles (how
+    many depends on its position): still each row bit for bit the one-token step, for fp32 and quantized
+    caches."""
     folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=11, hidden_size=192, num_attention_heads=3,
                            num_key_value_heads=1, max_position_embeddings=1024)
     loaded = load_model(folder, max_seq_len=1024, weights=weights)
