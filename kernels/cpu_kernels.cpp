@@ -644,15 +644,12 @@ static void transpose_scales8(const uint16_t* s, int64_t ng, float* out) {
   }
 }
 
-// One block b of rows n0..n0+7 (codes at `codes`, row stride rb bytes) against activation rows m0..m0+T-1,
-// into accumulators acc[t]: the block's exact integer sums, times d_w * d_x (+ min_w * s_x), one FMA each.
-template <int BITS, bool ASYM, int T>
-EDGELLM_INLINE void rows8_block(const XQ& xq, int64_t m0, int64_t b, const uint8_t* codes, int64_t rb,
-                               const float* wsc, const float* wmn, const GroupOf& gof, __m256* acc) {
-  const int64_t xstride = xq.nc * 256, dstride = xq.nc * 8;
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  __m256i lo[4], hi[4];  // lanes = rows; lo: codes (or bytes) 4j..4j+3 of the block, hi: 16+4j..16+4j+3
+// Block b of rows n0..n0+7 (codes at `codes`, row stride rb bytes), transposed: lanes = rows; lo[j]: codes
+// (int8: bytes) 4j..4j+3 of the block, hi[j]: 16+4j..16+4j+3.
+template <int BITS>
+EDGELLM_INLINE void rows8_codes(const uint8_t* codes, int64_t b, int64_t rb, __m256i lo[4], __m256i hi[4]) {
   if (BITS == 4) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
     __m256i q[4];
     transpose_8x16(codes + b * 16, rb, q);
     for (int j = 0; j < 4; ++j) {
@@ -663,6 +660,16 @@ EDGELLM_INLINE void rows8_block(const XQ& xq, int64_t m0, int64_t b, const uint8
     transpose_8x16(codes + b * 32, rb, lo);
     transpose_8x16(codes + b * 32 + 16, rb, hi);
   }
+}
+
+// One block b of rows n0..n0+7 (codes at `codes`, row stride rb bytes) against activation rows m0..m0+T-1,
+// into accumulators acc[t]: the block's exact integer sums, times d_w * d_x (+ min_w * s_x), one FMA each.
+template <int BITS, bool ASYM, int T>
+EDGELLM_INLINE void rows8_block(const XQ& xq, int64_t m0, int64_t b, const uint8_t* codes, int64_t rb,
+                               const float* wsc, const float* wmn, const GroupOf& gof, __m256* acc) {
+  const int64_t xstride = xq.nc * 256, dstride = xq.nc * 8;
+  __m256i lo[4], hi[4];
+  rows8_codes<BITS>(codes, b, rb, lo, hi);
 #if defined(EDGELLM_VNNI)
   if (BITS == 8) {  // w + 128 as u8; the 128 * sum(x) it adds is taken off below, exactly, in int32
     const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -714,19 +721,8 @@ template <int BITS, int T>
 EDGELLM_INLINE void rows8_parts(const XQ& xq, int64_t m0, int64_t b, const uint8_t* codes, int64_t rb,
                                 __m256i part[][4]) {
   const int64_t xstride = xq.nc * 256;
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
   __m256i lo[4], hi[4];
-  if (BITS == 4) {
-    __m256i q[4];
-    transpose_8x16(codes + b * 16, rb, q);
-    for (int j = 0; j < 4; ++j) {
-      lo[j] = _mm256_and_si256(q[j], m4);
-      hi[j] = _mm256_and_si256(_mm256_srli_epi16(q[j], 4), m4);
-    }
-  } else {
-    transpose_8x16(codes + b * 32, rb, lo);
-    transpose_8x16(codes + b * 32 + 16, rb, hi);
-  }
+  rows8_codes<BITS>(codes, b, rb, lo, hi);
   const int8_t* x0 = xq.qrow(m0);
   const int64_t off0 = xq_off(b, 0), off1 = xq_off(b, 1);
   for (int t = 0; t < T; ++t) {
