@@ -293,7 +293,8 @@ class Engine:
         s = settings.sampling
         stats = GenerationStats(prompt_tokens=len(prompt), draft=getattr(self.draft, "name", "draft"))
         sampler = Sampler(s, self.device)
-        gamma_ctl = GammaController(self.draft_tokens, hi=self.draft_max, costs=self.draft_costs)
+        gamma_ctl = GammaController(self.draft_tokens, hi=self.draft_max, costs=self.draft_costs,
+                                    kind_prior=getattr(self.draft, "kind_prior", None))
         penalty = s.repeat_penalty != 1.0
         eos = set() if settings.ignore_eos else self.tokenizer.eos_ids
         detok = self.tokenizer.stream()
@@ -301,6 +302,7 @@ class Engine:
         P = len(prompt)
         out_ids: list[int] = []
         text_parts: list[str] = []
+        token_buf = torch.empty((1, 1), dtype=torch.long, device=self.device)
 
         reset_peak_memory(self.device)
         t0 = now(self.device)
@@ -374,9 +376,13 @@ class Engine:
                     if q is not None:
                         q = q[:len(drafts)]
                 t_b = now(self.device)
-                x = torch.tensor([[context[-1]] + drafts], dtype=torch.long, device=self.device)
                 with torch.no_grad():
-                    logits = self.verify_logits(x, start)
+                    if drafts:
+                        x = torch.tensor([[context[-1]] + drafts], dtype=torch.long, device=self.device)
+                        logits = self.verify_logits(x, start)
+                    else:  # nothing to verify (no guess, or γ 0): the plain loop's step
+                        token_buf.fill_(context[-1])
+                        logits = self._decoder(token_buf, self.cache, start, self.compile_mode)[None]
                 history = context[-s.repeat_last_n:] if penalty else []
                 if s.greedy:
                     n_ok, next_id = verify_greedy(logits, drafts, history, s)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -65,6 +66,14 @@ def filter_logits(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
     return logits
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1), the first index on ties. CPU float32 goes through numpy, whose SIMD argmax
+    takes ~3 µs for a 49152-entry row where torch's takes ~30 µs (a percent of a decode step)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.from_numpy(np.asarray(logits.numpy().argmax(-1)))
+    return logits.argmax(-1)
+
+
 def probabilities(logits: torch.Tensor, s: SamplingSettings) -> torch.Tensor:
     """The distribution sample() draws from; one-hot on the argmax when greedy."""
     if s.greedy:
@@ -92,7 +101,7 @@ class Sampler:
         if recent is not None:
             logits = apply_repeat_penalty(logits, recent, self.settings.repeat_penalty)
         if self.settings.greedy:
-            return logits.argmax(-1)
+            return argmax(logits)
         probs = filter_logits(logits, self.settings).softmax(-1)
         return self.draw(probs)
 

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from .cache import KVCache
 from .decode_step import Decoder
 from .errors import EdgeLLMError
-from .sampling import Sampler, SamplingSettings, apply_repeat_penalty, probabilities
+from .sampling import Sampler, SamplingSettings, apply_repeat_penalty, argmax, probabilities
 
 __all__ = ["Proposer", "DraftModelProposer", "SelfDraftProposer", "PromptLookupProposer", "GammaController",
            "VerifyCosts", "make_proposer", "build_self_draft", "check_tokenizers", "residual", "verify_greedy",
@@ -210,7 +210,7 @@ class DraftModelProposer(Proposer):
                                       device=lg.device)
                 lg = apply_repeat_penalty(lg, recent[recent < lg.shape[-1]], s.repeat_penalty)
             if s.greedy:
-                tok = lg.argmax(-1)
+                tok = argmax(lg)
             else:
                 q = probabilities(lg, s)
                 tok = self.sampler.draw(q.to(self.sampler.generator.device)).to(lg.device)
@@ -310,28 +310,44 @@ class SelfDraftProposer(DraftModelProposer):
 # Prompt lookup
 # ------------------------------------------------------------------------------------------------
 class PromptLookupProposer(Proposer):
-    """Find the last `n` tokens (n = max_ngram..min_ngram, longest first) earlier in prompt + output and
-    propose what followed their most recent earlier occurrence. Summaries, edits and code repeat their
-    input, so this costs nothing and is often right."""
+    """Find the last tokens earlier in prompt + output and propose what followed them. Summaries, edits and
+    code repeat their input, so this costs nothing and is often right.
+
+    The match: the longest n-gram (n = max_ngram..min_ngram) ending the context that occurred before; for a
+    full max_ngram match, the occurrence (of the last `SCAN` ones) whose agreement with the context goes
+    furthest back (up to `max_match` tokens; ties: the latest), else the latest occurrence. The kind of the
+    guess is that agreement's length, bucketed (`MATCH_KINDS`): the γ controller keeps one acceptance
+    estimate per kind, because a longer agreement is likelier to go on (replay of the bundled model's answer
+    to benchmarks/speculative.py's edit prompt: the first guess was right 36% of the time after a 1-token
+    agreement, 64% after 2, 88-92% after 3-9 (runs of 5-6 tokens on average), 78% after 10 or more)."""
 
     name = "lookup"
     free_proposals = True
+    MATCH_KINDS = (1, 2, 3, 4, 7)  # kind = the largest of these ≤ the agreement's length
+    SCAN = 16  # occurrences of the max_ngram-gram compared, latest first
+    # the γ controller's starting (accepted, first rejections) per kind, before this answer has shown any:
+    # roughly the replays' rates above, light enough that a few rounds of the answer outweigh them
+    KIND_PRIORS = {1: (0.5, 1.5), 2: (1.5, 1.0), 3: (3.0, 1.0), 4: (6.0, 1.0), 7: (6.0, 1.0)}
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
-        if not 1 <= min_ngram <= max_ngram:
-            raise EdgeLLMError(f"prompt lookup: bad n-gram range {min_ngram}..{max_ngram}")
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, max_match: int = 32):
+        if not 1 <= min_ngram <= max_ngram <= max_match:
+            raise EdgeLLMError(f"prompt lookup: bad n-gram range {min_ngram}..{max_ngram} (max_match {max_match})")
         self.ngrams = range(max_ngram, min_ngram - 1, -1)
+        self.max_match = max_match
         self.reset()
 
     def reset(self) -> None:
         self.ids: list[int] = []
-        # n → {n-gram: start of its latest occurrence that has a following token}
-        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in self.ngrams}
+        # n → {n-gram: starts of its occurrences that have a following token, oldest first}
+        self.index: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.ngrams}
         self._trusted = 0
 
     def begin(self, prompt: list[int], settings: SamplingSettings, sampler: Sampler) -> None:
         super().begin(prompt, settings, sampler)
         self._trusted = 0
+
+    def kind_prior(self, kind: Any) -> tuple[float, float]:
+        return self.KIND_PRIORS.get(kind, (1.5, 1.0))
 
     def _sync(self, context: list[int]) -> None:
         m = min(len(self.ids), len(context))
@@ -347,8 +363,15 @@ class PromptLookupProposer(Proposer):
         for q in range(max(start, 1), len(ids)):
             for n_ in self.ngrams:
                 if q - n_ >= 0:
-                    self.index[n_][tuple(ids[q - n_:q])] = q - n_
+                    self.index[n_].setdefault(tuple(ids[q - n_:q]), []).append(q - n_)
         self._trusted = len(context)
+
+    def _agreement(self, context: list[int], p: int, n: int) -> int:
+        """How many tokens before (and including) the n-gram at p agree with the end of the context."""
+        L, end = n, len(context)
+        while L < self.max_match and p - (L - n) - 1 >= 0 and context[p - (L - n) - 1] == context[end - L - 1]:
+            L += 1
+        return L
 
     def propose(self, context: list[int], k: int) -> tuple[torch.Tensor, None]:
         self._sync(context)
@@ -357,14 +380,18 @@ class PromptLookupProposer(Proposer):
             for n in self.ngrams:
                 if len(context) <= n:
                     continue
-                p = self.index[n].get(tuple(context[-n:]))
-                if p is not None:
-                    # a longer match is likelier to go on as before (replays of the bundled model: the first
-                    # guess after a 1-gram match against the answer itself was right 0-41% of the time,
-                    # after a 3-gram match 70-100%), so each length gets its own acceptance estimate
-                    self.kind = n
-                    cont = context[p + n:p + n + k]
-                    return torch.tensor(cont, dtype=torch.long, device=self.device), None
+                starts = self.index[n].get(tuple(context[-n:]))
+                if not starts:
+                    continue
+                p, agree = starts[-1], n
+                if n == self.ngrams[0]:  # a full match: the occurrence that agrees furthest back
+                    for q in reversed(starts[-self.SCAN:]):
+                        a = self._agreement(context, q, n)
+                        if a > agree:
+                            p, agree = q, a
+                self.kind = max(b for b in self.MATCH_KINDS if b <= agree)
+                cont = context[p + n:p + n + k]
+                return torch.tensor(cont, dtype=torch.long, device=self.device), None
         return _empty(self.device)
 
 
@@ -394,11 +421,11 @@ def verify_greedy(logits: torch.Tensor, drafts: list[int], history: list[int],
                   s: SamplingSettings) -> tuple[int, int]:
     """logits [γ+1, V] of the target after [last, d1..dγ]. → (drafts accepted, the target's next token)."""
     if s.repeat_penalty == 1.0:
-        best = logits.argmax(-1).tolist()
+        best = argmax(logits).tolist()
     else:  # row by row, stopping at the first mismatch: the penalty depends on the accepted prefix
         best = []
         for i in range(logits.shape[0]):
-            best.append(int(_penalised(logits[i:i + 1], history + drafts[:i], [], s)[0].argmax()))
+            best.append(int(argmax(_penalised(logits[i:i + 1], history + drafts[:i], [], s)[0])))
             if i < len(drafts) and best[i] != drafts[i]:
                 break
     for i, d in enumerate(drafts):
@@ -470,9 +497,11 @@ class GammaController:
     PRIOR = (1.5, 1.0)  # decayed (accepted, first rejections) before any round: α ≈ 0.6, soon forgotten
 
     def __init__(self, fixed: int | None = None, start: int = GAMMA_START, lo: int = GAMMA_MIN, hi: int = GAMMA_MAX,
-                 costs: VerifyCosts | None = None):
+                 costs: VerifyCosts | None = None, kind_prior: Callable[[Any], tuple[float, float]] | None = None):
         """`costs`: measured costs to start from and to keep updating (an Engine's, shared by its answers:
-        they belong to the model and machine, not to one prompt); α always starts from the prior."""
+        they belong to the model and machine, not to one prompt); α always starts from the prior.
+        `kind_prior(kind)`: the (accepted, first rejections) a kind of free proposal starts from (the
+        proposer's knowledge of its kinds; default PRIOR)."""
         if fixed is not None and fixed < 1:
             raise EdgeLLMError(f"--draft-tokens must be at least 1 (got {fixed})")
         if fixed is not None:
@@ -480,11 +509,12 @@ class GammaController:
         self.fixed, self.lo, self.hi = fixed, lo, hi
         self.gamma = fixed if fixed is not None else min(start, hi)
         self.succ, self.fail = self.PRIOR
-        self.by_kind: dict[Any, list[float]] = {}  # proposal kind → its own [succ, fail], same prior
+        self.kind_prior = kind_prior or (lambda kind: self.PRIOR)
+        self.by_kind: dict[Any, list[float]] = {}  # proposal kind → its own [succ, fail], from kind_prior
         self.skipped: dict[Any, int] = {}  # proposal kind → rounds gamma_for answered 0
         self.costs = costs if costs is not None else VerifyCosts()
         self.c_verify = self.costs.c_verify  # seconds of a verification pass per T (decayed means)
-        self._fit = (1.0, 1.0, 0.0)  # verify_cost's line (x mean, y mean, slope), refitted by update
+        self._cost_of = [1.0] * (hi + 2)  # verify_cost(T) for T = 0..hi+1, refitted by update
         if self.c_verify:
             self._fit_verify_cost()
         self.history: list[int] = []
@@ -502,7 +532,7 @@ class GammaController:
         self.costs.c_draft = value
 
     def alpha_of(self, kind: Any) -> float:
-        succ, fail = self.by_kind.get(kind, self.PRIOR)
+        succ, fail = self.by_kind[kind] if kind in self.by_kind else self.kind_prior(kind)
         return succ / (succ + fail)
 
     def update(self, proposed: int, accepted: int, draft_s: float, verify_s: float, kind: Any = None) -> None:
@@ -515,7 +545,7 @@ class GammaController:
             self.succ = self.DECAY * self.succ + accepted
             self.fail = self.DECAY * self.fail + missed
             if kind is not None:
-                succ, fail = self.by_kind.get(kind, self.PRIOR)
+                succ, fail = self.by_kind[kind] if kind in self.by_kind else self.kind_prior(kind)
                 self.by_kind[kind] = [self.DECAY * succ + accepted, self.DECAY * fail + missed]
             per = draft_s / proposed
             self.c_draft = per if self.c_draft is None else self.DECAY * self.c_draft + (1 - self.DECAY) * per
@@ -523,24 +553,27 @@ class GammaController:
             self.gamma = self.choose()
 
     def _fit_verify_cost(self) -> None:
-        """c_verify(T) ≈ ym + slope (T - xm), fitted once per update (rate() asks for it ~30 times a round)."""
+        """c_verify(T) ≈ ym + slope (T - xm), fitted once per update and tabulated for T ≤ hi + 1 (γ choices
+        look it up ~20 times a round)."""
         pts = sorted(self.c_verify.items())
         if len(pts) == 1:
             t0, c0 = pts[0]
             base = c0 / (1 + self.VERIFY_SLOPE * (t0 - 1))
-            self._fit = (1.0, base, base * self.VERIFY_SLOPE)
-            return
-        xs = [t for t, _ in pts]
-        ys = [c for _, c in pts]
-        xm, ym = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - xm) ** 2 for x in xs)
-        self._fit = (xm, ym, max(0.0, sum((x - xm) * (y - ym) for x, y in zip(xs, ys)) / var))
+            xm, ym, slope = 1.0, base, base * self.VERIFY_SLOPE
+        else:
+            xs = [t for t, _ in pts]
+            ys = [c for _, c in pts]
+            xm, ym = sum(xs) / len(xs), sum(ys) / len(ys)
+            var = sum((x - xm) ** 2 for x in xs)
+            slope = max(0.0, sum((x - xm) * (y - ym) for x, y in zip(xs, ys)) / var)
+        self._cost_of = [max(ym + slope * (T - xm), 1e-9) for T in range(self.hi + 2)]
 
     def verify_cost(self, T: int) -> float:
         if not self.c_verify:
             return 1.0
-        xm, ym, slope = self._fit
-        return max(ym + slope * (T - xm), 1e-9)
+        if T < len(self._cost_of):
+            return self._cost_of[T]
+        return self._cost_of[-1] + (self._cost_of[-1] - self._cost_of[-2]) * (T - len(self._cost_of) + 1)
 
     def expected_tokens(self, gamma: int, alpha: float | None = None) -> float:
         a = min(max(self.alpha if alpha is None else alpha, 1e-3), 0.995)
@@ -551,6 +584,20 @@ class GammaController:
         cost = gamma * (self.c_draft or 0.0) + self.verify_cost(gamma + 1)
         return self.expected_tokens(gamma, alpha) / cost
 
+    def _best(self, alpha: float) -> tuple[int, float, float]:
+        """(best γ in lo..hi, its rate, the rate of γ 0) under α: rate() over every γ in one pass."""
+        a = min(max(alpha, 1e-3), 0.995)
+        c_draft = self.c_draft or 0.0
+        power, best, best_rate = a, self.lo, -1.0
+        for g in range(0, self.hi + 1):
+            r = (1 - power) / (1 - a) / (g * c_draft + self.verify_cost(g + 1))  # power = a^(g+1)
+            if g == 0:
+                rate0 = r
+            elif g >= self.lo and r > best_rate:
+                best, best_rate = g, r
+            power *= a
+        return best, best_rate, rate0
+
     def gamma_for(self, kind: Any) -> int:
         """γ for a free proposal of this kind (Proposer.free_proposals): the best rate under that kind's own
         acceptance estimate, chosen afresh each round (no hysteresis: nothing is paid to switch). 0 (verify
@@ -558,9 +605,8 @@ class GammaController:
         EXPLORE-th such round still tries one, so that kind's estimate can recover."""
         if self.fixed is not None or kind is None or not self.c_verify:
             return self.gamma
-        alpha = self.alpha_of(kind)
-        best = max(range(self.lo, self.hi + 1), key=lambda g: self.rate(g, alpha))
-        if self.rate(best, alpha) < self.rate(0, alpha):
+        best, best_rate, rate0 = self._best(self.alpha_of(kind))
+        if best_rate < rate0:
             skipped = self.skipped[kind] = self.skipped.get(kind, 0) + 1
             if skipped % self.EXPLORE:
                 return 0
@@ -570,8 +616,8 @@ class GammaController:
     def choose(self) -> int:
         if self.c_draft is None:
             return self.gamma
-        best = max(range(self.lo, self.hi + 1), key=self.rate)
-        if self.rate(best) > self.HYSTERESIS * self.rate(self.gamma):
+        best, best_rate, _ = self._best(self.alpha)
+        if best_rate > self.HYSTERESIS * self.rate(self.gamma):
             return best
         return self.gamma
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from edgellm.generate import Engine, GenerationSettings
-from edgellm.sampling import Sampler, SamplingSettings, apply_repeat_penalty, filter_logits
+from edgellm.sampling import Sampler, SamplingSettings, apply_repeat_penalty, argmax, filter_logits
 
 # a hand-made distribution over 6 tokens: probabilities .40 .25 .15 .10 .06 .04
 P = torch.tensor([0.40, 0.25, 0.15, 0.10, 0.06, 0.04])
@@ -43,6 +43,22 @@ def test_repeat_penalty_follows_llamacpp():
     logits = torch.tensor([2.0, -2.0, 1.0])
     out = apply_repeat_penalty(logits, torch.tensor([0, 1]), 2.0)
     assert out.tolist() == [1.0, -4.0, 1.0]
+
+
+def test_argmax_is_torchs_argmax():
+    """The numpy fast path for CPU float32 logits picks what torch.argmax picks: the first index on ties,
+    +inf over everything, a row of -inf → 0; rows [T, V], one row [V], a strided view; other dtypes go to torch."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 49152, generator=g)
+    x[1, 7] = x[1, 300] = x[1].max() + 1  # a tie: the first wins
+    x[2, 40000] = float("inf")
+    x[3] = float("-inf")
+    x[4, ::3] = 9.0  # many equal maxima
+    for t in (x, x[0], x[:, ::2], x.to(torch.float64), x[1].to(torch.bfloat16)):
+        got = argmax(t)
+        assert got.dtype == torch.long and got.shape == t.shape[:-1]
+        assert torch.equal(got, t.argmax(-1)), t.dtype
+    assert argmax(x)[1] == 7 and argmax(x)[4] == 0
 
 
 def test_sampler_draws_from_distribution_and_is_seeded():

@@ -629,6 +629,14 @@ def test_prompt_lookup_proposals():
     assert q.kind == 3 and q.free_proposals  # the kind of guess: the matched n-gram's length
     q.propose(ctx + [7], 4)
     assert q.kind is None
+    # of two occurrences of the last 3-gram, the one whose agreement with the context goes further back wins
+    # over the latest; the kind of guess is that agreement's length, bucketed (MATCH_KINDS)
+    r = PromptLookupProposer(max_ngram=3)
+    r.device = "cpu"
+    ctx2 = [5, 1, 2, 3, 8, 9, 7, 1, 2, 3, 4, 6, 5, 1, 2, 3]
+    assert r.propose(ctx2, 3)[0].tolist() == [8, 9, 7] and r.kind == 4  # "5 1 2 3" agrees for 4 tokens
+    assert r.propose(ctx2 + [8, 9, 7, 1, 2, 3], 2)[0].tolist() == [4, 6] and r.kind == 7  # the 2nd: 10 tokens
+    assert [max(b for b in r.MATCH_KINDS if b <= n) for n in (1, 2, 3, 5, 6, 9, 40)] == [1, 2, 3, 4, 4, 7, 7]
 
 
 def test_gamma_controller():
@@ -666,6 +674,12 @@ def test_gamma_per_proposal_kind():
     fixed = GammaController(fixed=5)
     fixed.update(5, 0, 1e-5, 0.01, kind=1)
     assert fixed.gamma_for(1) == 5
+    # a proposer's prior per kind starts each kind's estimate (lookup: long agreements start trusted)
+    priors = GammaController(kind_prior=PromptLookupProposer().kind_prior)
+    for T in (1, 2, 5):
+        priors.update(T - 1, 0, draft_s=1e-5, verify_s=0.01 * (1 + 0.3 * (T - 1)))
+    assert priors.alpha_of(1) == pytest.approx(0.25) and priors.alpha_of(7) == pytest.approx(6 / 7)
+    assert priors.gamma_for(1) == 0 < 2 < priors.gamma_for(7)
 
 
 def test_verification_costs_carry_over_to_the_next_answer():
