@@ -682,6 +682,20 @@ def test_gamma_per_proposal_kind():
     assert priors.gamma_for(1) == 0 < 2 < priors.gamma_for(7)
 
 
+def test_verification_cost_per_T_where_measured():
+    """The controller prices a pass by that T's own measured cost (the CPU's first extra row costs more than
+    the next ones), by the line through the measured ones elsewhere, and never below a smaller T's."""
+    g = GammaController()
+    for T, sec in ((1, 1.0), (2, 1.5), (3, 1.6), (4, 1.7), (6, 1.65)):
+        g.update(T - 1, 0, draft_s=1e-6 * (T - 1), verify_s=sec)
+    assert [g.verify_cost(T) for T in (1, 2, 3, 4)] == pytest.approx([1.0, 1.5, 1.6, 1.7])
+    assert g.verify_cost(5) == g.verify_cost(6) == pytest.approx(1.7)  # the line says less: floored
+    xs, ys = [1, 2, 3, 4, 6], [1.0, 1.5, 1.6, 1.7, 1.65]
+    xm, ym = sum(xs) / 5, sum(ys) / 5
+    slope = sum((x - xm) * (y - ym) for x, y in zip(xs, ys)) / sum((x - xm) ** 2 for x in xs)
+    assert g.verify_cost(12) == pytest.approx(max(1.7, ym + slope * (12 - xm)))
+
+
 def test_verification_costs_carry_over_to_the_next_answer():
     """What a controller measured (seconds per verification pass and per draft token) starts the next one:
     the costs belong to the engine, only α starts again from the prior."""
