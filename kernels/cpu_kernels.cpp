@@ -26,8 +26,9 @@
 //   summed into each int32 lane) in place of maddubs + madd + one level of hadd in the full 8-block chunks.
 //   The integer block sums are the same numbers (nothing saturates either way), so results are bit for bit
 //   those of the AVX2 build; it pays where the kernels are compute-bound: a T-token verification pass and
-//   the int8 activation rows of prefill chunks <= 16 tokens. 512-bit registers were not tried (on Skylake-SP
-//   512-bit integer multiplies issue on one port only; on Zen 4 they are double-pumped 256-bit anyway).
+//   the int8 activation rows of prefill chunks <= 16 tokens.  The multi-token row-group kernel also takes
+//   16 rows in 512-bit registers there (V16 below): on Zen 4 a 512-bit vpdpbusd issues as fast as a 256-bit
+//   one (measured 181 vs 101 GMAC/s per core), so a verification pass's integer dots run up to twice as fast.
 
 #include <algorithm>
 #include <cmath>
@@ -548,15 +549,16 @@ static inline void qdot_row(const XQ& xq, int64_t m0, const uint8_t* crow, const
   for (int t = 0; t < T; ++t) out[(m0 + t) * ldo] = hsum_tail(acc[t], tail[t]) + rest[t];
 }
 
-// ---- approach (a), 8 weight rows at a time (for 2+ activation rows; N % 8 leftover rows take the one-row kernel).
-// The 8 rows' codes of one 32-block are transposed in registers so that each int32 lane holds 4 consecutive
+// ---- approach (a), 8 (AVX2) or 16 (AVX-512) weight rows at a time (for 2+ activation rows; N % 8 leftover
+// rows take the one-row kernel).
+// The rows' codes of one 32-block are transposed in registers so that each int32 lane holds 4 consecutive
 // codes of one row: an integer dot (vpdpbusd, or maddubs + madd) with 4 activation bytes broadcast to all
-// lanes then adds 4 products to each of the 8 rows at once.  Every block ends with the 8 rows' int32 sums in
-// natural lane order, so the float epilogue is one convert and one FMA per block and token for all 8 rows
-// (the one-row kernel needs three horizontal adds and a permute per 8 blocks and token), and the result is
-// stored as 8 consecutive outputs.  The transpose (12 shuffles per block for int4, 24 for int8) is shared by
-// the tokens of a tile (up to ROWS8_TILE); a T-token verification pass is what this is for.
-// Per (row, token) the float operations are those of the one-row kernel (rows8_tile), so a row's result
+// lanes then adds 4 products to each row at once.  Every block ends with the rows' int32 sums in natural lane
+// order, so the float epilogue is one convert and one FMA per block and token for all the rows (the one-row
+// kernel needs three horizontal adds and a permute per 8 blocks and token), and the result is stored as 8 or
+// 16 consecutive outputs.  The transpose (12 shuffles per block for int4, 24 for int8) is shared by the tokens
+// of a tile (up to ROWS8_TILE); a T-token verification pass is what this is for.
+// Per (row, token) the float operations are those of the one-row kernel (rows_tile), so a row's result
 // does not depend on which kernel computed it, nor on the number of tokens: rows of a verification pass stay
 // bit-identical to one-token steps, which take the one-row kernel (no transpose to amortise there).
 static constexpr int64_t ROWS8 = 8;
@@ -644,85 +646,198 @@ static void transpose_scales8(const uint16_t* s, int64_t ng, float* out) {
   }
 }
 
-// Block b of rows n0..n0+7 (codes at `codes`, row stride rb bytes), transposed: lanes = rows; lo[j]: codes
+// The row-group kernels below are written once for a vector of R float / int32 lanes, one lane per weight row:
+// V8 (AVX2 registers, 8 rows) everywhere, V16 (AVX-512 registers, 16 rows) in the VNNI build.  Every float
+// operation is lane-wise, so a row's float sequence (and bits) is the same whichever R computes it.  On Zen 4
+// a 512-bit vpdpbusd does twice the 256-bit one's work in the same issue slot (measured: 181 vs 101 GMAC/s per
+// core), so the 16-row kernel does a verification pass's integer dots at up to twice the rate.
+struct V8 {
+  static constexpr int64_t R = 8;
+  using F = __m256;
+  using I = __m256i;
+  static F fzero() { return _mm256_setzero_ps(); }
+  static I izero() { return _mm256_setzero_si256(); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static I set1i(int32_t v) { return _mm256_set1_epi32(v); }
+  static F load(const float* p) { return _mm256_load_ps(p); }  // 32-byte aligned
+  static void storeu(float* p, F v) { _mm256_storeu_ps(p, v); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static F neg(F a) { return _mm256_xor_ps(a, _mm256_set1_ps(-0.0f)); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static I addi(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I subi(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I xori(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I set1b(char v) { return _mm256_set1_epi8(v); }
+  static I abs8(I a) { return _mm256_abs_epi8(a); }
+  static I sign8(I x, I w) { return _mm256_sign_epi8(x, w); }  // x * sign(w) (0 where w is 0)
+  static I bcast(const int8_t* p) { return bcast32(p); }
+  static I dot(I acc, I u, I x) { return dot4_u8s8(acc, u, x); }
+  static I dot_bcast(I acc, I u, const int8_t* p) { return dot4_u8s8_bcast(acc, u, p); }
+  static I nibbles_lo(I q) { return _mm256_and_si256(q, _mm256_set1_epi8(0x0F)); }
+  static I nibbles_hi(I q) { return _mm256_and_si256(_mm256_srli_epi16(q, 4), _mm256_set1_epi8(0x0F)); }
+  static void transpose16(const uint8_t* p, int64_t stride, I q[4]) { transpose_8x16(p, stride, q); }
+  static void transpose_scales(const uint16_t* s, int64_t ng, float* out) { transpose_scales8(s, ng, out); }
+};
+
+#if defined(EDGELLM_VNNI)
+struct V16 {
+  static constexpr int64_t R = 16;
+  using F = __m512;
+  using I = __m512i;
+  static F fzero() { return _mm512_setzero_ps(); }
+  static I izero() { return _mm512_setzero_si512(); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static I set1i(int32_t v) { return _mm512_set1_epi32(v); }
+  static F load(const float* p) { return _mm512_load_ps(p); }  // 64-byte aligned
+  static void storeu(float* p, F v) { _mm512_storeu_ps(p, v); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+  static F neg(F a) {  // (_mm512_xor_ps needs AVX512DQ)
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32(INT32_MIN)));
+  }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static I addi(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I subi(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I xori(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I set1b(char v) { return _mm512_set1_epi8(v); }
+  static I abs8(I a) { return _mm512_abs_epi8(a); }
+  static I sign8(I x, I w) {  // x negated where w < 0 (where w is 0 the product with |w| is 0 either way)
+    return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x);
+  }
+  static I bcast(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+  }
+  static I dot(I acc, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }
+  static I dot_bcast(I acc, I u, const int8_t* p) {
+#if defined(__GNUC__) || defined(__clang__)
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
+    return acc;
+#else
+    return dot(acc, u, bcast(p));
+#endif
+  }
+  static I nibbles_lo(I q) { return _mm512_and_si512(q, _mm512_set1_epi8(0x0F)); }
+  static I nibbles_hi(I q) { return _mm512_and_si512(_mm512_srli_epi16(q, 4), _mm512_set1_epi8(0x0F)); }
+  // Rows r0..r15 at p + r * stride, 16 bytes each -> q[j] = [row 0 qj, ..., row 15 qj]: 128-bit lane L of a_i
+  // holds row 4L + i, so the unpacks of transpose_8x16, lane by lane, leave rows in natural order.
+  static void transpose16(const uint8_t* p, int64_t stride, I q[4]) {
+    I a[4];
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* r = p + i * stride;
+      __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)r));
+      v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(r + 4 * stride)), 1);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(r + 8 * stride)), 2);
+      a[i] = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i*)(r + 12 * stride)), 3);
+    }
+    const I l01 = _mm512_unpacklo_epi32(a[0], a[1]), h01 = _mm512_unpackhi_epi32(a[0], a[1]);
+    const I l23 = _mm512_unpacklo_epi32(a[2], a[3]), h23 = _mm512_unpackhi_epi32(a[2], a[3]);
+    q[0] = _mm512_unpacklo_epi64(l01, l23);
+    q[1] = _mm512_unpackhi_epi64(l01, l23);
+    q[2] = _mm512_unpacklo_epi64(h01, h23);
+    q[3] = _mm512_unpackhi_epi64(h01, h23);
+  }
+  static void transpose_scales(const uint16_t* s, int64_t ng, float* out) {  // [group][16]: two [group][8]
+    static thread_local std::vector<float> buf;
+    if (static_cast<int64_t>(buf.size()) < 16 * ng + 16) buf.resize(static_cast<size_t>(16 * ng + 16));
+    float* a = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+    float* b = a + 8 * ng;
+    transpose_scales8(s, ng, a);
+    transpose_scales8(s + 8 * ng, ng, b);
+    for (int64_t g = 0; g < ng; ++g) {
+      _mm256_store_ps(out + g * 16, _mm256_load_ps(a + g * 8));
+      _mm256_store_ps(out + g * 16 + 8, _mm256_load_ps(b + g * 8));
+    }
+  }
+};
+#endif
+
+// Block b of rows n0..n0+R-1 (codes at `codes`, row stride rb bytes), transposed: lanes = rows; lo[j]: codes
 // (int8: bytes) 4j..4j+3 of the block, hi[j]: 16+4j..16+4j+3.
-template <int BITS>
-EDGELLM_INLINE void rows8_codes(const uint8_t* codes, int64_t b, int64_t rb, __m256i lo[4], __m256i hi[4]) {
+template <class V, int BITS>
+EDGELLM_INLINE void rows_codes(const uint8_t* codes, int64_t b, int64_t rb, typename V::I lo[4], typename V::I hi[4]) {
   if (BITS == 4) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F);
-    __m256i q[4];
-    transpose_8x16(codes + b * 16, rb, q);
+    typename V::I q[4];
+    V::transpose16(codes + b * 16, rb, q);
     for (int j = 0; j < 4; ++j) {
-      lo[j] = _mm256_and_si256(q[j], m4);
-      hi[j] = _mm256_and_si256(_mm256_srli_epi16(q[j], 4), m4);
+      lo[j] = V::nibbles_lo(q[j]);
+      hi[j] = V::nibbles_hi(q[j]);
     }
   } else {
-    transpose_8x16(codes + b * 32, rb, lo);
-    transpose_8x16(codes + b * 32 + 16, rb, hi);
+    V::transpose16(codes + b * 32, rb, lo);
+    V::transpose16(codes + b * 32 + 16, rb, hi);
   }
 }
 
-// One block b of rows n0..n0+7 (codes at `codes`, row stride rb bytes) against activation rows m0..m0+T-1,
+// One block b of rows n0..n0+R-1 (codes at `codes`, row stride rb bytes) against activation rows m0..m0+T-1,
 // into accumulators acc[t]: the block's exact integer sums, times d_w * d_x (+ min_w * s_x), one FMA each.
-template <int BITS, bool ASYM, int T>
-EDGELLM_INLINE void rows8_block(const XQ& xq, int64_t m0, int64_t b, const uint8_t* codes, int64_t rb,
-                               const float* wsc, const float* wmn, const GroupOf& gof, __m256* acc) {
+template <class V, int BITS, bool ASYM, int T>
+EDGELLM_INLINE void rows_block(const XQ& xq, int64_t m0, int64_t b, const uint8_t* codes, int64_t rb,
+                               const float* wsc, const float* wmn, const GroupOf& gof, typename V::F* acc) {
+  using I = typename V::I;
+  using F = typename V::F;
   const int64_t xstride = xq.nc * 256, dstride = xq.nc * 8;
-  __m256i lo[4], hi[4];
-  rows8_codes<BITS>(codes, b, rb, lo, hi);
+  I lo[4], hi[4];
+  rows_codes<V, BITS>(codes, b, rb, lo, hi);
 #if defined(EDGELLM_VNNI)
   if (BITS == 8) {  // w + 128 as u8; the 128 * sum(x) it adds is taken off below, exactly, in int32
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int j = 0; j < 4; ++j) { lo[j] = _mm256_xor_si256(lo[j], flip); hi[j] = _mm256_xor_si256(hi[j], flip); }
+    const I flip = V::set1b(static_cast<char>(0x80));
+    for (int j = 0; j < 4; ++j) { lo[j] = V::xori(lo[j], flip); hi[j] = V::xori(hi[j], flip); }
   }
 #else
-  __m256i alo[4], ahi[4];  // |w| as u8; the activations take w's sign per token (|.| <= 2*128*127 in int16)
+  I alo[4], ahi[4];  // |w| as u8; the activations take w's sign per token (|.| <= 2*128*127 in int16)
   if (BITS == 8)
-    for (int j = 0; j < 4; ++j) { alo[j] = _mm256_abs_epi8(lo[j]); ahi[j] = _mm256_abs_epi8(hi[j]); }
+    for (int j = 0; j < 4; ++j) { alo[j] = V::abs8(lo[j]); ahi[j] = V::abs8(hi[j]); }
 #endif
-  const __m256 dw = _mm256_load_ps(wsc + gof(b) * 8);
-  __m256 mw = _mm256_setzero_ps();
-  if (ASYM) mw = _mm256_load_ps(wmn + gof(b) * 8);
+  const F dw = V::load(wsc + gof(b) * V::R);
+  F mw = V::fzero();
+  if (ASYM) mw = V::load(wmn + gof(b) * V::R);
   const int8_t* x0 = xq.qrow(m0);
   const int64_t off0 = xq_off(b, 0), off1 = xq_off(b, 1);
   for (int t = 0; t < T; ++t) {
     const int8_t* xl = x0 + t * xstride + off0;
     const int8_t* xh = x0 + t * xstride + off1;
-    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+    I s0 = V::izero(), s1 = V::izero();
     for (int j = 0; j < 4; ++j) {
 #if defined(EDGELLM_VNNI)
-      s0 = dot4_u8s8_bcast(s0, lo[j], xl + 4 * j);
-      s1 = dot4_u8s8_bcast(s1, hi[j], xh + 4 * j);
+      s0 = V::dot_bcast(s0, lo[j], xl + 4 * j);
+      s1 = V::dot_bcast(s1, hi[j], xh + 4 * j);
 #else
       if (BITS == 4) {
-        s0 = dot4_u8s8_bcast(s0, lo[j], xl + 4 * j);
-        s1 = dot4_u8s8_bcast(s1, hi[j], xh + 4 * j);
+        s0 = V::dot_bcast(s0, lo[j], xl + 4 * j);
+        s1 = V::dot_bcast(s1, hi[j], xh + 4 * j);
       } else {
-        s0 = dot4_u8s8(s0, alo[j], _mm256_sign_epi8(bcast32(xl + 4 * j), lo[j]));
-        s1 = dot4_u8s8(s1, ahi[j], _mm256_sign_epi8(bcast32(xh + 4 * j), hi[j]));
+        s0 = V::dot(s0, alo[j], V::sign8(V::bcast(xl + 4 * j), lo[j]));
+        s1 = V::dot(s1, ahi[j], V::sign8(V::bcast(xh + 4 * j), hi[j]));
       }
 #endif
     }
-    __m256i isum = _mm256_add_epi32(s0, s1);
+    I isum = V::addi(s0, s1);
     const int64_t o = (m0 + t) * dstride + b;
 #if defined(EDGELLM_VNNI)
-    if (BITS == 8) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(xq.q8[o] * 16));  // 128 * sum(q)
+    if (BITS == 8) isum = V::subi(isum, V::set1i(xq.q8[o] * 16));  // 128 * sum(q)
 #endif
-    if (BITS == 4 && !ASYM) isum = _mm256_sub_epi32(isum, _mm256_set1_epi32(xq.q8[o]));  // (code - 8) * q
-    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(dw, _mm256_set1_ps(xq.d[o])), acc[t]);
-    if (ASYM) acc[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(xq.s[o]), acc[t]);
+    if (BITS == 4 && !ASYM) isum = V::subi(isum, V::set1i(xq.q8[o]));  // (code - 8) * q
+    acc[t] = V::fmadd(V::cvt(isum), V::mul(dw, V::set1(xq.d[o])), acc[t]);
+    if (ASYM) acc[t] = V::fmadd(mw, V::set1(xq.s[o]), acc[t]);
   }
 }
 
 // The 4 partial integer sums of block b (partial l: codes 4l..4l+3 and 16+4l..16+4l+3, the one-row kernel's
-// lane split) of rows n0..n0+7 against activation rows m0..m0+T-1: the blocks after the last full chunk,
+// lane split) of rows n0..n0+R-1 against activation rows m0..m0+T-1: the blocks after the last full chunk,
 // which the one-row kernel folds into its float sums part by part.
-template <int BITS, int T>
-EDGELLM_INLINE void rows8_parts(const XQ& xq, int64_t m0, int64_t b, const uint8_t* codes, int64_t rb,
-                                __m256i part[][4]) {
+template <class V, int BITS, int T>
+EDGELLM_INLINE void rows_parts(const XQ& xq, int64_t m0, int64_t b, const uint8_t* codes, int64_t rb,
+                               typename V::I part[][4]) {
   const int64_t xstride = xq.nc * 256;
-  __m256i lo[4], hi[4];
-  rows8_codes<BITS>(codes, b, rb, lo, hi);
+  typename V::I lo[4], hi[4];
+  rows_codes<V, BITS>(codes, b, rb, lo, hi);
   const int8_t* x0 = xq.qrow(m0);
   const int64_t off0 = xq_off(b, 0), off1 = xq_off(b, 1);
   for (int t = 0; t < T; ++t) {
@@ -730,61 +845,63 @@ EDGELLM_INLINE void rows8_parts(const XQ& xq, int64_t m0, int64_t b, const uint8
     const int8_t* xh = x0 + t * xstride + off1;
     for (int j = 0; j < 4; ++j) {
       if (BITS == 4) {
-        part[t][j] = dot4_u8s8_bcast(dot4_u8s8_bcast(_mm256_setzero_si256(), lo[j], xl + 4 * j), hi[j], xh + 4 * j);
+        part[t][j] = V::dot_bcast(V::dot_bcast(V::izero(), lo[j], xl + 4 * j), hi[j], xh + 4 * j);
       } else {  // |w| against x with w's sign: exact, no offset to take off
-        part[t][j] = dot4_u8s8(dot4_u8s8(_mm256_setzero_si256(), _mm256_abs_epi8(lo[j]),
-                                         _mm256_sign_epi8(bcast32(xl + 4 * j), lo[j])),
-                               _mm256_abs_epi8(hi[j]), _mm256_sign_epi8(bcast32(xh + 4 * j), hi[j]));
+        part[t][j] = V::dot(V::dot(V::izero(), V::abs8(lo[j]), V::sign8(V::bcast(xl + 4 * j), lo[j])),
+                            V::abs8(hi[j]), V::sign8(V::bcast(xh + 4 * j), hi[j]));
       }
     }
   }
 }
 
-// Rows n0..n0+7 (codes at `codes`, row stride rb bytes) against activation rows m0..m0+T-1, by exactly the
+// Rows n0..n0+R-1 (codes at `codes`, row stride rb bytes) against activation rows m0..m0+T-1, by exactly the
 // float operations of the one-row kernel (qdot_row) for each (row, token), so that a row's result does not
 // depend on the kernel nor on the number of tokens: its accumulator lane j is kept here as acc[j] (the full
 // chunks' blocks b = j mod 8, in increasing order, two residues at a time for two independent FMA chains),
 // then the blocks after the last full chunk go in as qdot_row's pair loop and last block put them (partial
 // sums into lanes 0-3 / 4-7 and the tail, offsets in the tail or `rest`), and the sum is hsum_tail's.
 // pf: memory to prefetch over the blocks (or null).
-template <int BITS, bool ASYM, int T>
-static inline void rows8_tile(const XQ& xq, int64_t m0, const uint8_t* codes, int64_t rb, const float* wsc,
-                              const float* wmn, const GroupOf& gof, float* out, int64_t ldo, const uint8_t* pf) {
+template <class V, int BITS, bool ASYM, int T>
+static inline void rows_tile(const XQ& xq, int64_t m0, const uint8_t* codes, int64_t rb, const float* wsc,
+                             const float* wmn, const GroupOf& gof, float* out, int64_t ldo, const uint8_t* pf) {
+  using F = typename V::F;
+  using I = typename V::I;
+  constexpr int64_t R = V::R;
   const int64_t nb = xq.nb, bf = xq.nfull * 8, dstride = xq.nc * 8;
-  constexpr int64_t bpb = ROWS8 * BITS * 4;  // bytes of one block of the 8 rows
-  __m256 acc[T][8], tail[T][4], rest[T];
+  constexpr int64_t bpb = R * BITS * 4;  // bytes of one block of the R rows
+  F acc[T][8], tail[T][4], rest[T];
   for (int t = 0; t < T; ++t) {
-    for (int j = 0; j < 4; ++j) tail[t][j] = _mm256_setzero_ps();
-    rest[t] = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) tail[t][j] = V::fzero();
+    rest[t] = V::fzero();
   }
   for (int j = 0; j < 8; j += 2) {
-    __m256 even[T], odd[T];
-    for (int t = 0; t < T; ++t) even[t] = odd[t] = _mm256_setzero_ps();
+    F even[T], odd[T];
+    for (int t = 0; t < T; ++t) even[t] = odd[t] = V::fzero();
     for (int64_t b = j; b < bf; b += 8) {
       if (pf)
         for (int64_t o = 0; o < 2 * bpb; o += 64) prefetch(pf + b * bpb + o);
-      rows8_block<BITS, ASYM, T>(xq, m0, b, codes, rb, wsc, wmn, gof, even);
-      rows8_block<BITS, ASYM, T>(xq, m0, b + 1, codes, rb, wsc, wmn, gof, odd);
+      rows_block<V, BITS, ASYM, T>(xq, m0, b, codes, rb, wsc, wmn, gof, even);
+      rows_block<V, BITS, ASYM, T>(xq, m0, b + 1, codes, rb, wsc, wmn, gof, odd);
     }
     for (int t = 0; t < T; ++t) { acc[t][j] = even[t]; acc[t][j + 1] = odd[t]; }
   }
-  __m256i part[T][4];
+  I part[T][4];
   int64_t b = bf;
   for (; b + 2 <= nb; b += 2) {  // qdot_row's pair loop: block b into lanes 0-3, block b + 1 into lanes 4-7
     for (int h = 0; h < 2; ++h) {
       if (pf)
         for (int64_t o = 0; o < bpb; o += 64) prefetch(pf + (b + h) * bpb + o);
-      rows8_parts<BITS, T>(xq, m0, b + h, codes, rb, part);
-      const __m256 dw = _mm256_load_ps(wsc + gof(b + h) * 8);
+      rows_parts<V, BITS, T>(xq, m0, b + h, codes, rb, part);
+      const F dw = V::load(wsc + gof(b + h) * R);
       for (int t = 0; t < T; ++t) {
         const int64_t o = (m0 + t) * dstride + b + h;
-        const __m256 c = _mm256_mul_ps(dw, _mm256_set1_ps(xq.d[o]));
-        for (int j = 0; j < 4; ++j) acc[t][4 * h + j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[t][j]), c, acc[t][4 * h + j]);
+        const F c = V::mul(dw, V::set1(xq.d[o]));
+        for (int j = 0; j < 4; ++j) acc[t][4 * h + j] = V::fmadd(V::cvt(part[t][j]), c, acc[t][4 * h + j]);
         if (BITS == 4) {
           if (ASYM)
-            tail[t][h] = _mm256_fmadd_ps(_mm256_load_ps(wmn + gof(b + h) * 8), _mm256_set1_ps(xq.s[o]), tail[t][h]);
+            tail[t][h] = V::fmadd(V::load(wmn + gof(b + h) * R), V::set1(xq.s[o]), tail[t][h]);
           else
-            tail[t][h] = _mm256_fnmadd_ps(c, _mm256_set1_ps((float)xq.q8[o]), tail[t][h]);
+            tail[t][h] = V::fnmadd(c, V::set1((float)xq.q8[o]), tail[t][h]);
         }
       }
     }
@@ -792,42 +909,43 @@ static inline void rows8_tile(const XQ& xq, int64_t m0, const uint8_t* codes, in
   if (b < nb) {  // qdot_row's last block: partial sums into the tail, the offset into `rest`
     if (pf)
       for (int64_t o = 0; o < bpb; o += 64) prefetch(pf + b * bpb + o);
-    rows8_parts<BITS, T>(xq, m0, b, codes, rb, part);
-    const __m256 dw = _mm256_load_ps(wsc + gof(b) * 8);
+    rows_parts<V, BITS, T>(xq, m0, b, codes, rb, part);
+    const F dw = V::load(wsc + gof(b) * R);
     for (int t = 0; t < T; ++t) {
       const int64_t o = (m0 + t) * dstride + b;
-      const __m256 c = _mm256_mul_ps(dw, _mm256_set1_ps(xq.d[o]));
+      const F c = V::mul(dw, V::set1(xq.d[o]));
       if (BITS == 4)
-        rest[t] = ASYM ? _mm256_mul_ps(_mm256_load_ps(wmn + gof(b) * 8), _mm256_set1_ps(xq.s[o]))
-                       : _mm256_mul_ps(_mm256_xor_ps(c, _mm256_set1_ps(-0.0f)), _mm256_set1_ps((float)xq.q8[o]));  // (-c0) * q8
-      for (int j = 0; j < 4; ++j) tail[t][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[t][j]), c, tail[t][j]);
+        rest[t] = ASYM ? V::mul(V::load(wmn + gof(b) * R), V::set1(xq.s[o]))
+                       : V::mul(V::neg(c), V::set1((float)xq.q8[o]));  // (-c0) * q8
+      for (int j = 0; j < 4; ++j) tail[t][j] = V::fmadd(V::cvt(part[t][j]), c, tail[t][j]);
     }
   }
   for (int t = 0; t < T; ++t) {  // hsum_tail: ((a0 + a4) + t0 + (a2 + a6) + t2) + ((a1 + a5) + t1 + (a3 + a7) + t3)
-    __m256 s4[4];
-    for (int j = 0; j < 4; ++j) s4[j] = _mm256_add_ps(_mm256_add_ps(acc[t][j], acc[t][j + 4]), tail[t][j]);
-    const __m256 sum = _mm256_add_ps(_mm256_add_ps(s4[0], s4[2]), _mm256_add_ps(s4[1], s4[3]));
-    _mm256_storeu_ps(out + (m0 + t) * ldo, _mm256_add_ps(sum, rest[t]));
+    F s4[4];
+    for (int j = 0; j < 4; ++j) s4[j] = V::add(V::add(acc[t][j], acc[t][j + 4]), tail[t][j]);
+    const F sum = V::add(V::add(s4[0], s4[2]), V::add(s4[1], s4[3]));
+    V::storeu(out + (m0 + t) * ldo, V::add(sum, rest[t]));
   }
 }
 
-template <int BITS, bool ASYM>
-static void rows8_group(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
-                        const uint16_t* mins, int64_t N, int64_t G, float* out, int64_t n0, float* wbuf) {
+template <class V, int BITS, bool ASYM>
+static void rows_group(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
+                       const uint16_t* mins, int64_t N, int64_t G, float* out, int64_t n0, float* wbuf) {
+  constexpr int64_t R = V::R;
   const int64_t ng = K / G, rb = BITS == 4 ? K / 2 : K;
   const GroupOf gof(G);
   const uint8_t* c = codes + n0 * rb;
-  // the next groups' codes stream in while this one computes (rows n0.. are contiguous: 8 * rb bytes)
-  const int64_t ahead = std::max<int64_t>(1, (2 * PREFETCH_BYTES + ROWS8 * rb - 1) / (ROWS8 * rb)) * ROWS8 * rb;
-  const int64_t sahead = ahead / rb * ng;  // the same rows' scales (and mins): 8 * ng contiguous fp16
-  for (int64_t o = 0; o < ROWS8 * ng; o += 32) {
+  // the next groups' codes stream in while this one computes (rows n0.. are contiguous: R * rb bytes)
+  const int64_t ahead = std::max<int64_t>(1, (2 * PREFETCH_BYTES + R * rb - 1) / (R * rb)) * R * rb;
+  const int64_t sahead = ahead / rb * ng;  // the same rows' scales (and mins): R * ng contiguous fp16
+  for (int64_t o = 0; o < R * ng; o += 32) {
     prefetch(scales + n0 * ng + sahead + o);
     if (ASYM) prefetch(mins + n0 * ng + sahead + o);
   }
   float* wsc = wbuf;
-  float* wmn = wbuf + ng * 8;
-  transpose_scales8(scales + n0 * ng, ng, wsc);
-  if (ASYM) transpose_scales8(mins + n0 * ng, ng, wmn);
+  float* wmn = wbuf + ng * R;
+  V::transpose_scales(scales + n0 * ng, ng, wsc);
+  if (ASYM) V::transpose_scales(mins + n0 * ng, ng, wmn);
   // tiles of at most ROWS8_TILE tokens, as even as possible (5 = 3 + 2, not 4 + 1: a 1-token tile pays a
   // whole transpose per block for one token)
   const int64_t tiles = (M + ROWS8_TILE - 1) / ROWS8_TILE;
@@ -836,18 +954,26 @@ static void rows8_group(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes
     const int64_t size = M / tiles + (i < M % tiles ? 1 : 0);
     switch (size) {
 #if ROWS8_TILE > 4
-      case 8: rows8_tile<BITS, ASYM, 8>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
-      case 7: rows8_tile<BITS, ASYM, 7>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
-      case 6: rows8_tile<BITS, ASYM, 6>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
-      case 5: rows8_tile<BITS, ASYM, 5>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 8: rows_tile<V, BITS, ASYM, 8>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 7: rows_tile<V, BITS, ASYM, 7>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 6: rows_tile<V, BITS, ASYM, 6>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 5: rows_tile<V, BITS, ASYM, 5>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
 #endif
-      case 4: rows8_tile<BITS, ASYM, 4>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
-      case 3: rows8_tile<BITS, ASYM, 3>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
-      case 2: rows8_tile<BITS, ASYM, 2>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
-      default: rows8_tile<BITS, ASYM, 1>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 4: rows_tile<V, BITS, ASYM, 4>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 3: rows_tile<V, BITS, ASYM, 3>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 2: rows_tile<V, BITS, ASYM, 2>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      default: rows_tile<V, BITS, ASYM, 1>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
     }
     m += size;
   }
+}
+
+template <class V, int BITS>
+static void rows_group_any(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
+                           const uint16_t* mins, int64_t N, int64_t G, float* out, int64_t n0, float* wbuf) {
+  if (BITS == 8) rows_group<V, 8, false>(xq, M, K, codes, scales, nullptr, N, G, out, n0, wbuf);
+  else if (mins) rows_group<V, 4, true>(xq, M, K, codes, scales, mins, N, G, out, n0, wbuf);
+  else rows_group<V, 4, false>(xq, M, K, codes, scales, nullptr, N, G, out, n0, wbuf);
 }
 
 // Rows [n0, n1) of out[m, n] = W[n] . x[m] for all M activation rows: each weight row is read from memory once
@@ -892,22 +1018,38 @@ static void qdot(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const
   }
 }
 
-// Groups [g0, g1) of 8 rows (the last one may be partial: its rows go through the one-row kernel).
+#if defined(EDGELLM_VNNI)
+// EDGELLM_ROWS16=0 keeps the 8-row kernel everywhere (for A/B runs; the bits are the same either way).
+static bool rows16_enabled() {
+  static const bool v = [] {
+    const char* e = std::getenv("EDGELLM_ROWS16");
+    return !(e && *e && std::atoll(e) == 0);
+  }();
+  return v;
+}
+#endif
+
+// Groups [g0, g1) of 8 rows (the last one may be partial: its rows go through the one-row kernel); two full
+// groups side by side go through the 16-row kernel where there is one.
 template <int BITS>
 static void qdot_groups(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
                         const uint16_t* mins, int64_t N, int64_t G, float* out, int64_t g0, int64_t g1) {
   const int64_t full = N / ROWS8;
-  float* wbuf = scale_scratch(static_cast<size_t>(2 * (K / G) * ROWS8));
-  for (int64_t g = g0; g < g1; ++g) {
+  float* wbuf = scale_scratch(static_cast<size_t>(2 * (K / G) * 2 * ROWS8));
+  for (int64_t g = g0; g < g1;) {
     if (g >= full) {
       qdot<BITS>(xq, M, K, codes, scales, mins, N, G, out, full * ROWS8, N);
-    } else if (BITS == 8) {
-      rows8_group<8, false>(xq, M, K, codes, scales, nullptr, N, G, out, g * ROWS8, wbuf);
-    } else if (mins) {
-      rows8_group<4, true>(xq, M, K, codes, scales, mins, N, G, out, g * ROWS8, wbuf);
-    } else {
-      rows8_group<4, false>(xq, M, K, codes, scales, nullptr, N, G, out, g * ROWS8, wbuf);
+      break;
     }
+#if defined(EDGELLM_VNNI)
+    if (g + 1 < std::min(g1, full) && rows16_enabled()) {
+      rows_group_any<V16, BITS>(xq, M, K, codes, scales, mins, N, G, out, g * ROWS8, wbuf);
+      g += 2;
+      continue;
+    }
+#endif
+    rows_group_any<V8, BITS>(xq, M, K, codes, scales, mins, N, G, out, g * ROWS8, wbuf);
+    ++g;
   }
 }
 
@@ -1158,7 +1300,7 @@ enum Variant { AUTO = 0, INT_DOT = 1, FLOAT_FMA = 2, SCALAR = 3, INT_DOT_PORTABL
 #ifdef EDGELLM_AVX2
 // One token: the one-row kernel (memory-bound; the 8-row transpose would be pure overhead).  Several (a
 // verification pass, a short prefill): groups of 8 rows, the transpose shared by up to 4 tokens.  Both give
-// the same bits for a row (rows8_tile), so the choice is free to follow speed.
+// the same bits for a row (rows_tile), so the choice is free to follow speed.
 static int64_t rows8_min_tokens() {
   static const int64_t v = [] {
     const char* e = std::getenv("EDGELLM_ROWS8_MIN_TOKENS");

@@ -169,7 +169,8 @@ ROWS_SHAPES = [(35, 576, 32), (16, 1536, 32), (13, 96, 32), (24, 288, 32), (40, 
 @pytest.mark.parametrize("n,k,g", ROWS_SHAPES)
 def test_rows_bit_identical_whatever_the_number_of_tokens(ext, kind, n, k, g):
     """A token's output row is the same bits whether it is computed alone (the one-row kernel) or among
-    2..9 tokens (the 8-row kernel on AVX2): what keeps greedy speculative decoding identical to plain."""
+    2..9 tokens (the 8-row kernel on AVX2; 16-row groups, with an 8-row one where a thread's share is odd, on
+    AVX-512 VNNI): what keeps greedy speculative decoding identical to plain."""
     gen = torch.Generator().manual_seed(n * 7 + k + g)
     x = torch.randn(9, k, generator=gen) * torch.linspace(0.1, 3.0, k)
     if kind == "int8":
