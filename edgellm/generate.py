@@ -294,13 +294,15 @@ class Engine:
         stats = GenerationStats(prompt_tokens=len(prompt), draft=getattr(self.draft, "name", "draft"))
         sampler = Sampler(s, self.device)
         gamma_ctl = GammaController(self.draft_tokens, hi=self.draft_max, costs=self.draft_costs,
-                                    kind_prior=getattr(self.draft, "kind_prior", None))
+                                    kind_prior=getattr(self.draft, "kind_prior", None),
+                                    free=self.draft.free_proposals)
         penalty = s.repeat_penalty != 1.0
         eos = set() if settings.ignore_eos else self.tokenizer.eos_ids
         detok = self.tokenizer.stream()
         stops = StopStringMatcher(settings.stop_strings)
         P = len(prompt)
         out_ids: list[int] = []
+        context = list(prompt)  # prompt + out_ids, grown as tokens are emitted (proposers only read it)
         text_parts: list[str] = []
         token_buf = torch.empty((1, 1), dtype=torch.long, device=self.device)
 
@@ -335,6 +337,7 @@ class Engine:
                         finish = "eos"
                         break
                     out_ids.append(tid)
+                    context.append(tid)
                     piece = stops.feed(detok.push(tid))
                     text_parts.append(piece)
                     yield Token(tid, piece, t_round - t0, from_draft)
@@ -354,7 +357,6 @@ class Engine:
                 if finish:
                     break
                 # -- one round: propose, verify, roll back -----------------------------------------
-                context = prompt + out_ids
                 start = len(context) - 1  # the last token is not in the cache yet
                 if not begun:
                     self.draft.begin(prompt, s, sampler)

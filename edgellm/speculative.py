@@ -497,16 +497,18 @@ class GammaController:
     PRIOR = (1.5, 1.0)  # decayed (accepted, first rejections) before any round: α ≈ 0.6, soon forgotten
 
     def __init__(self, fixed: int | None = None, start: int = GAMMA_START, lo: int = GAMMA_MIN, hi: int = GAMMA_MAX,
-                 costs: VerifyCosts | None = None, kind_prior: Callable[[Any], tuple[float, float]] | None = None):
+                 costs: VerifyCosts | None = None, kind_prior: Callable[[Any], tuple[float, float]] | None = None,
+                 free: bool = False):
         """`costs`: measured costs to start from and to keep updating (an Engine's, shared by its answers:
         they belong to the model and machine, not to one prompt); α always starts from the prior.
         `kind_prior(kind)`: the (accepted, first rejections) a kind of free proposal starts from (the
-        proposer's knowledge of its kinds; default PRIOR)."""
+        proposer's knowledge of its kinds; default PRIOR). `free`: the proposals cost nothing (prompt
+        lookup), so γ is chosen per round by gamma_for and update() leaves it alone."""
         if fixed is not None and fixed < 1:
             raise EdgeLLMError(f"--draft-tokens must be at least 1 (got {fixed})")
         if fixed is not None:
             fixed = min(fixed, hi)  # beyond `hi` verification would not be exact (max_draft_tokens)
-        self.fixed, self.lo, self.hi = fixed, lo, hi
+        self.fixed, self.lo, self.hi, self.free = fixed, lo, hi, free
         self.gamma = fixed if fixed is not None else min(start, hi)
         self.succ, self.fail = self.PRIOR
         self.kind_prior = kind_prior or (lambda kind: self.PRIOR)
@@ -514,9 +516,8 @@ class GammaController:
         self.skipped: dict[Any, int] = {}  # proposal kind → rounds gamma_for answered 0
         self.costs = costs if costs is not None else VerifyCosts()
         self.c_verify = self.costs.c_verify  # seconds of a verification pass per T (decayed means)
-        self._cost_of = [1.0] * (hi + 2)  # verify_cost(T) for T = 0..hi+1, refitted by update
-        if self.c_verify:
-            self._fit_verify_cost()
+        self._cost_of = [1.0] * (hi + 2)  # verify_cost(T) for T = 0..hi+1, refitted after an update
+        self._stale = bool(self.c_verify)
         self.history: list[int] = []
 
     @property
@@ -539,7 +540,7 @@ class GammaController:
         T = proposed + 1
         old = self.c_verify.get(T)
         self.c_verify[T] = verify_s if old is None else self.DECAY * old + (1 - self.DECAY) * verify_s
-        self._fit_verify_cost()
+        self._stale = True  # refitted when next asked (a lookup round with no guess never asks)
         if proposed:
             missed = 1.0 if accepted < proposed else 0.0
             self.succ = self.DECAY * self.succ + accepted
@@ -549,7 +550,7 @@ class GammaController:
                 self.by_kind[kind] = [self.DECAY * succ + accepted, self.DECAY * fail + missed]
             per = draft_s / proposed
             self.c_draft = per if self.c_draft is None else self.DECAY * self.c_draft + (1 - self.DECAY) * per
-        if self.fixed is None:
+        if self.fixed is None and not self.free:
             self.gamma = self.choose()
 
     def _fit_verify_cost(self) -> None:
@@ -573,10 +574,13 @@ class GammaController:
             floor = max(floor, self.c_verify.get(T, ym + slope * (T - xm)))
             table.append(floor)
         self._cost_of = table[:1] + table  # [0] is never asked for (T ≥ 1)
+        self._stale = False
 
     def verify_cost(self, T: int) -> float:
         if not self.c_verify:
             return 1.0
+        if self._stale:
+            self._fit_verify_cost()
         if T < len(self._cost_of):
             return self._cost_of[T]
         return self._cost_of[-1] + (self._cost_of[-1] - self._cost_of[-2]) * (T - len(self._cost_of) + 1)
