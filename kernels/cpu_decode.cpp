@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <vector>
@@ -300,7 +301,7 @@ void combine_tiles(const DecodeModel& m, const float* part, int64_t tiles, float
 #ifdef EDGELLM_DEC_AVX2
 template <int NV>
 void f32_tile(const DecodeModel& m, const float* q, const float* kc, const float* vc, int64_t j, int64_t a,
-              int64_t b, float* scores, float* part);
+              int64_t b, float* sc, int64_t sstride, float* part);
 #endif
 
 // One query per head against keys [0, n) of one layer's cache; q [Hq, D] already scaled; out [Hq, D].
@@ -323,8 +324,9 @@ void attention(const DecodeModel& m, const float* q, const float* kc, const floa
       const int64_t j = t / tiles, a = (t % tiles) * tile, b = std::min(n, a + tile);
 #ifdef EDGELLM_DEC_AVX2
       if (fast) {
-        if (D == 64) f32_tile<8>(m, q, kc, vc, j, a, b, scores, part + t * g * (D + 2));
-        else f32_tile<16>(m, q, kc, vc, j, a, b, scores, part + t * g * (D + 2));
+        float* sc = scores + j * g * S + a;
+        if (D == 64) f32_tile<8>(m, q, kc, vc, j, a, b, sc, S, part + t * g * (D + 2));
+        else f32_tile<16>(m, q, kc, vc, j, a, b, sc, S, part + t * g * (D + 2));
         continue;
       }
 #endif
@@ -354,6 +356,53 @@ void attention(const DecodeModel& m, const float* q, const float* kc, const floa
   combine_tiles(m, part, tiles, out);
 }
 
+
+// attention() for the T tokens of a verification pass at once (token t: query q + t * qstride, keys
+// [0, pos + t], output out + t * ostride), fp32 cache. Each (KV head, tile) task runs its tile for every
+// token in turn, so the tile's keys and values come from memory once and then from cache, where one
+// attention() call per token read them T times. Per token the tiles, float operations and combine are
+// attention()'s, so each row is bit for bit a one-token step's. False (nothing done) where that cannot
+// hold: the tokens would split their keys into different numbers of tiles, or no fast tile applies.
+bool attention_rows(DecodeModel& m, const float* q, int64_t qstride, const float* kc, const float* vc,
+                    int64_t pos, int64_t T, float* out, int64_t ostride) {
+#ifdef EDGELLM_DEC_AVX2
+  const int64_t D = m.head_dim, Hkv = m.n_kv_heads, g = m.n_heads / m.n_kv_heads;
+  if (!((D == 64 || D == 128) && g <= 64) || T < 2) return false;
+  const int64_t nt = max_threads();
+  int64_t tile_t[kDecodeMaxRows];
+  int64_t tiles = 0;
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t n = key_tiles(pos + t + 1, Hkv, D, nt, 32768, tile_t[t]);
+    if (t > 0 && n != tiles) return false;
+    tiles = n;
+  }
+  const int64_t tasks = tiles * Hkv, tile_max = tile_t[T - 1];
+  const int64_t part_floats = tasks * g * (D + 2);  // one token's partials: attention()'s layout
+  const size_t need = static_cast<size_t>(T * part_floats + tasks * g * tile_max + 64);
+  if (m.work_rows.size() < need) m.work_rows.resize(need);  // grows once; steady state allocates nothing
+  float* parts = m.work_rows.data();
+  float* scores = parts + T * part_floats;  // per task: g rows of tile_max scores
+  auto task = [&](int64_t t0, int64_t t1) {
+    for (int64_t k = t0; k < t1; ++k) {
+      const int64_t j = k / tiles, i = k % tiles;
+      float* sc = scores + k * g * tile_max;
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t n = pos + t + 1, a = i * tile_t[t], b = std::min(n, a + tile_t[t]);
+        float* part = parts + t * part_floats + k * g * (D + 2);
+        if (D == 64) f32_tile<8>(m, q + t * qstride, kc, vc, j, a, b, sc, tile_max, part);
+        else f32_tile<16>(m, q + t * qstride, kc, vc, j, a, b, sc, tile_max, part);
+      }
+    }
+  };
+  if (tasks == 1 || nt <= 1) task(0, tasks);
+  else parallel_run(0, tasks, 1, task);
+  for (int64_t t = 0; t < T; ++t) combine_tiles(m, parts + t * part_floats, tiles, out + t * ostride);
+  return true;
+#else
+  (void)m; (void)q; (void)qstride; (void)kc; (void)vc; (void)pos; (void)T; (void)out; (void)ostride;
+  return false;
+#endif
+}
 
 // fp32 -> fp16 bits, round to nearest even (as torch's .to(float16)): the cache's scales and mins.
 uint16_t float_to_half(float f) {
@@ -531,11 +580,12 @@ void kv_rows_avx2(const DecodeKV& c, int64_t j, int64_t p0, int64_t np, int64_t 
 // keys(c0, nc, buf) / values(...): rows c0 .. c0+nc-1 of KV head j as fp32 [nc, D] (dequantized into buf, or
 // the fp32 cache's own rows). The fp32 cache takes this tile too (f32_tile): scores 8 at a time and the
 // output in registers instead of a dot (one horizontal sum each) and an axpy (load + store) per key.
+// Scores of query head j*g + r at key p (a <= p < b) go to sc[r * sstride + p - a].
 template <int NV, class Rows>
-void attention_tile(const DecodeModel& m, const float* q, int64_t j, int64_t a, int64_t b, float* scores,
-                    float* part, const Rows& keys, const Rows& values) {
+void attention_tile(const DecodeModel& m, const float* q, int64_t j, int64_t a, int64_t b, float* sc,
+                    int64_t sstride, float* part, const Rows& keys, const Rows& values) {
   constexpr int64_t D = NV * 8, CH = 32;
-  const int64_t g = m.n_heads / m.n_kv_heads, S = m.max_seq_len;
+  const int64_t g = m.n_heads / m.n_kv_heads;
   alignas(32) float kvbuf[CH * D];
   float mx[64];
   for (int64_t r = 0; r < g; ++r) mx[r] = -INFINITY;
@@ -544,7 +594,7 @@ void attention_tile(const DecodeModel& m, const float* q, int64_t j, int64_t a, 
     const float* buf = keys(c0, nc, kvbuf);
     for (int64_t r = 0; r < g; ++r) {
       const float* qh = q + (j * g + r) * D;
-      float* s = scores + (j * g + r) * S + c0;
+      float* s = sc + r * sstride + (c0 - a);
       __m256 qv[NV];
       for (int v = 0; v < NV; ++v) qv[v] = _mm256_loadu_ps(qh + v * 8);
       __m256 vmx = _mm256_set1_ps(-INFINITY);
@@ -573,13 +623,13 @@ void attention_tile(const DecodeModel& m, const float* q, int64_t j, int64_t a, 
     }
   }
   float l[64];
-  for (int64_t r = 0; r < g; ++r) l[r] = exp_sum(scores + (j * g + r) * S, a, b, mx[r]);
+  for (int64_t r = 0; r < g; ++r) l[r] = exp_sum(sc + r * sstride, 0, b - a, mx[r]);  // (same 8-groups from a)
   for (int64_t r = 0; r < g; ++r) std::memset(part + r * (D + 2), 0, sizeof(float) * D);
   for (int64_t c0 = a; c0 < b; c0 += CH) {
     const int64_t nc = std::min<int64_t>(CH, b - c0);
     const float* buf = values(c0, nc, kvbuf);
     for (int64_t r = 0; r < g; ++r) {
-      const float* w = scores + (j * g + r) * S + c0;
+      const float* w = sc + r * sstride + (c0 - a);
       float* o = part + r * (D + 2);
       __m256 acc[NV];
       for (int v = 0; v < NV; ++v) acc[v] = _mm256_loadu_ps(o + v * 8);
@@ -606,17 +656,17 @@ void quantized_tile(const DecodeModel& m, const float* q, const DecodeKV& kc, co
       return buf;
     };
   };
-  attention_tile<NV>(m, q, j, a, b, scores, part, rows(kc), rows(vc));
+  attention_tile<NV>(m, q, j, a, b, scores + j * (m.n_heads / m.n_kv_heads) * S + a, S, part, rows(kc), rows(vc));
 }
 
 template <int NV>
 void f32_tile(const DecodeModel& m, const float* q, const float* kc, const float* vc, int64_t j, int64_t a,
-              int64_t b, float* scores, float* part) {
+              int64_t b, float* sc, int64_t sstride, float* part) {
   const int64_t D = NV * 8, S = m.max_seq_len;
   auto rows = [j, S, D](const float* c) {
     return [c, j, S, D](int64_t c0, int64_t, float*) -> const float* { return c + (j * S + c0) * D; };
   };
-  attention_tile<NV>(m, q, j, a, b, scores, part, rows(kc), rows(vc));
+  attention_tile<NV>(m, q, j, a, b, sc, sstride, part, rows(kc), rows(vc));
 }
 #endif
 
@@ -755,7 +805,9 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
     }
     clk.lap(m.t_other);
     // causal: token t sees positions [0, pos + t]
-    for (int64_t t = 0; t < T; ++t) {
+    const bool together = L.k.kind == DecodeKV::F32 && m.attention_rows &&
+                          attention_rows(m, qkv, qkvw, L.k.f, L.v.f, pos, T, att, qsz);
+    for (int64_t t = 0; t < T && !together; ++t) {
       float* o = att + t * qsz;
       if (L.k.kind == DecodeKV::F32) {
         attention(m, qkv + t * qkvw, L.k.f, L.v.f, pos + t + 1, o, work);
@@ -800,6 +852,8 @@ void decode_prepare(DecodeModel& m) {
   const int64_t per_row = 2 * dim + (qsz + 2 * kvsz) + qsz + std::max(dim, 2 * hid) + hid;
   m.buf.assign(kDecodeMaxRows * per_row + 64, 0.0f);
   m.work.assign(decode_work_floats(m) + 64, 0.0f);
+  const char* rows_env = std::getenv("EDGELLM_ATTENTION_ROWS");  // "0": one attention() per token (A/B runs)
+  m.attention_rows = !(rows_env && rows_env[0] == '0');
   m.qrot.assign(2 * qsz + 64, 0.0f);
 }
 
