@@ -75,7 +75,8 @@ NOTE = """Notes:
   parallel region (the tile's K/V read once): attention per call at pos 300, T4 0.91-1.33 -> 0.84-0.96 ms.
   Edit-prompt lookup over this session's full runs of this script (int8 / int4): at d99db60 1.50 / 1.53x
   (-r 5), 1.39 / 1.36x, 1.58 / 1.58x, 1.29 / 1.32x, 1.45 / 1.55x; at 9dfc418-ced7506 1.24 / 1.37x,
-  1.30 / 1.38x, 1.30 / 1.31x (int8,int4 only) and the table above (-r 5) 1.33 / 1.35x. The ratio moves with
+  1.30 / 1.38x, 1.30 / 1.31x (int8,int4 only) and 1.33 / 1.35x (-r 5); the table above (-r 5, e2b194a:
+  the 2-token prior at α 0.5) 1.30 / 1.36x. The ratio moves with
   the one-token step, which streams the weights from memory and so feels the other tenants' load: runs with
   `alone` at ~370-380 tok/s read 1.5-1.6x, runs with `alone` at 415-465 tok/s 1.25-1.4x, while lookup itself
   read 520-610 tok/s throughout. So the 1.5x target holds in some runs on this machine, not in all.
