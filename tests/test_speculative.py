@@ -674,6 +674,12 @@ def test_gamma_per_proposal_kind():
     fixed = GammaController(fixed=5)
     fixed.update(5, 0, 1e-5, 0.01, kind=1)
     assert fixed.gamma_for(1) == 5
+    # free proposals: update() leaves γ to gamma_for (the engine asks it every round)
+    free, paid = GammaController(free=True), GammaController()
+    for g in (free, paid):
+        for _ in range(10):
+            g.update(4, 4, draft_s=1e-5, verify_s=0.01)
+    assert free.gamma == 4 < paid.gamma
     # a proposer's prior per kind starts each kind's estimate (lookup: long agreements start trusted)
     priors = GammaController(kind_prior=PromptLookupProposer().kind_prior)
     for T in (1, 2, 5):
