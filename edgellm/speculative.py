@@ -598,18 +598,9 @@ class GammaController:
         return self.expected_tokens(gamma, alpha) / cost
 
     def _best(self, alpha: float) -> tuple[int, float, float]:
-        """(best γ in lo..hi, its rate, the rate of γ 0) under α: rate() over every γ in one pass."""
-        a = min(max(alpha, 1e-3), 0.995)
-        c_draft = self.c_draft or 0.0
-        power, best, best_rate = a, self.lo, -1.0
-        for g in range(0, self.hi + 1):
-            r = (1 - power) / (1 - a) / (g * c_draft + self.verify_cost(g + 1))  # power = a^(g+1)
-            if g == 0:
-                rate0 = r
-            elif g >= self.lo and r > best_rate:
-                best, best_rate = g, r
-            power *= a
-        return best, best_rate, rate0
+        """(best γ in lo..hi, its rate, the rate of γ 0) under α."""
+        best = max(range(self.lo, self.hi + 1), key=lambda g: self.rate(g, alpha))
+        return best, self.rate(best, alpha), self.rate(0, alpha)
 
     def gamma_for(self, kind: Any) -> int:
         """γ for a free proposal of this kind (Proposer.free_proposals): the best rate under that kind's own
