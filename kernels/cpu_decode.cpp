@@ -304,70 +304,45 @@ void f32_tile(const DecodeModel& m, const float* q, const float* kc, const float
               int64_t b, float* sc, int64_t sstride, float* part);
 #endif
 
-// One query per head against keys [0, n) of one layer's cache; q [Hq, D] already scaled; out [Hq, D].
-void attention(const DecodeModel& m, const float* q, const float* kc, const float* vc, int64_t n, float* out,
-               float* work) {
-  const int64_t D = m.head_dim, Hkv = m.n_kv_heads, g = m.n_heads / m.n_kv_heads, S = m.max_seq_len;
-  const int64_t nt = max_threads();
-  int64_t tile;
-  const int64_t tiles = key_tiles(n, Hkv, D, nt, 32768, tile);
-  // work layout: scores [Hq, S] | partials [Hkv * tiles * g] x (D + 2)
-  float* scores = work;
-  float* part = work + m.n_heads * S;
+// One tile [a, b) of KV head j's keys for one token without an AVX2 tile (the portable path): scores of query
+// head j*g + r at key p go to sc[r * sstride + p - a]; writes the partial output, max and sum into part.
+void plain_tile(const DecodeModel& m, const float* q, const float* kc, const float* vc, int64_t j, int64_t a,
+                int64_t b, float* sc, int64_t sstride, float* part) {
+  const int64_t D = m.head_dim, g = m.n_heads / m.n_kv_heads, S = m.max_seq_len;
+  const float* K = kc + j * S * D;
+  const float* V = vc + j * S * D;
+  for (int64_t r = 0; r < g; ++r) {
+    const float* qh = q + (j * g + r) * D;
+    float* s = sc + r * sstride;
+    float mx = -INFINITY;
+    for (int64_t p = a; p < b; ++p) {
+      s[p - a] = dot(qh, K + p * D, D);
+      mx = std::max(mx, s[p - a]);
+    }
+    const float l = exp_sum(s, 0, b - a, mx);
+    float* o = part + r * (D + 2);
+    std::memset(o, 0, sizeof(float) * D);
+    for (int64_t p = a; p < b; ++p) axpy(s[p - a], V + p * D, o, D);
+    o[D] = mx;
+    o[D + 1] = l;
+  }
+}
+
+// Attention of T tokens against one layer's fp32 cache: token t's query q + t * qstride (q [Hq, D] already
+// scaled) sees keys [0, pos + t]; its output goes to out + t * ostride. Each token's keys are split into tiles
+// (flash-decoding: per tile a partial output, max and sum, then combine_tiles) and each (KV head, tile) task
+// runs its tile for every token in turn, so for a T-token verification pass the tile's keys and values come
+// from memory once and then from cache. A token's tiles, float operations and combine do not depend on T,
+// so each row is bit for bit a one-token step's. False (nothing done) where the tokens would split their keys
+// into different numbers of tiles; one token at a time always works.
+bool attention_rows(DecodeModel& m, const float* q, int64_t qstride, const float* kc, const float* vc,
+                    int64_t pos, int64_t T, float* out, int64_t ostride) {
+  const int64_t D = m.head_dim, Hkv = m.n_kv_heads, g = m.n_heads / m.n_kv_heads;
 #ifdef EDGELLM_DEC_AVX2
   const bool fast = (D == 64 || D == 128) && g <= 64;
 #else
   const bool fast = false;
 #endif
-  auto task = [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t j = t / tiles, a = (t % tiles) * tile, b = std::min(n, a + tile);
-#ifdef EDGELLM_DEC_AVX2
-      if (fast) {
-        float* sc = scores + j * g * S + a;
-        if (D == 64) f32_tile<8>(m, q, kc, vc, j, a, b, sc, S, part + t * g * (D + 2));
-        else f32_tile<16>(m, q, kc, vc, j, a, b, sc, S, part + t * g * (D + 2));
-        continue;
-      }
-#endif
-      (void)fast;
-      const float* K = kc + j * S * D;
-      const float* V = vc + j * S * D;
-      for (int64_t r = 0; r < g; ++r) {
-        const int64_t h = j * g + r;
-        const float* qh = q + h * D;
-        float* s = scores + h * S;
-        float mx = -INFINITY;
-        for (int64_t p = a; p < b; ++p) {
-          s[p] = dot(qh, K + p * D, D);
-          mx = std::max(mx, s[p]);
-        }
-        const float l = exp_sum(s, a, b, mx);
-        float* o = part + (t * g + r) * (D + 2);
-        std::memset(o, 0, sizeof(float) * D);
-        for (int64_t p2 = a; p2 < b; ++p2) axpy(s[p2], V + p2 * D, o, D);
-        o[D] = mx;
-        o[D + 1] = l;
-      }
-    }
-  };
-  if (tiles * Hkv == 1 || nt <= 1) task(0, tiles * Hkv);
-  else parallel_run(0, tiles * Hkv, 1, task);
-  combine_tiles(m, part, tiles, out);
-}
-
-
-// attention() for the T tokens of a verification pass at once (token t: query q + t * qstride, keys
-// [0, pos + t], output out + t * ostride), fp32 cache. Each (KV head, tile) task runs its tile for every
-// token in turn, so the tile's keys and values come from memory once and then from cache, where one
-// attention() call per token read them T times. Per token the tiles, float operations and combine are
-// attention()'s, so each row is bit for bit a one-token step's. False (nothing done) where that cannot
-// hold: the tokens would split their keys into different numbers of tiles, or no fast tile applies.
-bool attention_rows(DecodeModel& m, const float* q, int64_t qstride, const float* kc, const float* vc,
-                    int64_t pos, int64_t T, float* out, int64_t ostride) {
-#ifdef EDGELLM_DEC_AVX2
-  const int64_t D = m.head_dim, Hkv = m.n_kv_heads, g = m.n_heads / m.n_kv_heads;
-  if (!((D == 64 || D == 128) && g <= 64) || T < 2) return false;
   const int64_t nt = max_threads();
   int64_t tile_t[kDecodeMaxRows];
   int64_t tiles = 0;
@@ -377,7 +352,7 @@ bool attention_rows(DecodeModel& m, const float* q, int64_t qstride, const float
     tiles = n;
   }
   const int64_t tasks = tiles * Hkv, tile_max = tile_t[T - 1];
-  const int64_t part_floats = tasks * g * (D + 2);  // one token's partials: attention()'s layout
+  const int64_t part_floats = tasks * g * (D + 2);  // one token's partials, combine_tiles' layout
   const size_t need = static_cast<size_t>(T * part_floats + tasks * g * tile_max + 64);
   if (m.work_rows.size() < need) m.work_rows.resize(need);  // grows once; steady state allocates nothing
   float* parts = m.work_rows.data();
@@ -389,8 +364,15 @@ bool attention_rows(DecodeModel& m, const float* q, int64_t qstride, const float
       for (int64_t t = 0; t < T; ++t) {
         const int64_t n = pos + t + 1, a = i * tile_t[t], b = std::min(n, a + tile_t[t]);
         float* part = parts + t * part_floats + k * g * (D + 2);
-        if (D == 64) f32_tile<8>(m, q + t * qstride, kc, vc, j, a, b, sc, tile_max, part);
-        else f32_tile<16>(m, q + t * qstride, kc, vc, j, a, b, sc, tile_max, part);
+#ifdef EDGELLM_DEC_AVX2
+        if (fast) {
+          if (D == 64) f32_tile<8>(m, q + t * qstride, kc, vc, j, a, b, sc, tile_max, part);
+          else f32_tile<16>(m, q + t * qstride, kc, vc, j, a, b, sc, tile_max, part);
+          continue;
+        }
+#endif
+        (void)fast;
+        plain_tile(m, q + t * qstride, kc, vc, j, a, b, sc, tile_max, part);
       }
     }
   };
@@ -398,10 +380,6 @@ bool attention_rows(DecodeModel& m, const float* q, int64_t qstride, const float
   else parallel_run(0, tasks, 1, task);
   for (int64_t t = 0; t < T; ++t) combine_tiles(m, parts + t * part_floats, tiles, out + t * ostride);
   return true;
-#else
-  (void)m; (void)q; (void)qstride; (void)kc; (void)vc; (void)pos; (void)T; (void)out; (void)ostride;
-  return false;
-#endif
 }
 
 // fp32 -> fp16 bits, round to nearest even (as torch's .to(float16)): the cache's scales and mins.
@@ -670,15 +648,15 @@ void f32_tile(const DecodeModel& m, const float* q, const float* kc, const float
 }
 #endif
 
-// attention() for a quantized cache: q [Hq, D] already scaled and rotated. A key/value row is dequantized
-// once per KV head and serves the g query heads of that KV head. Head dims 64 and 128 (AVX2) take
+// attention_rows() for one token and a quantized cache: q [Hq, D] already scaled and rotated. A key/value row
+// is dequantized once per KV head and serves the g query heads of that KV head. Head dims 64 and 128 (AVX2) take
 // quantized_tile: 32 rows dequantized at a time, q / the output in registers, 8 scores per hsum8 (at 6k
 // context the int4 cache's attention went from 16 ms to ~6 ms a token; it was compute-bound, not memory-bound).
 void attention_quantized(const DecodeModel& m, const float* q, const DecodeKV& kc, const DecodeKV& vc, int64_t n,
                          float* out, float* work) {
   const int64_t D = m.head_dim, Hkv = m.n_kv_heads, g = m.n_heads / m.n_kv_heads, S = m.max_seq_len;
   const int64_t nt = max_threads();
-  int64_t tile;  // dequantizing makes each key dearer than in attention(): split from shorter contexts on
+  int64_t tile;  // dequantizing makes each key dearer than in attention_rows(): split from shorter contexts on
   const int64_t tiles = key_tiles(n, Hkv, D, nt, 8192, tile);
   float* scores = work;
   float* part = work + m.n_heads * S;
@@ -805,12 +783,12 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
     }
     clk.lap(m.t_other);
     // causal: token t sees positions [0, pos + t]
-    const bool together = L.k.kind == DecodeKV::F32 && m.attention_rows &&
-                          attention_rows(m, qkv, qkvw, L.k.f, L.v.f, pos, T, att, qsz);
+    const bool fp = L.k.kind == DecodeKV::F32;
+    const bool together = fp && T > 1 && m.attention_rows && attention_rows(m, qkv, qkvw, L.k.f, L.v.f, pos, T, att, qsz);
     for (int64_t t = 0; t < T && !together; ++t) {
       float* o = att + t * qsz;
-      if (L.k.kind == DecodeKV::F32) {
-        attention(m, qkv + t * qkvw, L.k.f, L.v.f, pos + t + 1, o, work);
+      if (fp) {
+        attention_rows(m, qkv + t * qkvw, qkvw, L.k.f, L.v.f, pos + t, 1, o, qsz);
         continue;
       }
       float* qr = m.qrot.data();  // q @ R per head, attention, then the output rotated back (R^T)
@@ -852,7 +830,7 @@ void decode_prepare(DecodeModel& m) {
   const int64_t per_row = 2 * dim + (qsz + 2 * kvsz) + qsz + std::max(dim, 2 * hid) + hid;
   m.buf.assign(kDecodeMaxRows * per_row + 64, 0.0f);
   m.work.assign(decode_work_floats(m) + 64, 0.0f);
-  const char* rows_env = std::getenv("EDGELLM_ATTENTION_ROWS");  // "0": one attention() per token (A/B runs)
+  const char* rows_env = std::getenv("EDGELLM_ATTENTION_ROWS");  // "0": a T-token pass one token at a time (A/B)
   m.attention_rows = !(rows_env && rows_env[0] == '0');
   m.qrot.assign(2 * qsz + 64, 0.0f);
 }
