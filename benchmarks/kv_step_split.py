@@ -3,8 +3,8 @@
     python benchmarks/kv_step_split.py [--threads 2] [--weights int4] [--kv fp,int8,int4]
                                        [--positions 256,2048,6000] [-r 30] [--json FILE]
 
-For each KV format: the bundled model with `--weights`, a cache of max(positions) + 64 slots, and r
-one-token steps at each position (after 5 unmeasured ones), timed by the step's own C++ clocks (matmuls,
+The bundled model with `--weights`, loaded once; for each KV format a cache of max(positions) + 64
+slots, and r one-token steps at each position (after 5 unmeasured ones), timed by the step's own C++ clocks (matmuls,
 attention, the rest) and by the wall clock around the call. The cache content is whatever the buffers
 hold (the step reads every slot below the position all the same), so the figures are the step's cost,
 not a quality measurement. With the bandwidth measured by `edgellm bench` it shows how far attention
@@ -24,14 +24,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def split_for(kv: str, weights: str, positions: list[int], reps: int) -> list[dict]:
+def split_for(loaded, kv: str, positions: list[int], reps: int) -> list[dict]:
+    """`loaded`: edgellm.loading.LoadedModel (one load serves every KV format: only the cache differs)."""
     import torch
 
     from edgellm.cache import KVCache
     from edgellm.generate import Engine
-    from edgellm.loading import load_model
 
-    loaded = load_model(None, weights=weights)
     slots = max(positions) + 64
     cache = KVCache(loaded.model.config, slots, loaded.model.dtype, "cpu", kv_format=kv)
     engine = Engine(loaded.model, loaded.tokenizer, max_seq_len=slots, cache=cache)
@@ -71,13 +70,16 @@ def main() -> None:
     args = ap.parse_args()
     import torch
 
+    from edgellm.loading import load_model
+
     torch.set_num_threads(args.threads)
+    loaded = load_model(None, weights=args.weights)
     positions = [int(p) for p in args.positions.split(",")]
     rows = []
     print("| kv | position | step ms | matmul ms | attention ms | other ms | KV MB read |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for kv in args.kv.split(","):
-        for r in split_for(kv, args.weights, positions, args.reps):
+        for r in split_for(loaded, kv, positions, args.reps):
             rows.append(r)
             print(f"| {r['kv']} | {r['position']} | {r['wall_ms']:.2f} | {r['matmul_ms']:.2f} | "
                   f"{r['attention_ms']:.2f} | {r['other_ms']:.2f} | {r['kv_bytes_read'] / 1e6:.1f} |", flush=True)
