@@ -73,7 +73,12 @@ WEIGHT_ROWS = [
                                     "calibration": "builtin"}),
     ("bundled GGUF, int4 g32 asym (exact Q4_1 import)",
      {"weights": "int4", "group_size": 32, "symmetric": False, "source": "bundled"}),
+    # every row above runs its prefill GEMMs in fp32, so it measures the weights alone; this one is the
+    # same model with `edgellm run`'s default compute on this CPU: int4 prefill GEMMs in bf16
+    ("bundled GGUF, exact Q4_1 import, bf16 prefill",
+     {"weights": "int4", "group_size": 32, "symmetric": False, "source": "bundled", "prefill": "bf16"}),
 ]
+SETUP_KEYS = ("source", "prefill")  # row settings that are not load_model keywords
 # rows whose model is also exported to GGUF and scored by llama.cpp
 EXPORT_ROWS = {"int8 g32": "int8-g32-Q8_0.gguf", "int4 g32 sym": "int4-g32-sym-Q4_0.gguf"}
 KV_ROWS = ["fp", "int8", "int8:32", "int4", "int4:64"]
@@ -123,7 +128,8 @@ def cli_args(settings: dict) -> argparse.Namespace:
 
 
 def command(model: str | None, settings: dict, threads: int, kv: str = "fp") -> str:
-    cmd = ["edgellm", "perplexity"] + (["-m", model] if model else []) + ["-f", TEXT, "--ctx", str(CTX),
+    env = [] if settings.get("prefill") == "bf16" else ["EDGELLM_PREFILL_BF16=0"]
+    cmd = env + ["edgellm", "perplexity"] + (["-m", model] if model else []) + ["-f", TEXT, "--ctx", str(CTX),
                                                                           "--threads", str(threads)]
     w = settings.get("weights", "fp")
     if w != "fp":
@@ -213,6 +219,7 @@ def prepare_f32(work: Path, bundled: Path) -> tuple[Path, str]:
 
 
 def run_weights(args, f32: Path, bundled: Path, fp, ref, ids, ref_ppl, peer: bool) -> list[dict]:
+    from edgellm.kernels.matmul import set_bf16_prefill
     from edgellm.quant.convert import export_gguf
 
     rows = []
@@ -220,7 +227,8 @@ def run_weights(args, f32: Path, bundled: Path, fp, ref, ids, ref_ppl, peer: boo
         t0 = time.perf_counter()
         src = bundled if settings.get("source") == "bundled" else f32
         model_arg = None if src == bundled else str(f32)
-        kw = {k: v for k, v in settings.items() if k != "source"}
+        kw = {k: v for k, v in settings.items() if k not in SETUP_KEYS}
+        set_bf16_prefill(settings.get("prefill") == "bf16")
         if kw["weights"] == "fp":
             loaded, res = fp, from_reference(ref, fp.tokenizer, ids)
             load_s = 0.0
@@ -230,7 +238,8 @@ def run_weights(args, f32: Path, bundled: Path, fp, ref, ids, ref_ppl, peer: boo
             cache = KVCache(loaded.config, CTX, torch.float32, "cpu")
             res = evaluate(loaded.model, cache, loaded.tokenizer, ids, CTX, reference=ref)
         row = fmt_row(label, asdict(res) | weight_summary(cli_args(kw), loaded), ref_ppl)
-        row |= {"source": str(src), "command": command(model_arg, kw, args.threads),
+        row |= {"source": str(src), "command": command(model_arg, settings, args.threads),
+                "prefill": settings.get("prefill", "fp32"),
                 "load_quantize_s": round(load_s, 1), "seconds": round(time.perf_counter() - t0, 1)}
         if peer and label in EXPORT_ROWS:
             out = Path(args.work) / EXPORT_ROWS[label]
@@ -401,10 +410,11 @@ def kv_targets(rows: list[dict]) -> list[dict]:
 
 WEIGHT_NOTES = [
     "Prefill windows of 512 tokens take the dense path (a quantized layer's weights dequantized, then the "
-    "GEMM; the int8-activation CPU kernels serve only M ≤ 16), so these figures measure the weights' "
-    "quantization error, not the decode kernels' activation rounding. On this CPU (AVX512-BF16) int4 "
-    "prefill GEMMs run in bf16, as `edgellm run` does (worth ~KL 0.0007 / ~2 points of top-1 on their "
-    "own); int8 prefill stays fp32 (EDGELLM_PREFILL_BF16=0 makes every row fp32).",
+    "GEMM; the int8-activation CPU kernels serve only M ≤ 16), and every row but the last runs those "
+    "GEMMs in fp32 (EDGELLM_PREFILL_BF16=0), so these figures measure the weights' quantization error "
+    "alone. The last row is the exact import again with `edgellm run`'s default compute on this CPU "
+    "(AVX512-BF16): int4 prefill GEMMs in bf16; its KL against the row above it is the cost of that "
+    "compute, not of any weight format (int8 prefill stays fp32 by default).",
     "calibrated = --calibrate: the scale search weights each input channel's squared error by E[x²] of "
     "that channel over edgellm's built-in calibration text (~512 tokens of prose, code and chat, "
     "edgellm/kv_centers.py; not GPL-3), as llama.cpp's imatrix does. It needs one float forward pass "
@@ -415,7 +425,9 @@ WEIGHT_NOTES = [
     "measure the other formats.",
     "LM head = the tied embedding table (49152×576, 28.3M of 134.5M weights). It takes the weights' group "
     "size: int8 g64/g128 with the int4 g64/g128 rows, int8 per row with int8 per-channel. The bundled "
-    "table is Q8_0, so int8 g32 holds it exactly: an fp32 LM head would give the same figures as int8 g32.",
+    "table is Q8_0, so int8 g32 holds it exactly (both the search and RTN try Q8_0's ±127 scale, so a "
+    "table already on that grid comes back bit for bit): an fp32 LM head would give the same figures as "
+    "int8 g32.",
     "Model MiB / bits per weight: every weight in memory (codes + fp16 scales + fp16 mins, norms in fp32, "
     "the tied table counted once) over all 134.5M parameters.",
     "RTN = --fast (round to nearest: absmax scale for sym, min/max for asym); otherwise the per-group "

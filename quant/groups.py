@@ -120,8 +120,9 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, symmetric: bool = True
              importance: torch.Tensor | None = None) -> QuantizedTensor:
     """Quantize a float weight [N, K] (out, in) group-wise along K.
 
-    search=False: round-to-nearest (symmetric: the largest |w| of a group maps to code -8 / -128,
-    llama.cpp's Q4_0 convention; asymmetric: min → 0, max → 15). search=True: least-squares scale
+    search=False: round-to-nearest as llama.cpp's reference quantizers do it (int4 symmetric: the
+    largest |w| of a group maps to code -8, Q4_0; int8: to ±127, Q8_0; asymmetric: min → 0, max → 15,
+    Q4_1), so weights already on one of those grids come back exactly. search=True: least-squares scale
     (and min) search per group. `importance` [K] (optional, e.g. mean squared activations per input
     channel) weights the error the search minimises."""
     if w.dim() != 2:
@@ -221,9 +222,10 @@ def _sym_grid(bits: int) -> list[float]:
 def _quantize_symmetric(x: torch.Tensor, bits: int, search: bool, imp: torch.Tensor | None):
     """x [R, G, gs] → (codes as stored: int4 0..15 / int8 -128..127, scales fp16 [R, G])."""
     qneg = 1 << (bits - 1)
-    # signed extreme: it maps to -qneg exactly, so the other side never needs more than qneg-1 levels
+    # int4 (Q4_0): the signed extreme maps to -8 exactly, so the other side never needs more than 7 levels.
+    # int8 (Q8_0): the largest |w| maps to ±127, so weights already on a Q8_0 grid come back exactly.
     extreme = x.gather(-1, x.abs().argmax(-1, keepdim=True))
-    rtn = extreme / -qneg
+    rtn = extreme / -8.0 if bits == 4 else extreme.abs() / 127.0
     candidates = [(rtn,)]
     sums = None
     if search:

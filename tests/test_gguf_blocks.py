@@ -74,6 +74,22 @@ def test_our_quantization_exports_exactly(bits, sym, ggml_type, search):
     assert torch.equal(again.codes, qt.codes) and torch.equal(again.scales, qt.scales)
 
 
+@pytest.mark.parametrize("ggml_type", list(EXACT), ids=lambda t: t.name)
+@pytest.mark.parametrize("search", [False, True])
+def test_weights_on_a_gguf_grid_requantize_exactly(ggml_type, search):
+    """A float model whose weights llama.cpp quantized once (dequantized Q8_0 / Q4_0 / Q4_1, as the F32
+    export of the bundled model is) quantizes back to the very same blocks: nothing is lost twice."""
+    rng = np.random.default_rng(3)
+    w = (rng.standard_normal((48, 256)) * 0.04).astype(np.float32)
+    w[1, :32] = np.linspace(-0.02, 0.05, 32)  # a block that is already evenly spaced
+    raw = gguf.quants.quantize(w, ggml_type)
+    on_grid = reference(raw, ggml_type, w.shape)
+    bits, sym = EXACT[ggml_type]
+    qt = quantize(on_grid, bits, 32, symmetric=sym, search=search)
+    assert torch.equal(qt.dequantize(), on_grid)
+    assert np.array_equal(to_gguf(qt)[0], np.asarray(raw).reshape(48, -1))
+
+
 @pytest.fixture(scope="module")
 def reader():
     path = bundled_gguf()
