@@ -23,6 +23,12 @@
 #if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || (defined(__FMA__) && defined(__F16C__)))
 #define EDGELLM_DEC_AVX2 1
 #include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define EDGELLM_DEC_VNNI 1  // int8 dot products for the scores against an int4 key cache
+#ifndef EDGELLM_QD
+#define EDGELLM_QD 3
+#endif
+#endif
 #endif
 
 #include "cpu_decode.h"
@@ -560,12 +566,11 @@ void kv_rows_avx2(const DecodeKV& c, int64_t j, int64_t p0, int64_t np, int64_t 
 // output in registers instead of a dot (one horizontal sum each) and an axpy (load + store) per key.
 // Scores of query head j*g + r at key p (a <= p < b) go to sc[r * sstride + p - a].
 template <int NV, class Rows>
-void attention_tile(const DecodeModel& m, const float* q, int64_t j, int64_t a, int64_t b, float* sc,
-                    int64_t sstride, float* part, const Rows& keys, const Rows& values) {
+void tile_scores(const DecodeModel& m, const float* q, int64_t j, int64_t a, int64_t b, float* sc,
+                 int64_t sstride, float* mx, const Rows& keys) {
   constexpr int64_t D = NV * 8, CH = 32;
   const int64_t g = m.n_heads / m.n_kv_heads;
   alignas(32) float kvbuf[CH * D];
-  float mx[64];
   for (int64_t r = 0; r < g; ++r) mx[r] = -INFINITY;
   for (int64_t c0 = a; c0 < b; c0 += CH) {
     const int64_t nc = std::min<int64_t>(CH, b - c0);
@@ -600,6 +605,16 @@ void attention_tile(const DecodeModel& m, const float* q, int64_t j, int64_t a, 
       mx[r] = mr;
     }
   }
+}
+
+// The second half of attention_tile: softmax numerators of the tile's scores (max mx per head), and the
+// values weighted by them into part.
+template <int NV, class Rows>
+void tile_values(const DecodeModel& m, int64_t a, int64_t b, float* sc, int64_t sstride, const float* mx,
+                 float* part, const Rows& values) {
+  constexpr int64_t D = NV * 8, CH = 32;
+  const int64_t g = m.n_heads / m.n_kv_heads;
+  alignas(32) float kvbuf[CH * D];
   float l[64];
   for (int64_t r = 0; r < g; ++r) l[r] = exp_sum(sc + r * sstride, 0, b - a, mx[r]);  // (same 8-groups from a)
   for (int64_t r = 0; r < g; ++r) std::memset(part + r * (D + 2), 0, sizeof(float) * D);
@@ -624,6 +639,165 @@ void attention_tile(const DecodeModel& m, const float* q, int64_t j, int64_t a, 
   }
 }
 
+template <int NV, class Rows>
+void attention_tile(const DecodeModel& m, const float* q, int64_t j, int64_t a, int64_t b, float* sc,
+                    int64_t sstride, float* part, const Rows& keys, const Rows& values) {
+  float mx[64];
+  tile_scores<NV>(m, q, j, a, b, sc, sstride, mx, keys);
+  tile_values<NV>(m, a, b, sc, sstride, mx, part, values);
+}
+
+#ifdef EDGELLM_DEC_VNNI
+// Whether int4_key_scores() takes this key cache: 64 or 128 dims (one or two 64-code vectors a row), groups of
+// 16 elements or more (each 16-element chunk within one group), at most 16 query heads per KV head.
+bool vnni_keys(const DecodeKV& kc, int64_t D, int64_t g) {
+  return kc.kind == DecodeKV::INT4 && (D == 64 || D == 128) && kc.G % 16 == 0 && kc.G <= D && g <= 16;
+}
+
+// The first two levels of a 16 x 16 transpose-and-add: from 16 vectors (one per key), 4 vectors u[i] whose
+// 128-bit block b, lane l holds the sum of key 4i+l's lanes 4b .. 4b+3 (its 16-element chunk b).
+template <class V, class Add, class Lo, class Hi, class Lo64, class Hi64>
+inline void chunk_sums(const V* v, V* u, Add add, Lo lo, Hi hi, Lo64 lo64, Hi64 hi64) {
+  V t[8];
+  for (int i = 0; i < 8; ++i) t[i] = add(lo(v[2 * i], v[2 * i + 1]), hi(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) u[i] = add(lo64(t[2 * i], t[2 * i + 1]), hi64(t[2 * i], t[2 * i + 1]));
+}
+
+// The last two levels: lane 4i+l of the result = the sum over the blocks of u[i]'s lane l.
+inline __m512 block_sums(const __m512* u) {
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// tile_scores() for an int4 key cache without dequantizing it. A key element is c * s + m (code c, its group's
+// scale s and min m), so q . k = sum over 16-element chunks of s * (q_chunk . c_chunk) + m * sum(q_chunk).
+// The integer dots come out of VPDPBUSD (4 codes x 4 int8 q bytes a lane, 64 an instruction), 16 keys' lanes
+// are summed into chunk sums in int32 (keys 4i..4i+3 per vector, a chunk per 128-bit block), and only then
+// scaled by s and given the m term, 4 keys a vector, before the last two levels of the horizontal sum.
+// q is written as QD int8 digits in base 128 (q / unit = q0 128^2 + q1 128 + q2, |q0| <= 127), each digit one
+// more VPDPBUSD into the shifted sum: 3 digits carry q to ~2^-21 of its largest element, about the float
+// path's own rounding, where one digit (llama.cpp's Q8 activations) moved a tiny test model's logits by 0.2.
+template <int NV, int QD>
+void int4_key_scores(const DecodeModel& m, const float* q, const DecodeKV& kc, int64_t j, int64_t a, int64_t b,
+                     float* sc, int64_t sstride, float* mx) {
+  constexpr int64_t D = NV * 8, NZ = D / 64, KB = 16;  // NZ 64-code vectors per row; keys per block
+  const int64_t g = m.n_heads / m.n_kv_heads, S = m.max_seq_len, G = kc.G, ng = D / G;
+  alignas(64) int8_t qd[16][QD][D];  // the digits of each head's q
+  alignas(64) float qc[16][NZ][16];  // per head, vector z, block b (all 4 lanes): chunk (z, b)'s q sum / unit
+  float unit[16];                    // the value of one unit of the last digit, per head
+  for (int64_t r = 0; r < g; ++r) {
+    const float* qh = q + (j * g + r) * D;
+    float amax = 0.0f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(qh[d]));
+    float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    for (int k = 1; k < QD; ++k) scale *= 1.0f / 128.0f;  // (powers of two: exact)
+    unit[r] = scale;
+    const float inv = 1.0f / scale;
+    for (int64_t d = 0; d < D; d += 16) {
+      // in units of the last digit; each digit takes what its place can hold, the next one the remainder
+      __m512 rest = _mm512_mul_ps(_mm512_loadu_ps(qh + d), _mm512_set1_ps(inv));
+      float place = 1.0f;
+      for (int k = 1; k < QD; ++k) place *= 128.0f;
+      for (int k = 0; k < QD; ++k, place *= 1.0f / 128.0f) {
+        __m512 digit = _mm512_roundscale_ps(_mm512_mul_ps(rest, _mm512_set1_ps(1.0f / place)),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        digit = _mm512_min_ps(_mm512_max_ps(digit, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(127.0f));
+        rest = _mm512_fnmadd_ps(digit, _mm512_set1_ps(place), rest);
+        _mm_store_si128(reinterpret_cast<__m128i*>(qd[r][k] + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(digit)));
+      }
+    }
+    for (int64_t z = 0; z < NZ; ++z)
+      for (int64_t c = 0; c < 4; ++c) {
+        float sum = 0.0f;
+        for (int64_t d = 64 * z + 16 * c; d < 64 * z + 16 * c + 16; ++d) sum += qh[d];
+        for (int l = 0; l < 4; ++l) qc[r][z][4 * c + l] = sum * inv;
+      }
+  }
+  // scales / mins of 4 consecutive rows, [4 keys][ng] as loaded, into the u[i] layout of vector z:
+  // block b, lane l = key l's value for chunk (z, b)
+  __m512i sidx[NZ];
+  for (int64_t z = 0; z < NZ; ++z) {
+    alignas(64) int32_t idx[16];
+    for (int c = 0; c < 4; ++c)
+      for (int l = 0; l < 4; ++l) idx[4 * c + l] = (int32_t)(l * ng + (64 * z + 16 * c) / G);
+    sidx[z] = _mm512_load_si512(idx);
+  }
+  auto quad = [&](const uint16_t* base, int64_t row, int64_t keys, __m512* out) {
+    const int64_t n = keys * ng;  // halves to read: never past the rows that exist
+    const __m512 lo = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << std::min<int64_t>(n, 16)) - 1u),
+                                                               base + row * ng));
+    const __m512 hi = n > 16 ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << (n - 16)) - 1u),
+                                                                       base + row * ng + 16))
+                             : _mm512_setzero_ps();
+    for (int64_t z = 0; z < NZ; ++z) out[z] = _mm512_permutex2var_ps(lo, sidx[z], hi);
+  };
+  const __m256i low4 = _mm256_set1_epi8(15);
+  alignas(64) uint8_t codes[KB][D];  // unpacked, element order
+  __m512 ls[4][NZ], lm[4][NZ];       // scales and mins of keys 4i.., u[i] layout
+  auto add32 = [](__m512i x, __m512i y) { return _mm512_add_epi32(x, y); };
+  auto lo32 = [](__m512i x, __m512i y) { return _mm512_unpacklo_epi32(x, y); };
+  auto hi32 = [](__m512i x, __m512i y) { return _mm512_unpackhi_epi32(x, y); };
+  auto lo64 = [](__m512i x, __m512i y) { return _mm512_unpacklo_epi64(x, y); };
+  auto hi64 = [](__m512i x, __m512i y) { return _mm512_unpackhi_epi64(x, y); };
+  for (int64_t c0 = a; c0 < b; c0 += KB) {
+    const int64_t nc = std::min<int64_t>(KB, b - c0);
+    for (int64_t i = 0; i < KB; ++i) {
+      if (i >= nc) {  // padding keys: codes 0 and scales/mins 0, so score 0, never stored
+        std::memset(codes[i], 0, sizeof(codes[i]));
+        continue;
+      }
+      const uint8_t* src = kc.codes + (j * S + c0 + i) * (D / 2);
+      for (int64_t z = 0; z < NZ; ++z) {  // 32 bytes: elements 32 z .. (low nibbles) and D/2 + 32 z .. (high)
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * z));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[i] + 32 * z), _mm256_and_si256(v, low4));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[i] + D / 2 + 32 * z),
+                           _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      const int64_t keys = std::max<int64_t>(0, std::min<int64_t>(4, nc - 4 * i));
+      quad(kc.scales, j * S + c0 + 4 * i, keys, ls[i]);
+      quad(kc.mins, j * S + c0 + 4 * i, keys, lm[i]);
+    }
+    for (int64_t r = 0; r < g; ++r) {
+      __m512 y[4];
+      for (int64_t z = 0; z < NZ; ++z) {
+        __m512i qv[QD];
+        for (int k = 0; k < QD; ++k) qv[k] = _mm512_load_si512(qd[r][k] + 64 * z);
+        __m512i dots[KB], u[4];
+        for (int64_t i = 0; i < KB; ++i) {
+          const __m512i c = _mm512_load_si512(codes[i] + 64 * z);
+          __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, qv[0]);
+          for (int k = 1; k < QD; ++k) d = _mm512_dpbusd_epi32(_mm512_slli_epi32(d, 7), c, qv[k]);
+          dots[i] = d;
+        }
+        chunk_sums(dots, u, add32, lo32, hi32, lo64, hi64);
+        const __m512 qz = _mm512_load_ps(qc[r][z]);
+        for (int i = 0; i < 4; ++i) {
+          const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u[i]), ls[i][z], _mm512_mul_ps(lm[i][z], qz));
+          y[i] = z == 0 ? t : _mm512_add_ps(y[i], t);
+        }
+      }
+      const __m512 v = _mm512_mul_ps(block_sums(y), _mm512_set1_ps(unit[r]));
+      _mm512_mask_storeu_ps(sc + r * sstride + (c0 - a), (__mmask16)((1u << nc) - 1u), v);
+    }
+  }
+  for (int64_t r = 0; r < g; ++r) {
+    float* s = sc + r * sstride;
+    const float* qh = q + (j * g + r) * D;
+    for (int64_t p = a; p < std::min(b, kc.n_sink); ++p)  // the exact sink rows
+      s[p - a] = dot(qh, kc.sink + (j * (kc.n_sink + 1) + p) * D, D);
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    int64_t p = 0;
+    for (; p + 16 <= b - a; p += 16) vm = _mm512_max_ps(vm, _mm512_loadu_ps(s + p));
+    float mr = _mm512_reduce_max_ps(vm);
+    for (; p < b - a; ++p) mr = std::max(mr, s[p]);
+    mx[r] = mr;
+  }
+}
+#endif
+
 template <int NV>
 void quantized_tile(const DecodeModel& m, const float* q, const DecodeKV& kc, const DecodeKV& vc, int64_t j,
                     int64_t a, int64_t b, float* scores, float* part) {
@@ -634,7 +808,16 @@ void quantized_tile(const DecodeModel& m, const float* q, const DecodeKV& kc, co
       return buf;
     };
   };
-  attention_tile<NV>(m, q, j, a, b, scores + j * (m.n_heads / m.n_kv_heads) * S + a, S, part, rows(kc), rows(vc));
+  float* sc = scores + j * (m.n_heads / m.n_kv_heads) * S + a;
+#ifdef EDGELLM_DEC_VNNI
+  if (vnni_keys(kc, NV * 8, m.n_heads / m.n_kv_heads)) {
+    float mx[64];
+    int4_key_scores<NV, EDGELLM_QD>(m, q, kc, j, a, b, sc, S, mx);
+    tile_values<NV>(m, a, b, sc, S, mx, part, rows(vc));
+    return;
+  }
+#endif
+  attention_tile<NV>(m, q, j, a, b, sc, S, part, rows(kc), rows(vc));
 }
 
 template <int NV>
