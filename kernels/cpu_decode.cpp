@@ -796,6 +796,94 @@ void int4_key_scores(const DecodeModel& m, const float* q, const DecodeKV& kc, i
     mx[r] = mr;
   }
 }
+
+// Whether int4_tile_values() takes this value cache: 64 or 128 dims, groups of 16 elements or more.
+bool vnni_values(const DecodeKV& vc, int64_t D) {
+  return vc.kind == DecodeKV::INT4 && (D == 64 || D == 128) && vc.G % 16 == 0 && vc.G <= D;
+}
+
+// Row `row` of an int4 cache, dims h0 .. h0 + 63, dequantized into 4 registers (c * s + m; each 16 dims lie in
+// one group). Split-halves nibbles: byte i holds dims i (low) and i + D/2 (high).
+inline void int4_row64(const DecodeKV& c, int64_t row, int64_t D, int64_t h0, __m512* out) {
+  const uint8_t* src = c.codes + row * (D / 2);
+  __m128i piece[4];
+  if (D == 64) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(15));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(15));
+    piece[0] = _mm256_castsi256_si128(lo);
+    piece[1] = _mm256_extracti128_si256(lo, 1);
+    piece[2] = _mm256_castsi256_si128(hi);
+    piece[3] = _mm256_extracti128_si256(hi, 1);
+  } else {
+    const __m512i v = _mm512_loadu_si512(src);
+    const __m512i n = _mm512_and_si512(h0 == 0 ? v : _mm512_srli_epi16(v, 4), _mm512_set1_epi8(15));
+    piece[0] = _mm512_extracti32x4_epi32(n, 0);
+    piece[1] = _mm512_extracti32x4_epi32(n, 1);
+    piece[2] = _mm512_extracti32x4_epi32(n, 2);
+    piece[3] = _mm512_extracti32x4_epi32(n, 3);
+  }
+  const int64_t ng = D / c.G;
+  const uint16_t* sc = c.scales + row * ng;
+  const uint16_t* mn = c.mins + row * ng;
+  for (int k = 0; k < 4; ++k) {
+    const int64_t grp = (h0 + 16 * k) / c.G;
+    out[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(piece[k])), _mm512_set1_ps(_cvtsh_ss(sc[grp])),
+                             _mm512_set1_ps(_cvtsh_ss(mn[grp])));
+  }
+}
+
+// For GH query heads: out[r][h0 ..] += sum over rows p in [p0, p1) of w[r][p] * V[p] (dims h0 .. h0 + 63),
+// each row dequantized once in registers for all GH heads (no buffer round trip).
+template <int GH>
+void int4_values64(const DecodeKV& vc, int64_t j, int64_t S, int64_t D, int64_t h0, int64_t p0, int64_t p1,
+                   const float* w, int64_t wstride, float* out, int64_t ostride) {
+  __m512 acc[GH][4];
+  for (int r = 0; r < GH; ++r)
+    for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_loadu_ps(out + r * ostride + h0 + 16 * k);
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512 v[4];
+    int4_row64(vc, j * S + p, D, h0, v);
+    for (int r = 0; r < GH; ++r) {
+      const __m512 wr = _mm512_set1_ps(w[r * wstride + p]);
+      for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_fmadd_ps(wr, v[k], acc[r][k]);
+    }
+  }
+  for (int r = 0; r < GH; ++r)
+    for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out + r * ostride + h0 + 16 * k, acc[r][k]);
+}
+
+// tile_values() for an int4 value cache: the softmax numerators, then the values 64 dims and up to 4 heads at a
+// time (4 x 4 accumulators and a row in 20 registers); the exact sink rows in float.
+template <int NV>
+void int4_tile_values(const DecodeModel& m, const DecodeKV& vc, int64_t j, int64_t a, int64_t b, float* sc,
+                      int64_t sstride, const float* mx, float* part) {
+  constexpr int64_t D = NV * 8;
+  const int64_t g = m.n_heads / m.n_kv_heads, S = m.max_seq_len;
+  float l[64];
+  for (int64_t r = 0; r < g; ++r) l[r] = exp_sum(sc + r * sstride, 0, b - a, mx[r]);
+  for (int64_t r = 0; r < g; ++r) std::memset(part + r * (D + 2), 0, sizeof(float) * D);
+  const int64_t p0 = std::min(b, std::max(a, vc.n_sink));
+  for (int64_t p = a; p < p0; ++p)  // the exact sink rows
+    for (int64_t r = 0; r < g; ++r)
+      axpy(sc[r * sstride + p - a], vc.sink + (j * (vc.n_sink + 1) + p) * D, part + r * (D + 2), D);
+  const float* w = sc - a;  // w[r * sstride + p]
+  for (int64_t r0 = 0; r0 < g; r0 += 4) {
+    const int64_t gh = std::min<int64_t>(4, g - r0);
+    for (int64_t h0 = 0; h0 < D; h0 += 64) {
+      const float* wr = w + r0 * sstride;
+      float* o = part + r0 * (D + 2);
+      if (gh == 4) int4_values64<4>(vc, j, S, D, h0, p0, b, wr, sstride, o, D + 2);
+      else if (gh == 3) int4_values64<3>(vc, j, S, D, h0, p0, b, wr, sstride, o, D + 2);
+      else if (gh == 2) int4_values64<2>(vc, j, S, D, h0, p0, b, wr, sstride, o, D + 2);
+      else int4_values64<1>(vc, j, S, D, h0, p0, b, wr, sstride, o, D + 2);
+    }
+  }
+  for (int64_t r = 0; r < g; ++r) {
+    part[r * (D + 2) + D] = mx[r];
+    part[r * (D + 2) + D + 1] = l[r];
+  }
+}
 #endif
 
 template <int NV>
@@ -810,10 +898,13 @@ void quantized_tile(const DecodeModel& m, const float* q, const DecodeKV& kc, co
   };
   float* sc = scores + j * (m.n_heads / m.n_kv_heads) * S + a;
 #ifdef EDGELLM_DEC_VNNI
-  if (vnni_keys(kc, NV * 8, m.n_heads / m.n_kv_heads)) {
+  const bool fast_keys = vnni_keys(kc, NV * 8, m.n_heads / m.n_kv_heads), fast_values = vnni_values(vc, NV * 8);
+  if (fast_keys || fast_values) {
     float mx[64];
-    int4_key_scores<NV, EDGELLM_QD>(m, q, kc, j, a, b, sc, S, mx);
-    tile_values<NV>(m, a, b, sc, S, mx, part, rows(vc));
+    if (fast_keys) int4_key_scores<NV, EDGELLM_QD>(m, q, kc, j, a, b, sc, S, mx);
+    else tile_scores<NV>(m, q, j, a, b, sc, S, mx, rows(kc));
+    if (fast_values) int4_tile_values<NV>(m, vc, j, a, b, sc, S, mx, part);
+    else tile_values<NV>(m, a, b, sc, S, mx, part, rows(vc));
     return;
   }
 #endif
