@@ -797,14 +797,26 @@ void int4_key_scores(const DecodeModel& m, const float* q, const DecodeKV& kc, i
   }
 }
 
-// Whether int4_tile_values() takes this value cache: 64 or 128 dims, groups of 16 elements or more.
+// Whether register_tile_values() takes this value cache: int8 or int4, 64 or 128 dims, groups of 16 or more.
 bool vnni_values(const DecodeKV& vc, int64_t D) {
-  return vc.kind == DecodeKV::INT4 && (D == 64 || D == 128) && vc.G % 16 == 0 && vc.G <= D;
+  return vc.kind != DecodeKV::F32 && (D == 64 || D == 128) && vc.G % 16 == 0 && vc.G <= D;
 }
 
-// Row `row` of an int4 cache, dims h0 .. h0 + 63, dequantized into 4 registers (c * s + m; each 16 dims lie in
-// one group). Split-halves nibbles: byte i holds dims i (low) and i + D/2 (high).
-inline void int4_row64(const DecodeKV& c, int64_t row, int64_t D, int64_t h0, __m512* out) {
+// Row `row` of an int8 / int4 cache, dims h0 .. h0 + 63, dequantized into 4 registers (int8: c * s, int4:
+// c * s + m; each 16 dims lie in one group). int4 is split-halves nibbles: byte i holds dims i and i + D/2.
+template <int KIND>
+inline void row64(const DecodeKV& c, int64_t row, int64_t D, int64_t h0, __m512* out) {
+  const int64_t ng = D / c.G;
+  const uint16_t* sc = c.scales + row * ng;
+  if (KIND == DecodeKV::INT8) {
+    const int8_t* src = reinterpret_cast<const int8_t*>(c.codes) + row * D + h0;
+    for (int k = 0; k < 4; ++k) {
+      const __m128i piece = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16 * k));
+      out[k] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(piece)),
+                             _mm512_set1_ps(_cvtsh_ss(sc[(h0 + 16 * k) / c.G])));
+    }
+    return;
+  }
   const uint8_t* src = c.codes + row * (D / 2);
   __m128i piece[4];
   if (D == 64) {
@@ -823,8 +835,6 @@ inline void int4_row64(const DecodeKV& c, int64_t row, int64_t D, int64_t h0, __
     piece[2] = _mm512_extracti32x4_epi32(n, 2);
     piece[3] = _mm512_extracti32x4_epi32(n, 3);
   }
-  const int64_t ng = D / c.G;
-  const uint16_t* sc = c.scales + row * ng;
   const uint16_t* mn = c.mins + row * ng;
   for (int k = 0; k < 4; ++k) {
     const int64_t grp = (h0 + 16 * k) / c.G;
@@ -835,15 +845,15 @@ inline void int4_row64(const DecodeKV& c, int64_t row, int64_t D, int64_t h0, __
 
 // For GH query heads: out[r][h0 ..] += sum over rows p in [p0, p1) of w[r][p] * V[p] (dims h0 .. h0 + 63),
 // each row dequantized once in registers for all GH heads (no buffer round trip).
-template <int GH>
-void int4_values64(const DecodeKV& vc, int64_t j, int64_t S, int64_t D, int64_t h0, int64_t p0, int64_t p1,
+template <int KIND, int GH>
+void values64(const DecodeKV& vc, int64_t j, int64_t S, int64_t D, int64_t h0, int64_t p0, int64_t p1,
                    const float* w, int64_t wstride, float* out, int64_t ostride) {
   __m512 acc[GH][4];
   for (int r = 0; r < GH; ++r)
     for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_loadu_ps(out + r * ostride + h0 + 16 * k);
   for (int64_t p = p0; p < p1; ++p) {
     __m512 v[4];
-    int4_row64(vc, j * S + p, D, h0, v);
+    row64<KIND>(vc, j * S + p, D, h0, v);
     for (int r = 0; r < GH; ++r) {
       const __m512 wr = _mm512_set1_ps(w[r * wstride + p]);
       for (int k = 0; k < 4; ++k) acc[r][k] = _mm512_fmadd_ps(wr, v[k], acc[r][k]);
@@ -853,10 +863,10 @@ void int4_values64(const DecodeKV& vc, int64_t j, int64_t S, int64_t D, int64_t 
     for (int k = 0; k < 4; ++k) _mm512_storeu_ps(out + r * ostride + h0 + 16 * k, acc[r][k]);
 }
 
-// tile_values() for an int4 value cache: the softmax numerators, then the values 64 dims and up to 4 heads at a
+// tile_values() for an int8 / int4 value cache: the softmax numerators, then the values 64 dims and up to 4 heads at a
 // time (4 x 4 accumulators and a row in 20 registers); the exact sink rows in float.
-template <int NV>
-void int4_tile_values(const DecodeModel& m, const DecodeKV& vc, int64_t j, int64_t a, int64_t b, float* sc,
+template <int KIND, int NV>
+void register_tile_values(const DecodeModel& m, const DecodeKV& vc, int64_t j, int64_t a, int64_t b, float* sc,
                       int64_t sstride, const float* mx, float* part) {
   constexpr int64_t D = NV * 8;
   const int64_t g = m.n_heads / m.n_kv_heads, S = m.max_seq_len;
@@ -873,10 +883,10 @@ void int4_tile_values(const DecodeModel& m, const DecodeKV& vc, int64_t j, int64
     for (int64_t h0 = 0; h0 < D; h0 += 64) {
       const float* wr = w + r0 * sstride;
       float* o = part + r0 * (D + 2);
-      if (gh == 4) int4_values64<4>(vc, j, S, D, h0, p0, b, wr, sstride, o, D + 2);
-      else if (gh == 3) int4_values64<3>(vc, j, S, D, h0, p0, b, wr, sstride, o, D + 2);
-      else if (gh == 2) int4_values64<2>(vc, j, S, D, h0, p0, b, wr, sstride, o, D + 2);
-      else int4_values64<1>(vc, j, S, D, h0, p0, b, wr, sstride, o, D + 2);
+      if (gh == 4) values64<KIND, 4>(vc, j, S, D, h0, p0, b, wr, sstride, o, D + 2);
+      else if (gh == 3) values64<KIND, 3>(vc, j, S, D, h0, p0, b, wr, sstride, o, D + 2);
+      else if (gh == 2) values64<KIND, 2>(vc, j, S, D, h0, p0, b, wr, sstride, o, D + 2);
+      else values64<KIND, 1>(vc, j, S, D, h0, p0, b, wr, sstride, o, D + 2);
     }
   }
   for (int64_t r = 0; r < g; ++r) {
@@ -903,7 +913,8 @@ void quantized_tile(const DecodeModel& m, const float* q, const DecodeKV& kc, co
     float mx[64];
     if (fast_keys) int4_key_scores<NV, EDGELLM_QD>(m, q, kc, j, a, b, sc, S, mx);
     else tile_scores<NV>(m, q, j, a, b, sc, S, mx, rows(kc));
-    if (fast_values) int4_tile_values<NV>(m, vc, j, a, b, sc, S, mx, part);
+    if (fast_values && vc.kind == DecodeKV::INT4) register_tile_values<DecodeKV::INT4, NV>(m, vc, j, a, b, sc, S, mx, part);
+    else if (fast_values) register_tile_values<DecodeKV::INT8, NV>(m, vc, j, a, b, sc, S, mx, part);
     else tile_values<NV>(m, a, b, sc, S, mx, part, rows(vc));
     return;
   }
