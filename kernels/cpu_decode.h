@@ -53,6 +53,7 @@ struct DecodeModel {
                                     // (edgellm/kv_centers.py; V's added back to the output), or null
   std::vector<float> buf, work;     // activations and attention scratch, sized by decode_prepare
   std::vector<float> qrot;          // rotated q and attention output of one token (quantized cache)
+  std::vector<float> kv_rot_t;      // kv_rot transposed (rotating the attention output back), by decode_prepare
   std::vector<float> work_rows;     // attention_rows' scratch (grown on first use)
   bool attention_rows = true;       // T-token passes: every token's tiles in one parallel region (A/B switch)
   bool profile = false;             // accumulate the seconds below (steady clock; off by default)
