@@ -25,9 +25,6 @@
 #include <immintrin.h>
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define EDGELLM_DEC_VNNI 1  // int8 dot products for the scores against an int4 key cache
-#ifndef EDGELLM_QD
-#define EDGELLM_QD 3
-#endif
 #endif
 #endif
 
@@ -659,10 +656,10 @@ void attention_tile(const DecodeModel& m, const float* q, int64_t j, int64_t a, 
 }
 
 #ifdef EDGELLM_DEC_VNNI
-// Whether int4_key_scores() takes this key cache: 64 or 128 dims (one or two 64-code vectors a row), groups of
-// 16 elements or more (each 16-element chunk within one group), at most 16 query heads per KV head.
+// Whether quantized_key_scores() takes this key cache: int8 or int4, 64 or 128 dims (one or two 64-code vectors
+// a row), groups of 16 elements or more (each 16-element chunk within one group), at most 16 query heads per KV head.
 bool vnni_keys(const DecodeKV& kc, int64_t D, int64_t g) {
-  return kc.kind == DecodeKV::INT4 && (D == 64 || D == 128) && kc.G % 16 == 0 && kc.G <= D && g <= 16;
+  return kc.kind != DecodeKV::F32 && (D == 64 || D == 128) && kc.G % 16 == 0 && kc.G <= D && g <= 16;
 }
 
 // The first two levels of a 16 x 16 transpose-and-add: from 16 vectors (one per key), 4 vectors u[i] whose
@@ -681,27 +678,33 @@ inline __m512 block_sums(const __m512* u) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
 }
 
-// tile_scores() for an int4 key cache without dequantizing it. A key element is c * s + m (code c, its group's
-// scale s and min m), so q . k = sum over 16-element chunks of s * (q_chunk . c_chunk) + m * sum(q_chunk).
+// tile_scores() for an int4 / int8 key cache without dequantizing it. A key element is c * s + m (code c, its
+// group's scale s and, for int4, min m), so q . k = sum over 16-element chunks of s * (q_chunk . c_chunk) +
+// m * sum(q_chunk). VPDPBUSD multiplies unsigned by signed bytes: int8 codes go in as c + 128 (a sign-bit flip)
+// and 128 * (the lane's q sum) comes back off, in int32, before the chunk sums.
 // The integer dots come out of VPDPBUSD (4 codes x 4 int8 q bytes a lane, 64 an instruction), 16 keys' lanes
 // are summed into chunk sums in int32 (keys 4i..4i+3 per vector, a chunk per 128-bit block), and only then
 // scaled by s and given the m term, 4 keys a vector, before the last two levels of the horizontal sum.
-// q is written as QD int8 digits in base 128 (q / unit = q0 128^2 + q1 128 + q2, |q0| <= 127), each digit one
-// more VPDPBUSD into the shifted sum: 3 digits carry q to ~2^-21 of its largest element, about the float
-// path's own rounding, where one digit (llama.cpp's Q8 activations) moved a tiny test model's logits by 0.2.
-template <int NV, int QD>
-void int4_key_scores(const DecodeModel& m, const float* q, const DecodeKV& kc, int64_t j, int64_t a, int64_t b,
-                     float* sc, int64_t sstride, float* mx) {
+// q is written as QD int8 digits in base 128 (q / unit = q0 128^2 + q1 128 + q2, |q0| <= 127 for int4 codes,
+// <= 63 for int8 ones, so no int32 sum can overflow), each digit one more VPDPBUSD into the shifted sum:
+// 3 digits carry q to ~2^-21 (int8: 2^-20) of its largest element: scores within ~1e-5 of the float path's
+// relative to |q||k|, 100x below the int4 keys' own error, where one digit (llama.cpp's Q8 activations) moved a
+// tiny test model's logits by 0.2 (tests/test_decode_step.py holds the fused step to 1e-4 of the eager one).
+template <int KIND, int NV, int QD>
+void quantized_key_scores(const DecodeModel& m, const float* q, const DecodeKV& kc, int64_t j, int64_t a,
+                          int64_t b, float* sc, int64_t sstride, float* mx) {
   constexpr int64_t D = NV * 8, NZ = D / 64, KB = 16;  // NZ 64-code vectors per row; keys per block
+  constexpr bool I8 = KIND == DecodeKV::INT8;
   const int64_t g = m.n_heads / m.n_kv_heads, S = m.max_seq_len, G = kc.G, ng = D / G;
   alignas(64) int8_t qd[16][QD][D];  // the digits of each head's q
   alignas(64) float qc[16][NZ][16];  // per head, vector z, block b (all 4 lanes): chunk (z, b)'s q sum / unit
+  alignas(64) int32_t off[16][NZ][16];  // int8: per lane of 4 elements, 128 * their q in units (the +128's share)
   float unit[16];                    // the value of one unit of the last digit, per head
   for (int64_t r = 0; r < g; ++r) {
     const float* qh = q + (j * g + r) * D;
     float amax = 0.0f;
     for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(qh[d]));
-    float scale = amax > 0.0f ? amax / 127.0f : 1.0f;
+    float scale = amax > 0.0f ? amax / (I8 ? 63.0f : 127.0f) : 1.0f;
     for (int k = 1; k < QD; ++k) scale *= 1.0f / 128.0f;  // (powers of two: exact)
     unit[r] = scale;
     const float inv = 1.0f / scale;
@@ -718,6 +721,16 @@ void int4_key_scores(const DecodeModel& m, const float* q, const DecodeKV& kc, i
         _mm_store_si128(reinterpret_cast<__m128i*>(qd[r][k] + d), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(digit)));
       }
     }
+    if (I8)
+      for (int64_t l = 0; l < D / 4; ++l) {
+        int32_t sum = 0;
+        for (int64_t d = 4 * l; d < 4 * l + 4; ++d) {
+          int32_t v = 0;
+          for (int k = 0; k < QD; ++k) v = v * 128 + qd[r][k][d];
+          sum += v;
+        }
+        off[r][l / 16][l % 16] = 128 * sum;
+      }
     for (int64_t z = 0; z < NZ; ++z)
       for (int64_t c = 0; c < 4; ++c) {
         float sum = 0.0f;
@@ -758,6 +771,13 @@ void int4_key_scores(const DecodeModel& m, const float* q, const DecodeKV& kc, i
         std::memset(codes[i], 0, sizeof(codes[i]));
         continue;
       }
+      if (I8) {  // codes + 128 as unsigned bytes
+        const uint8_t* src = kc.codes + (j * S + c0 + i) * D;
+        for (int64_t z = 0; z < NZ; ++z)
+          _mm512_store_si512(codes[i] + 64 * z, _mm512_xor_si512(_mm512_loadu_si512(src + 64 * z),
+                                                                 _mm512_set1_epi8((char)0x80)));
+        continue;
+      }
       const uint8_t* src = kc.codes + (j * S + c0 + i) * (D / 2);
       for (int64_t z = 0; z < NZ; ++z) {  // 32 bytes: elements 32 z .. (low nibbles) and D/2 + 32 z .. (high)
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32 * z));
@@ -769,7 +789,7 @@ void int4_key_scores(const DecodeModel& m, const float* q, const DecodeKV& kc, i
     for (int i = 0; i < 4; ++i) {
       const int64_t keys = std::max<int64_t>(0, std::min<int64_t>(4, nc - 4 * i));
       quad(kc.scales, j * S + c0 + 4 * i, keys, ls[i]);
-      quad(kc.mins, j * S + c0 + 4 * i, keys, lm[i]);
+      if (!I8) quad(kc.mins, j * S + c0 + 4 * i, keys, lm[i]);
     }
     for (int64_t r = 0; r < g; ++r) {
       __m512 y[4];
@@ -781,12 +801,13 @@ void int4_key_scores(const DecodeModel& m, const float* q, const DecodeKV& kc, i
           const __m512i c = _mm512_load_si512(codes[i] + 64 * z);
           __m512i d = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, qv[0]);
           for (int k = 1; k < QD; ++k) d = _mm512_dpbusd_epi32(_mm512_slli_epi32(d, 7), c, qv[k]);
-          dots[i] = d;
+          dots[i] = I8 ? _mm512_sub_epi32(d, _mm512_load_si512(off[r][z])) : d;
         }
         chunk_sums(dots, u, add32, lo32, hi32, lo64, hi64);
         const __m512 qz = _mm512_load_ps(qc[r][z]);
         for (int i = 0; i < 4; ++i) {
-          const __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(u[i]), ls[i][z], _mm512_mul_ps(lm[i][z], qz));
+          const __m512 t = I8 ? _mm512_mul_ps(_mm512_cvtepi32_ps(u[i]), ls[i][z])
+                              : _mm512_fmadd_ps(_mm512_cvtepi32_ps(u[i]), ls[i][z], _mm512_mul_ps(lm[i][z], qz));
           y[i] = z == 0 ? t : _mm512_add_ps(y[i], t);
         }
       }
@@ -922,7 +943,8 @@ void quantized_tile(const DecodeModel& m, const float* q, const DecodeKV& kc, co
   const bool fast_keys = vnni_keys(kc, NV * 8, m.n_heads / m.n_kv_heads), fast_values = vnni_values(vc, NV * 8);
   if (fast_keys || fast_values) {
     float mx[64];
-    if (fast_keys) int4_key_scores<NV, EDGELLM_QD>(m, q, kc, j, a, b, sc, S, mx);
+    if (fast_keys && kc.kind == DecodeKV::INT4) quantized_key_scores<DecodeKV::INT4, NV, 3>(m, q, kc, j, a, b, sc, S, mx);
+    else if (fast_keys) quantized_key_scores<DecodeKV::INT8, NV, 3>(m, q, kc, j, a, b, sc, S, mx);
     else tile_scores<NV>(m, q, j, a, b, sc, S, mx, rows(kc));
     if (fast_values && vc.kind == DecodeKV::INT4) register_tile_values<DecodeKV::INT4, NV>(m, vc, j, a, b, sc, S, mx, part);
     else if (fast_values) register_tile_values<DecodeKV::INT8, NV>(m, vc, j, a, b, sc, S, mx, part);
