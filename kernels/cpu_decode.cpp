@@ -940,7 +940,8 @@ void quantized_tile(const DecodeModel& m, const float* q, const DecodeKV& kc, co
   };
   float* sc = scores + j * (m.n_heads / m.n_kv_heads) * S + a;
 #ifdef EDGELLM_DEC_VNNI
-  const bool fast_keys = vnni_keys(kc, NV * 8, m.n_heads / m.n_kv_heads), fast_values = vnni_values(vc, NV * 8);
+  const bool fast_keys = m.int_attention && vnni_keys(kc, NV * 8, m.n_heads / m.n_kv_heads);
+  const bool fast_values = m.int_attention && vnni_values(vc, NV * 8);
   if (fast_keys || fast_values) {
     float mx[64];
     if (fast_keys && kc.kind == DecodeKV::INT4) quantized_key_scores<DecodeKV::INT4, NV, 3>(m, q, kc, j, a, b, sc, S, mx);
@@ -1150,6 +1151,8 @@ void decode_prepare(DecodeModel& m) {
   m.work.assign(decode_work_floats(m) + 64, 0.0f);
   const char* rows_env = std::getenv("EDGELLM_ATTENTION_ROWS");  // "0": a T-token pass one token at a time (A/B)
   m.attention_rows = !(rows_env && rows_env[0] == '0');
+  const char* int_env = std::getenv("EDGELLM_INT_ATTENTION");
+  m.int_attention = !(int_env && int_env[0] == '0');
   m.qrot.assign(2 * qsz + 64, 0.0f);
   m.kv_rot_t.clear();
   if (m.kv_rot) {

@@ -211,13 +211,19 @@ def test_fused_cpu_step_with_quantized_kv_matches_eager(wide_models, kv, weights
 
 
 @needs_ext
+@pytest.mark.parametrize("int_attention", ["1", "0"], ids=["int-path", "avx2-tiles"])
 @pytest.mark.parametrize("kv", ["fp", "int8", "int8:32", "int4", "int4:64"])
 @pytest.mark.parametrize("head_dim,heads", [(64, 3), (128, 2)])
-def test_fused_quantized_attention_long_context(tmp_path, kv, head_dim, heads):
-    """The fused step's attention tiles (keys dequantized 32 at a time, or read in place from an fp32 cache;
-    8 scores per horizontal sum, key tiles over both threads) against the eager model over the same cache
-    contents, at lengths that are not multiples of 8 or 32, for head dims 64 and 128, GQA ratios 3 and 2."""
+def test_fused_quantized_attention_long_context(tmp_path, monkeypatch, kv, head_dim, heads, int_attention):
+    """The fused step's attention tiles against the eager model over the same cache contents, at lengths
+    that are not multiples of 8, 16 or 32, for head dims 64 and 128, GQA ratios 3 and 2. Both paths of an
+    int8/int4 cache: on an AVX-512 VNNI build, scores from VPDPBUSD on the codes (q in three int8 digits) and
+    values dequantized in registers; and the AVX2 tiles every other x86 build runs (keys dequantized 32 at a
+    time, 8 scores per horizontal sum), selected here with EDGELLM_INT_ATTENTION=0. The fp32 cache reads
+    its rows in place either way."""
     import copy
+
+    monkeypatch.setenv("EDGELLM_INT_ATTENTION", int_attention)  # read when the engine builds its plan
 
     folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=5, hidden_size=head_dim * heads,
                            num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=1024)
@@ -227,7 +233,7 @@ def test_fused_quantized_attention_long_context(tmp_path, kv, head_dim, heads):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        for n in (37, 300):
+        for n in (5, 37, 300):  # 5: one quantized row past the 4 exact sink rows
             cache = KVCache(model.config, 512, torch.float32, "cpu", kv_format=kv)
             model(torch.randint(0, model.config.vocab_size, (1, n), generator=g), cache, 0)
             engine = Engine(model, loaded.tokenizer, cache=cache)
