@@ -1,7 +1,7 @@
 """Where one fused CPU decode step's time goes, per KV-cache format and context position.
 
     python benchmarks/kv_step_split.py [--threads 2] [--weights int4] [--kv fp,int8,int4]
-                                       [--positions 256,2048,6000] [-r 30] [--json FILE]
+                                       [--positions 256,2048,6000] [-r 30] [--paths int,tiles] [--json FILE]
 
 The bundled model with `--weights`, loaded once; for each KV format a cache of max(positions) + 64
 slots, and r one-token steps at each position (after 5 unmeasured ones), timed by the step's own C++ clocks (matmuls,
@@ -9,11 +9,16 @@ attention, the rest) and by the wall clock around the call. The cache content is
 hold (the step reads every slot below the position all the same), so the figures are the step's cost,
 not a quality measurement. With the bandwidth measured by `edgellm bench` it shows how far attention
 at a long context is from reading the cache at memory speed.
+
+An int8/int4 cache is measured with both attention paths of an AVX-512 VNNI build, side by side:
+"int" (VPDPBUSD scores on the codes, values dequantized in registers) and "tiles" (the AVX2 tiles every
+other x86 build runs, EDGELLM_INT_ATTENTION=0). On a build without VNNI both rows run the tiles.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -24,7 +29,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def split_for(loaded, kv: str, positions: list[int], reps: int) -> list[dict]:
+def split_for(loaded, kv: str, positions: list[int], reps: int, path: str = "int") -> list[dict]:
     """`loaded`: edgellm.loading.LoadedModel (one load serves every KV format: only the cache differs)."""
     import torch
 
@@ -34,6 +39,7 @@ def split_for(loaded, kv: str, positions: list[int], reps: int) -> list[dict]:
     slots = max(positions) + 64
     cache = KVCache(loaded.model.config, slots, loaded.model.dtype, "cpu", kv_format=kv)
     engine = Engine(loaded.model, loaded.tokenizer, max_seq_len=slots, cache=cache)
+    os.environ["EDGELLM_INT_ATTENTION"] = "0" if path == "tiles" else "1"  # read when the plan is built
     step = engine._decoder.compiled(engine.cache)
     if step is None:
         raise SystemExit("the fused CPU decode step is not available here (no C++ extension)")
@@ -51,7 +57,8 @@ def split_for(loaded, kv: str, positions: list[int], reps: int) -> list[dict]:
             prof = step.plan.profile()
             step.plan.set_profile(False)
             n = max(1, prof["steps"])
-            rows.append({"kv": kv, "position": pos, "wall_ms": round(wall * 1e3, 3),
+            rows.append({"kv": kv, "path": path if kv != "fp" else "fp32 tiles", "position": pos,
+                         "wall_ms": round(wall * 1e3, 3),
                          "matmul_ms": round(prof["matmul_s"] / n * 1e3, 3),
                          "attention_ms": round(prof["attention_s"] / n * 1e3, 3),
                          "other_ms": round(prof["other_s"] / n * 1e3, 3),
@@ -66,6 +73,7 @@ def main() -> None:
     ap.add_argument("--kv", default="fp,int8,int4")
     ap.add_argument("--positions", default="256,2048,6000")
     ap.add_argument("-r", "--reps", type=int, default=30)
+    ap.add_argument("--paths", default="int,tiles", help="attention paths of an int8/int4 cache: int, tiles")
     ap.add_argument("--json", default=None, help="write the rows here too")
     args = ap.parse_args()
     import torch
@@ -76,13 +84,14 @@ def main() -> None:
     loaded = load_model(None, weights=args.weights)
     positions = [int(p) for p in args.positions.split(",")]
     rows = []
-    print("| kv | position | step ms | matmul ms | attention ms | other ms | KV MB read |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| kv | attention path | position | step ms | matmul ms | attention ms | other ms | KV MB read |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for kv in args.kv.split(","):
-        for r in split_for(loaded, kv, positions, args.reps):
-            rows.append(r)
-            print(f"| {r['kv']} | {r['position']} | {r['wall_ms']:.2f} | {r['matmul_ms']:.2f} | "
-                  f"{r['attention_ms']:.2f} | {r['other_ms']:.2f} | {r['kv_bytes_read'] / 1e6:.1f} |", flush=True)
+        for path in (["int"] if kv == "fp" else args.paths.split(",")):
+            for r in split_for(loaded, kv, positions, args.reps, path):
+                rows.append(r)
+                print(f"| {r['kv']} | {r['path']} | {r['position']} | {r['wall_ms']:.2f} | {r['matmul_ms']:.2f} | "
+                      f"{r['attention_ms']:.2f} | {r['other_ms']:.2f} | {r['kv_bytes_read'] / 1e6:.1f} |", flush=True)
     if args.json:
         from edgellm.bench import machine_info
 
