@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from edgellm.cache import KVCache  # noqa: E402
 from edgellm.device import set_threads  # noqa: E402
+from edgellm.generate import Engine  # noqa: E402
 from edgellm.loading import bundled_model_path, load_model  # noqa: E402
 from edgellm.perplexity import PerplexityResult, evaluate, reference_logprobs, weight_summary  # noqa: E402
 
@@ -77,11 +78,17 @@ WEIGHT_ROWS = [
     # same model with `edgellm run`'s default compute on this CPU: int4 prefill GEMMs in bf16
     ("bundled GGUF, exact Q4_1 import, bf16 prefill",
      {"weights": "int4", "group_size": 32, "symmetric": False, "source": "bundled", "prefill": "bf16"}),
+    # and as generation computes it: the scored tokens one at a time through the decode step (the fused C++
+    # step: int8-rounded activations in the int4 matmul kernels)
+    ("bundled GGUF, exact Q4_1 import, decode path",
+     {"weights": "int4", "group_size": 32, "symmetric": False, "source": "bundled", "prefill": "bf16",
+      "scoring": "decode"}),
 ]
-SETUP_KEYS = ("source", "prefill")  # row settings that are not load_model keywords
+SETUP_KEYS = ("source", "prefill", "scoring")  # row settings that are not load_model keywords
 # rows whose model is also exported to GGUF and scored by llama.cpp
 EXPORT_ROWS = {"int8 g32": "int8-g32-Q8_0.gguf", "int4 g32 sym": "int4-g32-sym-Q4_0.gguf"}
 KV_ROWS = ["fp", "int8", "int8:32", "int4", "int4:64"]
+KV_DECODE_ROWS = ["fp", "int8", "int4"]  # also scored through the decode step (the fused step's writes and attention)
 
 
 def memoize_quantization() -> dict:
@@ -127,7 +134,7 @@ def cli_args(settings: dict) -> argparse.Namespace:
                               calibrate=settings.get("calibration"))
 
 
-def command(model: str | None, settings: dict, threads: int, kv: str = "fp") -> str:
+def command(model: str | None, settings: dict, threads: int, kv: str = "fp", decode: bool = False) -> str:
     env = [] if settings.get("prefill") == "bf16" else ["EDGELLM_PREFILL_BF16=0"]
     cmd = env + ["edgellm", "perplexity"] + (["-m", model] if model else []) + ["-f", TEXT, "--ctx", str(CTX),
                                                                           "--threads", str(threads)]
@@ -148,6 +155,8 @@ def command(model: str | None, settings: dict, threads: int, kv: str = "fp") -> 
             cmd += ["--calibrate"] + ([] if settings["calibration"] == "builtin" else [settings["calibration"]])
     if kv != "fp":
         cmd += ["--kv", kv]
+    if decode or settings.get("scoring") == "decode":
+        cmd += ["--decode"]
     return shlex.join(cmd + ["--reference", "fp", "--json"])
 
 
@@ -236,7 +245,8 @@ def run_weights(args, f32: Path, bundled: Path, fp, ref, ids, ref_ppl, peer: boo
             loaded = load_model(src, max_seq_len=CTX, **kw)
             load_s = time.perf_counter() - t0
             cache = KVCache(loaded.config, CTX, torch.float32, "cpu")
-            res = evaluate(loaded.model, cache, loaded.tokenizer, ids, CTX, reference=ref)
+            engine = Engine(loaded.model, loaded.tokenizer, cache=cache) if settings.get("scoring") == "decode" else None
+            res = evaluate(loaded.model, cache, loaded.tokenizer, ids, CTX, reference=ref, decode=engine)
         row = fmt_row(label, asdict(res) | weight_summary(cli_args(kw), loaded), ref_ppl)
         row |= {"source": str(src), "command": command(model_arg, settings, args.threads),
                 "prefill": settings.get("prefill", "fp32"),
@@ -260,17 +270,20 @@ def run_weights(args, f32: Path, bundled: Path, fp, ref, ids, ref_ppl, peer: boo
 
 def run_kv(args, fp, ref, ids, ref_ppl) -> list[dict]:
     rows = []
-    for kv in KV_ROWS:
+    for kv, decode in [(kv, False) for kv in KV_ROWS] + [(kv, True) for kv in KV_DECODE_ROWS]:
         t0 = time.perf_counter()
         cache = KVCache(fp.config, CTX, torch.float32, "cpu", kv_format=kv)
-        res = from_reference(ref, fp.tokenizer, ids) if kv == "fp" else evaluate(
-            fp.model, cache, fp.tokenizer, ids, CTX, reference=ref)
+        if kv == "fp" and not decode:
+            res = from_reference(ref, fp.tokenizer, ids)
+        else:
+            engine = Engine(fp.model, fp.tokenizer, cache=cache) if decode else None
+            res = evaluate(fp.model, cache, fp.tokenizer, ids, CTX, reference=ref, decode=engine)
         big = KVCache(fp.config, 8, torch.float16, "cpu", kv_format=kv)  # bytes/token as stored in fp16 models
-        row = fmt_row(kv, asdict(res), ref_ppl) | {
-            "kv": kv, "kv_bytes_per_token": cache.bytes_per_token, "kv_bytes_per_token_fp16": big.bytes_per_token,
-            "kv_bytes_8k": big.bytes_per_token * 8192, "command": command(None, {}, args.threads, kv),
-            "seconds": round(time.perf_counter() - t0, 1)}
-        print(f"kv {kv:8s} ppl {row['perplexity']:.4f} ({row['delta_ppl_pct']:+.3f}%) KL {row['kl_mean']:.5f} "
+        row = fmt_row(kv + (", decode path" if decode else ""), asdict(res), ref_ppl) | {
+            "kv": kv, "scoring": "decode" if decode else "forward", "kv_bytes_per_token": cache.bytes_per_token,
+            "kv_bytes_per_token_fp16": big.bytes_per_token, "kv_bytes_8k": big.bytes_per_token * 8192,
+            "command": command(None, {}, args.threads, kv, decode), "seconds": round(time.perf_counter() - t0, 1)}
+        print(f"kv {row['label']:22s} ppl {row['perplexity']:.4f} ({row['delta_ppl_pct']:+.3f}%) KL {row['kl_mean']:.5f} "
               f"top-1 {100 * row['top1_agreement']:.2f}%  {row['seconds']} s", flush=True)
         rows.append(row)
     return rows
@@ -346,7 +359,7 @@ def md_kv(rows: list[dict], doc: dict) -> str:
     ]
     fp16 = next(r for r in rows if r["kv"] == "fp")["kv_bytes_8k"]
     for r in rows:
-        name = "fp (fp32 here; sizes fp16)" if r["kv"] == "fp" else r["kv"]
+        name = "fp (fp32 here; sizes fp16)" if r["label"] == "fp" else r["label"]
         lines.append(f"| {name} | {r['perplexity']:.3f} | {r['delta_ppl_pct']:+.3f}% | {r['kl_mean']:.5f} | "
                      f"{r['kl_p99']:.4f} | {100 * r['top1_agreement']:.2f}% | {r['kv_bytes_per_token_fp16']:,} | "
                      f"{r['kv_bytes_8k'] / 2**20:.1f} | {fp16 / r['kv_bytes_8k']:.2f}× |")
@@ -403,7 +416,8 @@ def kv_targets(rows: list[dict]) -> list[dict]:
     for r in rows:
         limit = {"int8": 0.2, "int4": 2.0}.get(r["kv"].split(":")[0])
         if limit is not None:
-            out.append({"target": f"--kv {r['kv']}: ppl within {limit}% of fp", "met": abs(r["delta_ppl_pct"]) <= limit,
+            how = " (decode path)" if r.get("scoring") == "decode" else ""
+            out.append({"target": f"--kv {r['kv']}{how}: ppl within {limit}% of fp", "met": abs(r["delta_ppl_pct"]) <= limit,
                         "value": f"Δppl {r['delta_ppl_pct']:+.3f}%, KL {r['kl_mean']:.5f}"})
     return out
 
@@ -414,7 +428,10 @@ WEIGHT_NOTES = [
     "GEMMs in fp32 (EDGELLM_PREFILL_BF16=0), so these figures measure the weights' quantization error "
     "alone. The last row is the exact import again with `edgellm run`'s default compute on this CPU "
     "(AVX512-BF16): int4 prefill GEMMs in bf16; its KL against the row above it is the cost of that "
-    "compute, not of any weight format (int8 prefill stays fp32 by default).",
+    "compute, not of any weight format (int8 prefill stays fp32 by default). The row after it is the same "
+    "model scored as generation runs it (`--decode`: each window's first half prefilled, then one decode step "
+    "per scored token): on this CPU the fused C++ step, whose int4 matmul kernels round each activation "
+    "block to int8 as llama.cpp's do; its KL is what that rounding adds for a chat user.",
     "calibrated = --calibrate: the scale search weights each input channel's squared error by E[x²] of "
     "that channel over edgellm's built-in calibration text (~512 tokens of prose, code and chat, "
     "edgellm/kv_centers.py; not GPL-3), as llama.cpp's imatrix does. It needs one float forward pass "
@@ -458,6 +475,11 @@ KV_NOTES = [
     "fp32 cache of the fp32 model).",
     "Prefill of each 512-token window writes the cache and attends through it, so the quantized K/V are "
     "what attention reads for every scored token.",
+    "decode path rows (`--decode`): each window's first half prefilled, then every scored token fed one at a "
+    "time through the decode step, as generation runs: on this CPU the fused C++ step, which writes K/V "
+    "itself (its own rotation and rounding) and, on an AVX-512 VNNI build, computes the int8/int4 caches' "
+    "scores with VPDPBUSD from the codes and q in three int8 digits. The reference is still the fp32 "
+    "forward pass; the fp decode row measures the fused step's own fp32 arithmetic against it.",
 ]
 
 

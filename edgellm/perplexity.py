@@ -51,6 +51,19 @@ def window_logprobs(model, cache, window: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits.double(), dim=-1)
 
 
+def window_logprobs_decoded(engine, window: list[int], first: int) -> torch.Tensor:
+    """Log-probabilities of positions [first, len - 1) as generation computes them: the window's first
+    `first` tokens prefilled, then one decode step per token (on CPU the fused C++ step: its matmul kernels,
+    its KV writes and its attention), so the cache those positions read was written by the decode path too."""
+    engine.reset()
+    engine.prefill(window[:first])
+    rows = []
+    for t in window[first:-1]:
+        token = torch.tensor([[t]], dtype=torch.long, device=engine.device)
+        rows.append(engine.step(token).float().cpu().clone())  # the step's buffer is reused by the next one
+    return torch.log_softmax(torch.stack(rows).double(), dim=-1)
+
+
 def _windows(tokenizer, ids: list[int], ctx: int) -> list[list[int]]:
     ws = windows(ids, ctx, tokenizer.bos_id if tokenizer.add_bos else None)
     if not ws:
@@ -66,9 +79,13 @@ def reference_logprobs(model, cache, tokenizer, ids: list[int], ctx: int) -> lis
         return [window_logprobs(model, cache, w)[first:ctx - 1].cpu() for w in _windows(tokenizer, ids, ctx)]
 
 
-def evaluate(model, cache, tokenizer, ids: list[int], ctx: int, reference=None, progress=None) -> PerplexityResult:
+def evaluate(model, cache, tokenizer, ids: list[int], ctx: int, reference=None, progress=None,
+             decode=None) -> PerplexityResult:
     """`reference`: an optional (model, cache) pair of the full-precision model for KL / top-1, or
-    its log-probabilities from `reference_logprobs` over the same ids and ctx."""
+    its log-probabilities from `reference_logprobs` over the same ids and ctx. `decode`: an Engine on
+    `model` and `cache`: score the second half of each window token by token through its decode step
+    (window_logprobs_decoded) instead of in the window's one forward pass. The reference is always the
+    full-precision model's forward pass."""
     ws = _windows(tokenizer, ids, ctx)
     first = ctx // 2
     if isinstance(reference, list) and len(reference) != len(ws):
@@ -78,7 +95,10 @@ def evaluate(model, cache, tokenizer, ids: list[int], ctx: int, reference=None, 
     agree = 0
     with torch.inference_mode():
         for i, w in enumerate(ws):
-            lp = window_logprobs(model, cache, w)[first:ctx - 1]
+            if decode is not None:
+                lp = window_logprobs_decoded(decode, w, first)
+            else:
+                lp = window_logprobs(model, cache, w)[first:ctx - 1]
             target = torch.tensor(w[first + 1:], device=lp.device)
             nll_sum -= lp.gather(-1, target[:, None]).sum().item()
             count += target.numel()
@@ -146,6 +166,9 @@ def add_parser(sub) -> None:
                    help="also compare next-token distributions with the full-precision model (KL, top-1)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--max-windows", type=int, default=0, help="score only the first N windows (0 = all)")
+    p.add_argument("--decode", action="store_true",
+                   help="score the second half of each window one token at a time through the decode step, "
+                        "as generation reads the model and its KV cache (slower; default: one forward pass)")
     p.set_defaults(ctx=None)
 
 
@@ -181,8 +204,9 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
     with Progress(transient=True, disable=args.json or not sys.stderr.isatty()) as bar:
         task = bar.add_task("scoring", total=n_windows)
         res = evaluate(loaded.model, engine.cache, loaded.tokenizer, ids, ctx, reference,
-                       progress=lambda: bar.advance(task))
-    out = asdict(res) | {"model": str(loaded.path), "file": str(path), "kv": getattr(args, "kv", "fp")}
+                       progress=lambda: bar.advance(task), decode=engine if args.decode else None)
+    out = asdict(res) | {"model": str(loaded.path), "file": str(path), "kv": getattr(args, "kv", "fp"),
+                         "scoring": "decode" if args.decode else "forward"}
     out |= weight_summary(args, loaded)
     if args.json:
         print(json.dumps(out))

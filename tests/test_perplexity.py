@@ -12,14 +12,10 @@ from edgellm.perplexity import evaluate, windows
 from tests.fixtures.tiny import CORPUS
 
 
-def test_perplexity_matches_transformers(tiny_llama):
+def transformers_nll(folder, ids: list[int], ctx: int) -> tuple[float, int]:
+    """The summed NLL of the scored half of every window by transformers in float64, and the token count."""
     import transformers
 
-    folder = tiny_llama[0]
-    lm = load_model(folder, max_seq_len=64)
-    ids = lm.tokenizer.encode(CORPUS * 3)
-    ctx = 32
-    res = evaluate(lm.model, KVCache(lm.config, ctx, torch.float32, "cpu"), lm.tokenizer, ids, ctx)
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
     nll, n = 0.0, 0
     with torch.no_grad():
@@ -28,8 +24,48 @@ def test_perplexity_matches_transformers(tiny_llama):
             for i in range(ctx // 2, ctx - 1):
                 nll -= lp[i, w[i + 1]].item()
                 n += 1
+    return nll, n
+
+
+def test_perplexity_matches_transformers(tiny_llama):
+    folder = tiny_llama[0]
+    lm = load_model(folder, max_seq_len=64)
+    ids = lm.tokenizer.encode(CORPUS * 3)
+    ctx = 32
+    res = evaluate(lm.model, KVCache(lm.config, ctx, torch.float32, "cpu"), lm.tokenizer, ids, ctx)
+    nll, n = transformers_nll(folder, ids, ctx)
     assert res.tokens_scored == n and res.windows == len(ids) // ctx
     assert math.isclose(res.perplexity, math.exp(nll / n), rel_tol=1e-4)
+
+
+def test_decode_scoring_matches_transformers(tiny_llama):
+    """--decode: the second half of each window fed one token at a time through the engine's decode step
+    (the fused C++ step on CPU where the extension builds) gives the float64 transformers perplexity too,
+    and the same log-probs as the one-pass forward; with an int4 cache, the decode path's own writes and
+    attention stay close to the forward pass over the same format."""
+    import transformers
+
+    from edgellm.generate import Engine
+
+    folder = tiny_llama[0]
+    lm = load_model(folder, max_seq_len=64)
+    ids = lm.tokenizer.encode(CORPUS * 3)
+    ctx = 32
+    cache = KVCache(lm.config, ctx, torch.float32, "cpu")
+    forward = evaluate(lm.model, cache, lm.tokenizer, ids, ctx, reference=(lm.model, KVCache(lm.config, ctx, torch.float32, "cpu")))
+    engine = Engine(lm.model, lm.tokenizer, cache=cache)
+    decoded = evaluate(lm.model, cache, lm.tokenizer, ids, ctx, decode=engine,
+                       reference=(lm.model, KVCache(lm.config, ctx, torch.float32, "cpu")))
+    nll, n = transformers_nll(folder, ids, ctx)
+    assert decoded.tokens_scored == n == forward.tokens_scored
+    assert math.isclose(decoded.perplexity, math.exp(nll / n), rel_tol=1e-4)
+    assert decoded.kl_mean < 1e-8 and decoded.top1_agreement == 1.0
+    q_cache = KVCache(lm.config, ctx, torch.float32, "cpu", kv_format="int4")
+    q_forward = evaluate(lm.model, q_cache, lm.tokenizer, ids, ctx)
+    q_decoded = evaluate(lm.model, q_cache, lm.tokenizer, ids, ctx, decode=Engine(lm.model, lm.tokenizer, cache=q_cache))
+    # the int4 cache moves this tiny model's perplexity by ~1%; decode vs forward over it: ~1e-6
+    assert not math.isclose(q_decoded.perplexity, forward.perplexity, rel_tol=1e-3)
+    assert math.isclose(q_decoded.perplexity, q_forward.perplexity, rel_tol=1e-4)
 
 
 def test_kl_against_itself_is_zero_and_against_other_model_positive(tiny_models):
@@ -50,7 +86,12 @@ def test_perplexity_cli_json(tiny_llama, tmp_path):
                            "--ctx", "32", "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert out["perplexity"] > 1 and out["windows"] >= 1
+    assert out["perplexity"] > 1 and out["windows"] >= 1 and out["scoring"] == "forward"
+    proc = subprocess.run([sys.executable, "-m", "edgellm.cli", "perplexity", "-m", str(tiny_llama[1]), "-f", str(text),
+                           "--ctx", "32", "--json", "--decode"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    dec = json.loads(proc.stdout)
+    assert dec["scoring"] == "decode" and math.isclose(dec["perplexity"], out["perplexity"], rel_tol=1e-4)
     missing = subprocess.run([sys.executable, "-m", "edgellm.cli", "perplexity", "-m", str(tiny_llama[1]), "-f",
                               str(tmp_path / "none.txt")], capture_output=True, text=True, timeout=300)
     assert missing.returncode == 2 and "none.txt" in missing.stderr
