@@ -47,6 +47,8 @@ TILE_BYTES = 6 << 20
 SDPA_MAX_LEN = 768
 # Query rows per block when T is large (prefill chunks); bounds the fp32 score matrix.
 DEFAULT_Q_BLOCK = 256
+# Query rows from which a quantized CPU cache's prefill takes torch's fused flash kernel per tile (_flash_rows)
+FLASH_MIN_ROWS = 32
 # Finite "minus infinity": a row whose keys in one tile are all masked gets a finite running max, so
 # exp() never sees inf - inf; its tile weight exp(m_tile - m_max) is exactly 0 at the combine.
 _NEG = torch.finfo(torch.float32).min
@@ -319,6 +321,8 @@ def _attend_rows(qr: torch.Tensor, store: KVStore, n: int, pos0: int, t_rows: in
     n_kv, R, D = qr.shape
     if split is None:
         split = auto_split(store, n_kv, R, D)
+    if t_rows >= FLASH_MIN_ROWS and _cpu_flash_op(qr, store) is not None:
+        return _flash_rows(qr, store, n, pos0, t_rows, split)
     n_tiles = -(-n // split)
     fold = (_folds_scales(store, 0), _folds_scales(store, 1))
     ws = None if isinstance(store, FloatKV) and store.k.dtype == qr.dtype else _Workspace(
@@ -347,6 +351,60 @@ def _attend_rows(qr: torch.Tensor, store: KVStore, n: int, pos0: int, t_rows: in
     m_max = m.amax(0)
     w = m.sub_(m_max).exp_()  # [n_tiles, Hkv, R, 1]
     return (o.mul_(w).sum(0)).div_(l.mul_(w).sum(0))
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_flash_kernel():
+    """torch's fused CPU flash-attention kernel, which also returns each row's log-sum-exp (what combining
+    tiles needs; F.scaled_dot_product_attention does not return it), or None where this torch lacks it."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    try:
+        q = torch.zeros(1, 1, 2, 8)
+        out, lse = op(q, q, q, 0.0, False, attn_mask=torch.zeros(1, 1, 2, 2), scale=1.0)
+    except Exception:  # noqa: BLE001 - an older torch, another signature: the bmm tiles serve
+        return None
+    return op if out.shape == q.shape and lse.shape == (1, 1, 2) else None
+
+
+def _cpu_flash_op(qr: torch.Tensor, store: KVStore):
+    """The fused kernel for prefill rows of a quantized cache on the CPU (fp32), else None."""
+    if qr.device.type != "cpu" or qr.dtype != torch.float32 or isinstance(store, FloatKV):
+        return None
+    return _cpu_flash_kernel()
+
+
+def _flash_rows(qr: torch.Tensor, store: KVStore, n: int, pos0: int, t_rows: int, split: int) -> torch.Tensor:
+    """_attend_rows for many query rows on a quantized CPU cache: each tile of keys dequantized (into the
+    workspace, a tile at a time as ever), then torch's fused flash kernel over it (scores, mask, softmax
+    and P·V without materialising them; ~1.5x the bmm / exp / masked_fill sequence at 2k tokens), the
+    tiles' outputs combined by their log-sum-exp as the split-KV path does."""
+    op = _cpu_flash_kernel()
+    n_kv, R, D = qr.shape
+    g = R // t_rows
+    ws = _Workspace(store, n_kv, min(split, n), D, qr.dtype, qr.device)
+    q4 = qr[None]
+    rows = torch.arange(pos0, pos0 + t_rows, device=qr.device)
+    acc = m_run = l_run = None
+    for a in range(0, n, split):
+        b = min(n, a + split)
+        k, v = _tile(store, 0, a, b, ws), _tile(store, 1, a, b, ws)
+        mask = torch.zeros(1, 1, R, b - a, dtype=qr.dtype, device=qr.device)
+        if b - 1 > pos0:  # the causal part: row t (position pos0 + t) sees keys <= pos0 + t
+            hide = torch.arange(a, b, device=qr.device)[None, :] > rows[:, None]
+            mask.view(g, t_rows, b - a).masked_fill_(hide, -math.inf)
+        out, lse = op(q4, k[None], v[None], 0.0, False, attn_mask=mask, scale=1.0)  # q is scaled already
+        out, lse = out[0], lse[0].unsqueeze(-1)  # [Hkv, R, D], [Hkv, R, 1]
+        if a > pos0:  # rows that see none of this tile come back as 0 with lse 0: weigh them out
+            lse.view(n_kv, g, t_rows).masked_fill_(rows < a, -math.inf)
+        if acc is None:
+            acc, m_run, l_run = out.clone(), lse, torch.ones_like(lse)
+            continue
+        m_new = torch.maximum(m_run, lse)
+        w_old, w_new = (m_run - m_new).exp_(), (lse - m_new).exp_()
+        acc.mul_(w_old).add_(out * w_new)
+        l_run = l_run * w_old + w_new
+        m_run = m_new
+    return acc.div_(l_run)
 
 
 def _folds_scales(store: KVStore, which: int = 1) -> bool:

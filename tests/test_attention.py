@@ -135,8 +135,29 @@ def test_32k(kind, T):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_prefill_chunk_on_kept_prefix(kind):
-    # T=300 new tokens on a 500-token prefix, in query blocks of 128 and KV tiles of 256.
+    # T=300 new tokens on a 500-token prefix, in query blocks of 128 and KV tiles of 256 (quantized kinds on
+    # CPU: torch's fused flash kernel per tile, A._flash_rows, from A.FLASH_MIN_ROWS query rows).
     check(kind, 3, 64, 800, 300, split=256, q_block=128)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("g,D", [(3, 64), (2, 128)])
+def test_prefill_from_position_zero(kind, g, D):
+    # A whole 300-token prompt in tiles of 64: the first rows see nothing of the later tiles (the flash
+    # path's fully masked rows, weighed out by their log-sum-exp); 37 rows: just over FLASH_MIN_ROWS.
+    check(kind, g, D, 300, 300, split=64, q_block=128)
+    check(kind, g, D, 37, 37, split=16)
+
+
+def test_flash_rows_are_used_for_quantized_prefill(monkeypatch):
+    """The fused-kernel path is what a quantized CPU cache's prefill takes where this torch has the kernel."""
+    if A._cpu_flash_kernel() is None:
+        pytest.skip("this torch has no aten._scaled_dot_product_flash_attention_for_cpu: the bmm tiles serve")
+    calls = []
+    real = A._flash_rows
+    monkeypatch.setattr(A, "_flash_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    check("int4", 3, 64, 100, 40, split=32)
+    assert calls
 
 
 @pytest.mark.parametrize("n", [5, 300, 2000])
