@@ -971,6 +971,8 @@ void f32_tile(const DecodeModel& m, const float* q, const float* kc, const float
 // is dequantized once per KV head and serves the g query heads of that KV head. Head dims 64 and 128 (AVX2) take
 // quantized_tile: 32 rows dequantized at a time, q / the output in registers, 8 scores per hsum8 (at 6k
 // context the int4 cache's attention went from 16 ms to ~6 ms a token; it was compute-bound, not memory-bound).
+// On an AVX-512 VNNI build quantized_tile computes the scores from the codes (quantized_key_scores) and
+// dequantizes value rows in registers (register_tile_values): ~3.3 ms at 6k (benchmarks/kv_step_split.py).
 void attention_quantized(const DecodeModel& m, const float* q, const DecodeKV& kc, const DecodeKV& vc, int64_t n,
                          float* out, float* work) {
   const int64_t D = m.head_dim, Hkv = m.n_kv_heads, g = m.n_heads / m.n_kv_heads, S = m.max_seq_len;
