@@ -479,12 +479,17 @@ KV_NOTES = [
     "time through the decode step, as generation runs: on this CPU the fused C++ step, which writes K/V "
     "itself (its own rotation and rounding) and, on an AVX-512 VNNI build, computes the int8/int4 caches' "
     "scores with VPDPBUSD from the codes and q in three int8 digits. The reference is still the fp32 "
-    "forward pass; the fp decode row measures the fused step's own fp32 arithmetic against it. The int4 "
-    "decode row moves by rounding alone between the two attention paths of this build: with "
-    "EDGELLM_INT_ATTENTION=0 (the AVX2 tiles, keys dequantized to fp32) the same command gave ppl 18.6572 "
-    "(+1.95%), KL 0.02172, top-1 91.93%, against 18.6831 (+2.09%), KL 0.02156, top-1 91.76% for the "
-    "VPDPBUSD path (lower KL, higher ppl): both sit at the 2% line, ~0.2-0.3 points above the forward pass, "
-    "whose K/V for the scored tokens torch writes.",
+    "forward pass; the fp decode row measures the fused step's own fp32 arithmetic against it.",
+    "The int4 rows move by rounding alone, since a last-bit change in one layer's attention output flips "
+    "int4 codes at their rounding ties in the next layers' K/V. Same text, same cache format, only the "
+    "order of exact arithmetic changed (2026-11-23, fifth session): the prefill attention's bmm tiles at "
+    "the automatic split +1.784% / KL 0.02083 and at 128 keys +1.350% / 0.02099; torch's fused flash "
+    "kernel per tile (the prefill path since commit da00020, this table's forward rows) at the automatic "
+    "split +1.996% / 0.02165, at 128 +1.631% / 0.02177, at 64 +1.678% / 0.02141. So ppl moves by ±0.3 "
+    "points and KL by a few per cent; the fused kernel's KL sits ~4% above the bmm tiles' (its vectorised "
+    "exp is an approximation), kept for its 24% shorter prefill at 6k tokens (16.3 → 12.4 s). The decode "
+    "path's int4 row moved the same way between its two attention paths (bmm prefill: +1.95% / 0.02172 "
+    "with EDGELLM_INT_ATTENTION=0, +2.09% / 0.02156 with VPDPBUSD scores).",
 ]
 
 
