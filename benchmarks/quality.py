@@ -487,7 +487,7 @@ KV_NOTES = [
     "kernel per tile (the prefill path since commit da00020, this table's forward rows) at the automatic "
     "split +1.996% / 0.02165, at 128 +1.631% / 0.02177, at 64 +1.678% / 0.02141. So ppl moves by ±0.3 "
     "points and KL by a few per cent; the fused kernel's KL sits ~4% above the bmm tiles' (its vectorised "
-    "exp is an approximation), kept for its 24% shorter prefill at 6k tokens (16.3 → 12.4 s). The decode "
+    "exp is an approximation), kept for its shorter prefill (benchmarks/prefill_kv.py: 16.6 → 13.5 s at 6144 tokens). The decode "
     "path's int4 row moved the same way between its two attention paths (bmm prefill: +1.95% / 0.02172 "
     "with EDGELLM_INT_ATTENTION=0, +2.09% / 0.02156 with VPDPBUSD scores).",
 ]
