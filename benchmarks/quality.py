@@ -434,7 +434,11 @@ WEIGHT_NOTES = [
     "block to int8 as llama.cpp's do; its KL is what that rounding adds for a chat user. With the kernels' "
     "float-FMA variant the same scoring gives KL 0.00000 / top-1 100% (`EDGELLM_EXACT_MATMUL=1 edgellm "
     "perplexity -f GPL-3 --ctx 512 --threads 2 --weights int4 --group-size 32 --asym --decode --reference "
-    "fp`, 2026-11-23), at 2.4x the matmul time per token (4.5 vs 1.8 ms, int4 weights, 256 positions).",
+    "fp`, 2026-11-23), at 2.4x the matmul time per token (4.5 vs 1.8 ms, int4 weights, 256 positions). "
+    "`--activations int8x2` (the int8 blocks plus their int8 residual as a second kernel row) gives KL "
+    "0.00003 / top-1 99.61% / ppl 18.3006 with the same command (0.00000 / 99.97% / 18.3000 with "
+    "EDGELLM_PREFILL_BF16=0 as well) for ~0.25 ms more per token (decode step at 256 positions 2.44 → "
+    "2.68 ms, fp KV, one process).",
     "calibrated = --calibrate: the scale search weights each input channel's squared error by E[x²] of "
     "that channel over edgellm's built-in calibration text (~512 tokens of prose, code and chat, "
     "edgellm/kv_centers.py; not GPL-3), as llama.cpp's imatrix does. It needs one float forward pass "

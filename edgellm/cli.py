@@ -60,6 +60,9 @@ def add_format_options(p: argparse.ArgumentParser, draft: bool = False) -> None:
     g.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4/int8 group size")
     g.add_argument("--kv", default="fp", type=kv_format_arg,
                    help="KV-cache storage: fp | int8 | int4, optionally :GROUP (int8:32, int4:64) (default: fp)")
+    g.add_argument("--activations", default=None, choices=("int8", "int8x2", "fp32"),
+                   help="CPU int8/int4 matmuls: activations rounded to int8 per block (default, llama.cpp's "
+                        "numerics), int8 plus an int8 residual (closer to fp32, ~10%% slower decode), or fp32")
     if draft:
         g.add_argument("--draft", default="none",
                        help="speculative decoding: none | self[:int4|:int8][:asym|:sym][:L<n>] (int4 asym g32 copy by default) | lookup | MODEL")
@@ -114,6 +117,10 @@ def load_from_args(args: argparse.Namespace, on_tensor=None):
     from .loading import load_model
 
     set_threads(args.threads)
+    if getattr(args, "activations", None):
+        from .kernels.matmul import set_activations
+
+        set_activations(args.activations)
     try:
         device = pick_device(args.device)
         dtype = parse_dtype(args.dtype, device)

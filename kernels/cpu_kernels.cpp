@@ -1295,7 +1295,39 @@ static int64_t grain_for(int64_t K, int64_t M) {
   return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, K * std::min<int64_t>(M, 4)));
 }
 
-enum Variant { AUTO = 0, INT_DOT = 1, FLOAT_FMA = 2, SCALAR = 3, INT_DOT_PORTABLE = 4 };
+enum Variant { AUTO = 0, INT_DOT = 1, FLOAT_FMA = 2, SCALAR = 3, INT_DOT_PORTABLE = 4, INT_DOT_RESIDUAL = 5 };
+
+// INT_DOT_RESIDUAL: x [M, K] is its int8 blocks (exactly as quantize_x rounds them for the kernels) plus a
+// residual r = x - d * q; r goes through the same int-dot kernel as M more rows (weights read once for all
+// 2M rows), and out = W.x_int8 + W.r_int8. r's own blocks keep what the first rounding lost, so the
+// activations are carried to ~2^-14 of each block's largest instead of 2^-8: the decode-path KL of the
+// bundled int4 model drops from 0.0027 to the weights' own (benchmarks/results/quality.md), for the cost of
+// a second row in the kernel (~0.3 ms a token on the bundled model at 2 threads, vs 2.7 ms for FLOAT_FMA).
+template <class Gemm>
+static void residual_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out, const Gemm& gemm) {
+  thread_local std::vector<float> x2, o2;
+  x2.resize((size_t)(2 * M * K));
+  o2.resize((size_t)(2 * M * N));
+  {
+    const XQ xq = quantize_x(x, M, K);  // (its scratch is reused by the call below: done with it first)
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t b = 0; b < xq.nb; ++b) {
+        const float d = xq.drow(m)[xq_pos(b, xq.nfull)];
+        const int8_t* lo = xq.qrow(m) + xq_off(b, 0);
+        const int8_t* hi = xq.qrow(m) + xq_off(b, 1);
+        const float* xb = x + m * K + b * QK;
+        float* r = x2.data() + (M + m) * K + b * QK;
+        for (int i = 0; i < 16; ++i) {
+          r[i] = xb[i] - d * (float)lo[i];
+          r[i + 16] = xb[i + 16] - d * (float)hi[i];
+        }
+      }
+  }
+  std::memcpy(x2.data(), x, sizeof(float) * (size_t)(M * K));
+  gemm(x2.data(), 2 * M, o2.data());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = 0; n < N; ++n) out[m * N + n] = o2[m * N + n] + o2[(M + m) * N + n];
+}
 
 #ifdef EDGELLM_AVX2
 // One token: the one-row kernel (memory-bound; the 8-row transpose would be pure overhead).  Several (a
@@ -1355,6 +1387,12 @@ void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const u
   if (variant == FLOAT_FMA) variant = SCALAR;
 #endif
   if (K % QK != 0 || G % QK != 0) variant = SCALAR;
+  if (variant == INT_DOT_RESIDUAL) {
+    residual_gemm(x, M, K, N, out, [&](const float* x2, int64_t M2, float* o2) {
+      q4_gemm(x2, M2, K, codes, scales, mins, N, G, o2, INT_DOT);
+    });
+    return;
+  }
   if (variant == INT_DOT_PORTABLE) {
     const XQ xq = quantize_x(x, M, K);
     edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {
@@ -1408,6 +1446,12 @@ void q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* codes, const ui
 #endif
   // The vector paths need 32-blocks that do not straddle groups.
   if (K % QK != 0 || G % QK != 0) variant = SCALAR;
+  if (variant == INT_DOT_RESIDUAL) {
+    residual_gemm(x, M, K, N, out, [&](const float* x2, int64_t M2, float* o2) {
+      q8_gemm(x2, M2, K, codes, scales, N, G, o2, INT_DOT);
+    });
+    return;
+  }
   if (variant == INT_DOT_PORTABLE) {
     const XQ xq = quantize_x(x, M, K);
     edgellm_par::parallel_for(0, N, grain_for(K, M), [&](int64_t n0, int64_t n1) {

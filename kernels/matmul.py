@@ -39,11 +39,26 @@ INT8PACK_MAX_M = 1  # torch's int8pack kernel beats dequantize+GEMM at M = 1 onl
 BLOCK = 32  # int4 codes are packed in GGUF Q4 blocks of 32 along K
 
 _cpu_ext_state: dict[str, object] = {}
-# The C++ kernel's default rounds x to int8 per 32-block (llama.cpp's numerics, ~0.5% relative error per
-# product, 2.4x faster than float-fma here). EDGELLM_EXACT_MATMUL=1 or `set_exact_matmul(True)` selects
-# float-fma: exact to the dequantized reference up to fp32 summation order.
-_INT_DOT_OR_AUTO, _FLOAT_FMA = 0, 2
-_variant = {"v": _FLOAT_FMA if os.environ.get("EDGELLM_EXACT_MATMUL", "") not in ("", "0") else _INT_DOT_OR_AUTO}
+# How the C++ kernel takes the activations (`set_activations`, EDGELLM_ACTIVATIONS, `--activations`):
+#   int8   rounded to int8 per 32-block (llama.cpp's numerics, ~0.5% relative error per product; the default,
+#          2.4x faster than fp32 here),
+#   int8x2 int8 plus an int8 residual as a second kernel row (~2^-14 error; ~0.3 ms a token more on the
+#          bundled model, where fp32 costs 2.7 ms more),
+#   fp32   float-fma: exact to the dequantized reference up to fp32 summation order (EDGELLM_EXACT_MATMUL=1).
+_INT_DOT_OR_AUTO, _FLOAT_FMA, _INT_DOT_RESIDUAL = 0, 2, 5
+ACTIVATIONS = {"int8": _INT_DOT_OR_AUTO, "int8x2": _INT_DOT_RESIDUAL, "fp32": _FLOAT_FMA}
+
+
+def _initial_variant() -> int:
+    if os.environ.get("EDGELLM_EXACT_MATMUL", "") not in ("", "0"):
+        return _FLOAT_FMA
+    name = os.environ.get("EDGELLM_ACTIVATIONS", "").strip() or "int8"
+    if name not in ACTIVATIONS:
+        raise ValueError(f"EDGELLM_ACTIVATIONS={name!r}: choose from {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]
+
+
+_variant = {"v": _initial_variant()}
 _NO_MINS = torch.empty(0, dtype=torch.float16, device="cpu")  # the C++ kernel takes an empty tensor for "no mins"
 _PREFILL_BF16_ENV = os.environ.get("EDGELLM_PREFILL_BF16", "").strip()
 
@@ -150,6 +165,13 @@ def set_exact_matmul(exact: bool) -> None:
 
 def exact_matmul() -> bool:
     return _variant["v"] == _FLOAT_FMA
+
+
+def set_activations(name: str) -> None:
+    """The CPU int8/int4 kernels' activations: "int8" (default), "int8x2" or "fp32" (see ACTIVATIONS)."""
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activations {name!r}: choose from {', '.join(ACTIVATIONS)}")
+    _variant["v"] = ACTIVATIONS[name]
 
 
 def has_cpu_kernel() -> bool:

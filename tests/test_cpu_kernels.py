@@ -25,8 +25,8 @@ import torch
 
 from edgellm.kernels import cpu_ext
 
-INT_DOT, FLOAT_FMA, PORTABLE_FLOAT, PORTABLE_INT_DOT = 1, 2, 3, 4
-TOL = {INT_DOT: 1e-2, PORTABLE_INT_DOT: 1e-2, FLOAT_FMA: 1e-5, PORTABLE_FLOAT: 1e-5}
+INT_DOT, FLOAT_FMA, PORTABLE_FLOAT, PORTABLE_INT_DOT, INT_DOT_RESIDUAL = 1, 2, 3, 4, 5
+TOL = {INT_DOT: 1e-2, PORTABLE_INT_DOT: 1e-2, FLOAT_FMA: 1e-5, PORTABLE_FLOAT: 1e-5, INT_DOT_RESIDUAL: 1e-4}
 TOL_EMULATED = 1e-4
 
 
@@ -121,7 +121,7 @@ def test_int4_matches_reference(ext, m, n, k, g, asym):
     assert y.shape == (m, n) and y.dtype == torch.float32
     assert rel_err(y, ref) <= TOL[INT_DOT]
     assert rel_err(y, ref_q) <= TOL_EMULATED
-    for variant in (INT_DOT, FLOAT_FMA, PORTABLE_FLOAT, PORTABLE_INT_DOT):
+    for variant in (INT_DOT, FLOAT_FMA, PORTABLE_FLOAT, PORTABLE_INT_DOT, INT_DOT_RESIDUAL):
         yv = ext.int4_gemm_variant(x, packed, scales, mins, g, variant)
         assert rel_err(yv, ref) <= TOL[variant], variant
         if variant in (INT_DOT, PORTABLE_INT_DOT):
@@ -151,11 +151,33 @@ def test_int8_matches_reference(ext, m, n, k, g):
     assert rel_err(y, ref) <= TOL[INT_DOT]
     ref_q = emulate_int8_x(x) @ w.T if k % 32 == 0 else ref  # K % 32 != 0 runs the exact float path
     assert rel_err(y, ref_q) <= TOL_EMULATED
-    for variant in (INT_DOT, FLOAT_FMA, PORTABLE_FLOAT, PORTABLE_INT_DOT):
+    for variant in (INT_DOT, FLOAT_FMA, PORTABLE_FLOAT, PORTABLE_INT_DOT, INT_DOT_RESIDUAL):
         yv = ext.int8_gemm_variant(x, codes, scales, g, variant)
         assert rel_err(yv, ref) <= TOL[variant], variant
         if variant in (INT_DOT, PORTABLE_INT_DOT) and k % 32 == 0:
             assert rel_err(yv, ref_q) <= TOL_EMULATED, variant
+
+
+@pytest.mark.parametrize("kind", ["int4 asym", "int8"])
+def test_residual_activations_close_the_gap_to_fp32(ext, kind):
+    """--activations int8x2 (variant 5): the int8 blocks plus their int8 residual as a second kernel row. Against
+    the float64 product it is ~100x closer than int8 alone, and each row is the same bits for 1 or 9 tokens."""
+    gen = torch.Generator().manual_seed(11)
+    n, k, g = 96, 1536, 32
+    x = torch.randn(9, k, generator=gen) * torch.linspace(0.1, 3.0, k)
+    if kind == "int8":
+        codes, scales = make_int8(n, k, g, gen)
+        w = dequant_int8(codes, scales, g)
+        gemm = lambda xs, v: ext.int8_gemm_variant(xs, codes, scales, g, v)  # noqa: E731
+    else:
+        packed, scales, mins = make_int4(n, k, g, True, gen)
+        w = dequant_int4(packed, scales, mins, g)
+        gemm = lambda xs, v: ext.int4_gemm_variant(xs, packed, scales, mins, g, v)  # noqa: E731
+    ref = x.double() @ w.T
+    one, two = rel_err(gemm(x, INT_DOT), ref), rel_err(gemm(x, INT_DOT_RESIDUAL), ref)
+    assert two < one / 50 and two < 1e-4, (one, two)
+    alone = torch.cat([gemm(x[i:i + 1], INT_DOT_RESIDUAL) for i in range(9)])
+    assert torch.equal(gemm(x, INT_DOT_RESIDUAL), alone)
 
 
 # ------------------------------------------------------------------------------------------------ T-invariance
@@ -533,3 +555,18 @@ def test_vnni_path_bit_identical_to_avx2(standalone_builds):
     vnni = _run_standalone(standalone_builds, "avx512vnni").splitlines()
     assert avx2[0] == "isa avx2" and vnni[0] == "isa avx512vnni"
     assert avx2[1].startswith("digest ") and avx2[1] == vnni[1]
+
+
+def test_set_activations_selects_the_kernel_variant():
+    """`--activations` / EDGELLM_ACTIVATIONS name the variants the tests above check; unknown names are refused."""
+    from edgellm.kernels import matmul as K
+
+    before = K._variant["v"]
+    try:
+        for name, variant in (("int8x2", INT_DOT_RESIDUAL), ("fp32", FLOAT_FMA), ("int8", 0)):
+            K.set_activations(name)
+            assert K._variant["v"] == variant
+        with pytest.raises(ValueError, match="int8x2"):
+            K.set_activations("int4")
+    finally:
+        K._variant["v"] = before
