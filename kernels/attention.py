@@ -376,8 +376,8 @@ def _cpu_flash_op(qr: torch.Tensor, store: KVStore):
 def _flash_rows(qr: torch.Tensor, store: KVStore, n: int, pos0: int, t_rows: int, split: int) -> torch.Tensor:
     """_attend_rows for many query rows on a quantized CPU cache: each tile of keys dequantized (into the
     workspace, a tile at a time as ever), then torch's fused flash kernel over it (scores, mask, softmax
-    and P·V without materialising them; ~1.5x the bmm / exp / masked_fill sequence at 2k tokens), the
-    tiles' outputs combined by their log-sum-exp as the split-KV path does."""
+    and P·V without materialising them: int4-KV prefill of 2048 tokens 2.7 → 2.1 s, of 6144 16.6 → 13.5 s,
+    benchmarks/prefill_kv.py), the tiles' outputs combined by their log-sum-exp as the split-KV path does."""
     op = _cpu_flash_kernel()
     n_kv, R, D = qr.shape
     g = R // t_rows
