@@ -662,6 +662,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     plan = plan_from_args(args)
     text, prompt_path = read_prompt_text(args.prompt_file)
     set_threads(args.threads)
+    if args.activations:
+        from .kernels.matmul import set_activations
+
+        set_activations(args.activations)
     try:
         device = pick_device(args.device)
     except (ValueError, RuntimeError) as e:
@@ -695,7 +699,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "settings": {"model": args.model, "n_prompt": plan.prompt_tokens, "n_gen": plan.gen_tokens,
                      "repetitions": plan.reps, "warmup": plan.warmup, "weights": plan.weights, "kv": plan.kv,
                      "draft": plan.draft, "contexts": plan.contexts, "prompt_file": str(prompt_path),
-                     "device": str(device), "dtype": args.dtype, "threads": run.threads, "against": args.against},
+                     "device": str(device), "dtype": args.dtype, "threads": run.threads, "against": args.against,
+                     "activations": args.activations or "int8"},
         "note": args.note,
         "notes": notes,
         "rows": rows,
@@ -872,6 +877,8 @@ def add_parser(sub) -> None:
     g.add_argument("--weights", default="fp", help="comma list of fp,int8,int4 (default fp)")
     g.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4/int8 group size")
     g.add_argument("--kv", default="fp", help="comma list of fp,int8,int4 (default fp)")
+    g.add_argument("--activations", default=None, choices=("int8", "int8x2", "fp32"),
+                   help="CPU int8/int4 matmuls' activations (default int8; see edgellm run --help)")
     g.add_argument("--draft", default="none", help="comma list of none,self,lookup (default none)")
     g.add_argument("--prompt-file", default=None, help=f"prompt text (default {DEFAULT_PROMPT_FILE})")
     g.add_argument("--against", default=None, metavar="llama.cpp", help="also run llama-cpp-python on the same GGUF")
