@@ -17,11 +17,9 @@ other x86 build runs, EDGELLM_INT_ATTENTION=0). On a build without VNNI both row
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,12 +91,9 @@ def main() -> None:
                 print(f"| {r['kv']} | {r['path']} | {r['position']} | {r['wall_ms']:.2f} | {r['matmul_ms']:.2f} | "
                       f"{r['attention_ms']:.2f} | {r['other_ms']:.2f} | {r['kv_bytes_read'] / 1e6:.1f} |", flush=True)
     if args.json:
-        from edgellm.bench import machine_info
+        from run_record import write_run  # benchmarks/, this script's folder
 
-        doc = {"command": "python " + " ".join(sys.argv), "date": datetime.now(timezone.utc).isoformat(),
-               "machine": {**machine_info(torch.device("cpu")), "threads": args.threads},
-               "weights": args.weights, "rows": rows}
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        write_run(args.json, rows, args.threads, weights=args.weights)
 
 
 if __name__ == "__main__":

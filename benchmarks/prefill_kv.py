@@ -13,10 +13,8 @@ F.scaled_dot_product_attention either way.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,12 +68,9 @@ def main() -> None:
                 print(f"| {n} | {kv} | {path} | {best:.2f} | {n / best:.0f} |", flush=True)
     attention.FLASH_MIN_ROWS = default_rows
     if args.json:
-        from edgellm.bench import machine_info
+        from run_record import write_run  # benchmarks/, this script's folder
 
-        doc = {"command": "python " + " ".join(sys.argv), "date": datetime.now(timezone.utc).isoformat(),
-               "machine": {**machine_info(torch.device("cpu")), "threads": args.threads},
-               "weights": args.weights, "rows": rows}
-        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+        write_run(args.json, rows, args.threads, weights=args.weights)
 
 
 if __name__ == "__main__":
