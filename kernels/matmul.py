@@ -160,7 +160,7 @@ def set_cpu_extension(ext) -> None:
 
 def set_exact_matmul(exact: bool) -> None:
     """True: the CPU kernel multiplies in fp32 (exact); False: int8-rounded activations (fast)."""
-    _variant["v"] = _FLOAT_FMA if exact else _INT_DOT_OR_AUTO
+    set_activations("fp32" if exact else "int8")
 
 
 def exact_matmul() -> bool:
