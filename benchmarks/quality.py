@@ -441,7 +441,7 @@ WEIGHT_NOTES = [
     "2.68 ms, fp KV, one process).",
     "calibrated = --calibrate: the scale search weights each input channel's squared error by E[x²] of "
     "that channel over edgellm's built-in calibration text (~512 tokens of prose, code and chat, "
-    "edgellm/kv_centers.py; not GPL-3), as llama.cpp's imatrix does. It needs one float forward pass "
+    "edgellm/kv_calibration.py; not GPL-3), as llama.cpp's imatrix does. It needs one float forward pass "
     "over the text before quantizing (a few seconds here).",
     "Source of every row but the three \"bundled GGUF\" ones: the F32 GGUF written from the bundled model's dequantized weights "
     "(checked bit-identical). Loading the bundled Q4_1 GGUF with --weights int4/int8 keeps its Q4_1 "
@@ -466,17 +466,25 @@ WEIGHT_NOTES = [
 ]
 KV_NOTES = [
     "The int8/int4 caches store K and V minus per-channel centres calibrated once per model "
-    "(edgellm/kv_centers.py: the mean K/V of each layer over a built-in 512-token text, not GPL-3), then "
+    "(edgellm/kv_calibration.py: the mean K/V of each layer over a built-in 512-token text, not GPL-3), the "
+    "keys times calibrated per-channel scales s = (E[q²]/E[k²])^¼ that the queries divide back out, then "
     "Hadamard-rotated (edgellm/cache.py); one fp16 scale (int4: + fp16 min) per token, per KV head, per "
     "group of the head dim (64). int8 default group = head dim; int4 default groups 16 for keys, 32 for "
     "values ('int4:G' sets both). The first 4 positions are also kept exactly (attention sinks). The "
-    "centres and sinks change nothing in exact arithmetic (softmax is invariant to a constant key shift, "
-    "and a value shift comes back out of the weighted sum), only the quantization error.",
+    "centres, key scales and sinks change nothing in exact arithmetic (softmax is invariant to a constant "
+    "key shift, a value shift comes back out of the weighted sum, and q/s·ks = q·k), only the quantization error.",
     "What each step bought for --kv int4 (this text, all 14 windows): per-token g32 with rotation alone "
     "+7.0% / KL 0.058; with the centres +5.3% / KL 0.043; keys in groups of 16 and 4 sink rows on top "
-    "gave the row above. The error is the keys': SmolLM2-135M's keys carry per-channel offsets 50-100× "
+    "+2.0% / KL 0.0217 (the table of commit 7a1c3ef); the key scales on top gave the rows above "
+    "(sixth session). The error is the keys': SmolLM2-135M's keys carry per-channel offsets 50-100× "
     "the median channel, the same for every token, which a per-token group cannot fit and a rotation "
-    "only spreads; with fp keys and int4 values KL was 0.009.",
+    "only spreads; with fp keys and int4 values KL was 0.009. The key scales follow from q·e being the "
+    "score error of a key error e spread evenly by the rotation: E[(q·e)²] ∝ Σ E[q²]/s² · Σ E[k²]s², least "
+    "at s² = √(E[q²]/E[k²]) (Cauchy-Schwarz). Tried with a /tmp harness on the forward pass (2026-11-23): "
+    "the exponent at ¼ gave KL 0.01534, at 0.175 / 0.325 / 0.4 0.01560 / 0.01650 / 0.01732; scaling the "
+    "values the same way by the importance of each channel to wo (Σ of its column's squares) took KL "
+    "0.01534 → 0.01489 at exponent ¼ and 0.01632 at ½, not adopted (3% for a change to every "
+    "attention output).",
     "KV bytes at 8k: 30 layers × 3 KV heads × 64 dims × K and V, scales and mins counted (the 4 sink "
     "rows are a fixed 225 KiB, not per token); the fp row is sized as fp16 (the ppl itself ran with the "
     "fp32 cache of the fp32 model).",

@@ -6,8 +6,9 @@ formats (edgellm.kernels.attention): float in the model's dtype, int8 (symmetric
 per head per `group` of the head dim) or int4 (asymmetric, scale + min per group: 16 for keys and 32
 for values by default, two codes per byte). New tokens are quantized as they are written; attention
 reads the storage in place, a tile at a time, so nothing ever dequantizes the whole cache. Quantized
-caches keep their first KV_SINK_TOKENS positions exactly as well (attention sinks) and store K and V
-minus calibrated per-channel centres (kv_centers.py), both exact for attention.
+caches keep their first KV_SINK_TOKENS positions exactly as well (attention sinks), store K and V
+minus calibrated per-channel centres, and keys times calibrated per-channel scales that queries divide
+back out (kv_calibration.py): all exact for attention, they only shrink the quantization error.
 
 Quantized caches store K and V rotated by an orthonormal Hadamard matrix H along the head dim, and
 attention runs on q·H with its output rotated back (q·k = qH·kH, softmax·VH = (softmax·V)H). The
@@ -119,30 +120,36 @@ class KVCache:
         except ValueError as e:  # a group that does not divide the head dim
             raise ValueError(f"KV-cache format {kv_format!r}: {e}") from None
         self.rotation = None if kind == "fp" else _rotation(cfg.head_dim, dtype, str(torch.device(device)))
-        # per-channel K/V centres subtracted before quantizing (kv_centers.py): set by prepare()
+        # calibrated per-channel K/V centres and key scales (kv_calibration.py), set by prepare()
         self.centers: torch.Tensor | None = None  # [n_layers, 2, Hkv, 1, D] fp32 (the fused C++ step reads it)
-        self._kv_center_t: torch.Tensor | None = None  # the same in the cache's dtype: subtracted on write
+        self.key_scales: torch.Tensor | None = None  # [n_layers, Hkv, 1, D] fp32 (the fused C++ step reads it)
+        self._kv_center_t: torch.Tensor | None = None  # the centres in the cache's dtype: subtracted on write
         self._v_center_q: torch.Tensor | None = None  # [n_layers, 1, Hq, 1, D] in dtype: added to outputs
-        self._needs_centers = kind != "fp"
+        self._key_scale_t: torch.Tensor | None = None  # [n_layers, Hkv, 1, D] in dtype: keys times it on write
+        self._query_scale_t: torch.Tensor | None = None  # [n_layers, 1, Hq, 1, D] in dtype: 1 / key scale, for q
+        self._needs_calibration = kind != "fp"
 
     def prepare(self, model) -> None:
-        """Before the first write of a quantized cache: take the model's calibrated K/V centres."""
-        if self._needs_centers:
-            self._needs_centers = False
-            from .kv_centers import kv_centers
+        """Before the first write of a quantized cache: take the model's calibrated centres and key scales."""
+        if self._needs_calibration:
+            from .kv_calibration import kv_calibration
 
-            self.set_centers(kv_centers(model))
+            self.set_calibration(kv_calibration(model))
 
-    def set_centers(self, centers: torch.Tensor | None) -> None:
-        """Use these centres (None: none) from now on; K/V already written must have used the same."""
-        self._needs_centers = False
-        if centers is None or self.rotation is None:
-            self.centers = self._kv_center_t = self._v_center_q = None
+    def set_calibration(self, calibration) -> None:
+        """Use this KVCalibration (None: none) from now on; K/V already written must have used the same."""
+        self._needs_calibration = False
+        self.centers = self.key_scales = None
+        self._kv_center_t = self._v_center_q = self._key_scale_t = self._query_scale_t = None
+        if calibration is None or self.rotation is None:
             return
         dtype, device = self.rotation.dtype, self.rotation.device
-        self.centers = centers.to(device=device, dtype=torch.float32)
+        self.centers = calibration.centers.to(device=device, dtype=torch.float32)
+        self.key_scales = calibration.key_scales.to(device=device, dtype=torch.float32)
         self._kv_center_t = self.centers.to(dtype)
         self._v_center_q = self._kv_center_t[:, 1].repeat_interleave(self.group, 1)[:, None]
+        self._key_scale_t = self.key_scales.to(dtype)
+        self._query_scale_t = (1 / self.key_scales).repeat_interleave(self.group, 1)[:, None].to(dtype)
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def truncate(self, n: int) -> None:
@@ -168,7 +175,7 @@ class KVCache:
         if self.rotation is not None:
             if self.centers is not None:
                 c = self._kv_center_t[layer]
-                k, v = k - c[0], v - c[1]
+                k, v = (k - c[0]) * self._key_scale_t[layer], v - c[1]
             k, v = k @ self.rotation, v @ self.rotation
         if isinstance(start, DevicePosition):
             write_kv_at(self.layers[layer], k, v, start.pos)
@@ -179,7 +186,7 @@ class KVCache:
         """q [1, Hq, T, D] at positions [start, start+T), causal against the cache → [1, Hq, T, D]."""
         store = self.layers[layer]
         if isinstance(start, DevicePosition):  # inside a CUDA graph: the Triton kernel reads the lengths
-            qr = q if self.rotation is None else q @ self.rotation
+            qr = q if self.rotation is None else self._rotate_query(q, layer)
             out = _graph_attention(qr, store, start.bound, scale, start.lengths)
             return out if self.rotation is None else self._unrotate(out, layer)
         T = q.shape[2]
@@ -197,7 +204,13 @@ class KVCache:
         # decode, and anything on a quantized cache: flash-decoding over the storage in place
         if self.rotation is None:
             return attention(q, store, end, start, scale)
-        return self._unrotate(attention(q @ self.rotation, store, end, start, scale), layer)
+        return self._unrotate(attention(self._rotate_query(q, layer), store, end, start, scale), layer)
+
+    def _rotate_query(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """q [1, Hq, T, D] in a quantized cache's basis: divided by the key scales, rotated."""
+        if self._query_scale_t is not None:
+            q = q * self._query_scale_t[layer]
+        return q @ self.rotation
 
     def _unrotate(self, out: torch.Tensor, layer: int) -> torch.Tensor:
         """A quantized cache's attention output back in the model's basis, the V centre added back."""

@@ -408,7 +408,7 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
     """Load weights + tokenizer. `max_seq_len` sizes the RoPE table (default: the model's context).
     `calibration` ("builtin" or a text file, with int8/int4 weights): load the float model first, measure
     each linear's input activations over that text, and weight the scale search by them."""
-    from .kv_centers import calibration_ids
+    from .kv_calibration import calibration_ids
     from .tokenizer import load_tokenizer
 
     if weights not in ("fp", "int8", "int4"):

@@ -130,7 +130,7 @@ class Transformer(nn.Module):
         A `DevicePosition` start (one token, the position held on the device) is what a CUDA graph
         captures: nothing here reads it on the host, and the caller (decode_graph.py) keeps
         cache.length and the bounds."""
-        if getattr(cache, "_needs_centers", False):  # a quantized cache's first use: calibrated K/V centres (kv_centers.py)
+        if getattr(cache, "_needs_calibration", False):  # a quantized cache's first use: its calibration (kv_calibration.py)
             cache.prepare(self)
         if isinstance(start_pos, DevicePosition):
             start_pos.update()

@@ -246,10 +246,12 @@ struct DecodePlan {
   }
 
   // dims: dim, n_heads, n_kv_heads, head_dim, hidden, vocab, max_seq_len; layers: (qkv, o, w13, w2, attn_norm,
-  // ffn_norm, k cache, v cache) each; kv_rot: [D, D] fp32 for a quantized cache, else None
+  // ffn_norm, k cache, v cache) each; kv_rot: [D, D] fp32 for a quantized cache, else None; kv_center
+  // [layers, 2, Hkv, D] and kv_key_scale [layers, Hkv, D]: its calibration (edgellm/kv_calibration.py), or None
   DecodePlan(const std::vector<int64_t>& dims, double eps, double attn_scale, const py::tuple& embedding,
              const py::list& layers, const py::handle& norm, const py::tuple& output, const py::handle& rope_cos,
-             const py::handle& rope_sin, const py::handle& kv_rot, const py::handle& kv_center) {
+             const py::handle& rope_sin, const py::handle& kv_rot, const py::handle& kv_center,
+             const py::handle& kv_key_scale) {
     TORCH_CHECK(dims.size() == 7, "edgellm decode plan: dims has 7 entries");
     auto& M = m;
     M.dim = dims[0]; M.n_heads = dims[1]; M.n_kv_heads = dims[2]; M.head_dim = dims[3]; M.hidden = dims[4];
@@ -286,6 +288,8 @@ struct DecodePlan {
     M.kv_rot = f32(kv_rot, D * D, "kv rotation");
     M.kv_center = f32(kv_center, (int64_t)M.layers.size() * 2 * M.n_kv_heads * D, "kv centres");
     TORCH_CHECK(M.kv_center == nullptr || M.kv_rot != nullptr, "edgellm decode plan: KV centres without a quantized cache");
+    M.kv_key_scale = f32(kv_key_scale, (int64_t)M.layers.size() * M.n_kv_heads * D, "kv key scales");
+    TORCH_CHECK(M.kv_key_scale == nullptr || M.kv_center != nullptr, "edgellm decode plan: key scales without KV centres");
     const bool quantized = !M.layers.empty() && M.layers[0].k.kind != edgellm::DecodeKV::F32;
     for (const auto& L : M.layers)
       TORCH_CHECK((L.k.kind != edgellm::DecodeKV::F32) == quantized, "edgellm decode plan: mixed KV kinds");
@@ -357,10 +361,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "dequantize int4 (mins empty = symmetric) / int8 codes into fp32 buf (>= N*K elements); returns [N, K]");
   py::class_<DecodePlan>(m, "DecodePlan", "the fused CPU decode step of one model + KV cache (see cpu_decode.py)")
       .def(py::init<const std::vector<int64_t>&, double, double, const py::tuple&, const py::list&, const py::handle&,
-                    const py::tuple&, const py::handle&, const py::handle&, const py::handle&, const py::handle&>(),
+                    const py::tuple&, const py::handle&, const py::handle&, const py::handle&, const py::handle&,
+                    const py::handle&>(),
            py::arg("dims"), py::arg("eps"), py::arg("attn_scale"), py::arg("embedding"), py::arg("layers"),
            py::arg("norm"), py::arg("output"), py::arg("rope_cos"), py::arg("rope_sin"), py::arg("kv_rot") = py::none(),
-           py::arg("kv_center") = py::none())
+           py::arg("kv_center") = py::none(), py::arg("kv_key_scale") = py::none())
       .def("step", &DecodePlan::step, py::arg("token"), py::arg("pos"), py::arg("logits"), py::arg("variant"),
            "logits [vocab] of token (int64 [1] or [1, 1]) at position pos; writes its K/V into the cache")
       .def("step_many", &DecodePlan::step_many, py::arg("tokens"), py::arg("pos"), py::arg("logits"),

@@ -1069,6 +1069,8 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
   for (size_t li = 0; li < m.layers.size(); ++li) {
     const DecodeLayer& L = m.layers[li];
     const float* kcen = m.kv_center ? m.kv_center + li * 2 * kvsz : nullptr;  // [2, Hkv, D] of this layer
+    const float* kscale = m.kv_key_scale ? m.kv_key_scale + li * kvsz : nullptr;  // [Hkv, D] of this layer
+    const float* qscale = kscale ? m.kv_query_scale.data() + li * kvsz : nullptr;
     for (int64_t t = 0; t < T; ++t) rmsnorm(h + t * dim, L.attn_norm, m.eps, xn + t * dim, dim);
     clk.lap(m.t_other);
     linear(L.qkv, xn, T, qkv, variant);
@@ -1088,6 +1090,8 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
               ck[d] = kj[d] - kcen[j * D + d];
               cv[d] = vj[d] - kcen[kvsz + j * D + d];
             }
+            if (kscale)
+              for (int64_t d = 0; d < D; ++d) ck[d] *= kscale[j * D + d];
             kj = ck;
             vj = cv;
           }
@@ -1112,8 +1116,17 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
         attention_rows(m, qkv + t * qkvw, qkvw, L.k.f, L.v.f, pos + t, 1, o, qsz);
         continue;
       }
-      float* qr = m.qrot.data();  // q @ R per head, attention, then the output rotated back (R^T)
-      for (int64_t h = 0; h < Hq; ++h) rotate(qkv + t * qkvw + h * D, m.kv_rot, qr + h * D, D);
+      float* qr = m.qrot.data();  // q (/ key scales) @ R per head, attention, then the output rotated back (R^T)
+      for (int64_t h = 0; h < Hq; ++h) {
+        const float* qh = qkv + t * qkvw + h * D;
+        float qs[1024];
+        if (qscale) {
+          const float* inv = qscale + (h / (Hq / Hkv)) * D;
+          for (int64_t d = 0; d < D; ++d) qs[d] = qh[d] * inv[d];
+          qh = qs;
+        }
+        rotate(qh, m.kv_rot, qr + h * D, D);
+      }
       attention_quantized(m, qr, L.k, L.v, pos + t + 1, qr + qsz, work);
       for (int64_t h = 0; h < Hq; ++h) {
         rotate(qr + qsz + h * D, m.kv_rot_t.data(), o + h * D, D);  // back: x @ R^T
@@ -1162,6 +1175,12 @@ void decode_prepare(DecodeModel& m) {
     m.kv_rot_t.resize(D * D);
     for (int64_t i = 0; i < D; ++i)
       for (int64_t j = 0; j < D; ++j) m.kv_rot_t[j * D + i] = m.kv_rot[i * D + j];
+  }
+  m.kv_query_scale.clear();
+  if (m.kv_key_scale) {
+    const int64_t n = (int64_t)m.layers.size() * m.n_kv_heads * m.head_dim;
+    m.kv_query_scale.resize(n);
+    for (int64_t i = 0; i < n; ++i) m.kv_query_scale[i] = 1.0f / m.kv_key_scale[i];
   }
 }
 

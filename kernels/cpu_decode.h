@@ -50,7 +50,10 @@ struct DecodeModel {
   const float* rope_sin = nullptr;  // [>= S, D], first half negated
   const float* kv_rot = nullptr;    // [D, D] orthonormal (a quantized cache: K, V, q times it), or null
   const float* kv_center = nullptr; // [layers, 2, Hkv, D]: K / V centres subtracted before the rotation
-                                    // (edgellm/kv_centers.py; V's added back to the output), or null
+                                    // (edgellm/kv_calibration.py; V's added back to the output), or null
+  const float* kv_key_scale = nullptr;  // [layers, Hkv, D]: centred keys times it before the rotation, q
+                                        // divided by it (edgellm/kv_calibration.py), or null
+  std::vector<float> kv_query_scale;    // 1 / kv_key_scale, by decode_prepare
   std::vector<float> buf, work;     // activations and attention scratch, sized by decode_prepare
   std::vector<float> qrot;          // rotated q and attention output of one token (quantized cache)
   std::vector<float> kv_rot_t;      // kv_rot transposed (rotating the attention output back), by decode_prepare

@@ -136,12 +136,14 @@ def fused_decode_step(model, cache) -> FusedDecodeStep | None:
             cos, sin = torch.cat((cos, pad)), torch.cat((sin, pad))
         dims = [cfg.dim, cfg.n_heads, cfg.n_kv_heads, D, cfg.intermediate_size, cfg.vocab_size, S]
         if rot is not None:
-            cache.prepare(model)  # the K/V centres, before the first write (edgellm/kv_centers.py)
+            cache.prepare(model)  # its calibration, before the first write (edgellm/kv_calibration.py)
         centers = getattr(cache, "centers", None)
+        key_scales = getattr(cache, "key_scales", None)
         plan = ext.DecodePlan(dims, float(model.norm.eps), float(model.layers[0].attention.scale), emb_spec, layers,
                               model.norm.weight.detach().contiguous(), out_spec, cos, sin,
                               None if rot is None else rot.contiguous(),
-                              None if centers is None else centers.reshape(cfg.n_layers, 2, -1).contiguous())
+                              None if centers is None else centers.reshape(cfg.n_layers, 2, -1).contiguous(),
+                              None if key_scales is None else key_scales.reshape(cfg.n_layers, -1).contiguous())
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return None  # a model this plan does not describe: the eager path serves it
     return FusedDecodeStep(plan, cache, cfg.vocab_size, limit)

@@ -6,7 +6,7 @@ by E[x_k^2] over some text (llama.cpp's importance matrix, `llama-imatrix`) make
 levels on the channels that carry signal. On the bundled SmolLM2-135M (GPL-3, ctx 512) it took int4 g32
 symmetric from ppl 22.84 to ~19.8 and g64 asymmetric from 23.08 to ~19.2 (benchmarks/results/quality.md).
 
-The text is edgellm's built-in calibration text (edgellm/kv_centers.py, ~512 tokens of mixed prose,
+The text is edgellm's built-in calibration text (edgellm/kv_calibration.py, ~512 tokens of mixed prose,
 code and chat, written for this) or a file the user gives; evaluation texts should not be calibration
 texts. Chunks of up to CHUNK tokens, at most MAX_TOKENS in all.
 """
@@ -23,7 +23,7 @@ MAX_TOKENS = 8192
 def calibration_tokens(tokenizer, source: str) -> list[list[int]]:
     """`source`: "builtin" or a text file's path → token chunks."""
     from ..errors import EdgeLLMError
-    from ..kv_centers import CALIBRATION_TEXT
+    from ..kv_calibration import CALIBRATION_TEXT
 
     if source == "builtin":
         text = CALIBRATION_TEXT
