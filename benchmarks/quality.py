@@ -437,8 +437,10 @@ WEIGHT_NOTES = [
     "fp`, 2026-11-23), at 2.4x the matmul time per token (4.5 vs 1.8 ms, int4 weights, 256 positions). "
     "`--activations int8x2` (the int8 blocks plus their int8 residual as a second kernel row) gives KL "
     "0.00003 / top-1 99.61% / ppl 18.3006 with the same command (0.00000 / 99.97% / 18.3000 with "
-    "EDGELLM_PREFILL_BF16=0 as well) for ~0.25 ms more per token (decode step at 256 positions 2.44 → "
-    "2.68 ms, fp KV, one process).",
+    "EDGELLM_PREFILL_BF16=0 as well) for ~0.7 ms more per token: decode step at 256 positions, fp KV, "
+    "modes interleaved in one process (benchmarks/activations_cpu.py, results/activations-cpu.json): int4 "
+    "weights 2.33 → 3.05 ms (1.31×), int8 weights 2.41 → 3.06 ms (1.27×), fp32 activations 2.3×. (The fifth "
+    "session's 2.44 → 2.68 ms, A/B by environment in two processes, was too low.)",
     "calibrated = --calibrate: the scale search weights each input channel's squared error by E[x²] of "
     "that channel over edgellm's built-in calibration text (~512 tokens of prose, code and chat, "
     "edgellm/kv_calibration.py; not GPL-3), as llama.cpp's imatrix does. It needs one float forward pass "

@@ -62,7 +62,7 @@ def add_format_options(p: argparse.ArgumentParser, draft: bool = False) -> None:
                    help="KV-cache storage: fp | int8 | int4, optionally :GROUP (int8:32, int4:64) (default: fp)")
     g.add_argument("--activations", default=None, choices=("int8", "int8x2", "fp32"),
                    help="CPU int8/int4 matmuls: activations rounded to int8 per block (default, llama.cpp's "
-                        "numerics), int8 plus an int8 residual (closer to fp32, ~10%% slower decode), or fp32")
+                        "numerics), int8 plus an int8 residual (closer to fp32, a decode step ~1.3x as long), or fp32")
     if draft:
         g.add_argument("--draft", default="none",
                        help="speculative decoding: none | self[:int4|:int8][:asym|:sym][:L<n>] (int4 asym g32 copy by default) | lookup | MODEL")

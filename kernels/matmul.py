@@ -42,8 +42,8 @@ _cpu_ext_state: dict[str, object] = {}
 # How the C++ kernel takes the activations (`set_activations`, EDGELLM_ACTIVATIONS, `--activations`):
 #   int8   rounded to int8 per 32-block (llama.cpp's numerics, ~0.5% relative error per product; the default,
 #          2.4x faster than fp32 here),
-#   int8x2 int8 plus an int8 residual as a second kernel row (~2^-14 error; ~0.3 ms a token more on the
-#          bundled model, where fp32 costs 2.7 ms more),
+#   int8x2 int8 plus an int8 residual as a second kernel row (~2^-14 error; a decode step 1.3x as long on
+#          the bundled model, fp32 2.3x: benchmarks/activations_cpu.py),
 #   fp32   float-fma: exact to the dequantized reference up to fp32 summation order (EDGELLM_EXACT_MATMUL=1).
 _INT_DOT_OR_AUTO, _FLOAT_FMA, _INT_DOT_RESIDUAL = 0, 2, 5
 ACTIVATIONS = {"int8": _INT_DOT_OR_AUTO, "int8x2": _INT_DOT_RESIDUAL, "fp32": _FLOAT_FMA}
