@@ -269,16 +269,22 @@ class Engine:
             if tail:
                 text_parts.append(tail)
                 yield Token(-1, tail, now() - t0)  # trailing text (no new token)
+        self._finish_stats(stats, finish, len(out_ids), t0, t_first, t_prev)
+        yield Done(stats, "".join(text_parts), out_ids)
+
+    def _finish_stats(self, stats: GenerationStats, finish: str, generated: int, t0: float, t_first: float,
+                      t_prev: float) -> None:
+        """The totals of a finished generation: rates from its timestamps (t0 start, t_first the first
+        token, t_prev the last one), and the peak memory."""
         stats.finish_reason = finish
-        stats.generated_tokens = len(out_ids)
-        if not out_ids:
+        stats.generated_tokens = generated
+        if not generated:
             stats.ttft_s = stats.prefill_s = now(self.device) - t0
         stats.prefill_tok_s = stats.prefill_tokens / stats.prefill_s if stats.prefill_s > 0 else 0.0
         stats.decode_s = t_prev - t_first
         n_decoded = len(stats.token_latencies_s)
         stats.decode_tok_s = n_decoded / stats.decode_s if stats.decode_s > 0 else 0.0
         stats.peak_memory_bytes = peak_memory_bytes(self.device)
-        yield Done(stats, "".join(text_parts), out_ids)
 
     # ------------------------------------------------------------------------------------------
     def _generate_speculative(self, prompt: list[int], settings: GenerationSettings,
@@ -416,15 +422,7 @@ class Engine:
             if tail:
                 text_parts.append(tail)
                 yield Token(-1, tail, now() - t0)
-        stats.finish_reason = finish
-        stats.generated_tokens = len(out_ids)
-        if not out_ids:
-            stats.ttft_s = stats.prefill_s = now(self.device) - t0
-        stats.prefill_tok_s = stats.prefill_tokens / stats.prefill_s if stats.prefill_s > 0 else 0.0
-        stats.decode_s = t_prev - t_first
-        n_decoded = len(stats.token_latencies_s)
-        stats.decode_tok_s = n_decoded / stats.decode_s if stats.decode_s > 0 else 0.0
-        stats.peak_memory_bytes = peak_memory_bytes(self.device)
+        self._finish_stats(stats, finish, len(out_ids), t0, t_first, t_prev)
         if stats.draft_proposed:
             stats.acceptance_rate = stats.draft_accepted / stats.draft_proposed
             stats.mean_accepted_length = stats.draft_accepted / max(stats.draft_rounds, 1)
