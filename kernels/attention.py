@@ -263,17 +263,23 @@ def attention(q: torch.Tensor, store: KVStore, kv_len: int, q_start: int, scale:
     return attention_torch(q, store, kv_len, q_start, scale)
 
 
+def check_attention_args(q: torch.Tensor, store: KVStore, kv_len: int) -> int:
+    """The query heads group over the store's KV heads and kv_len lies in the cache; → the KV head count."""
+    n_q_heads, n_kv = q.shape[1], store.k.shape[0]
+    if n_q_heads % n_kv:
+        raise ValueError(f"{n_q_heads} query heads do not group over {n_kv} KV heads")
+    if not 0 < kv_len <= store.k.shape[1]:
+        raise ValueError(f"kv_len {kv_len} outside the cache (1..{store.k.shape[1]})")
+    return n_kv
+
+
 def attention_torch(q: torch.Tensor, store: KVStore, kv_len: int, q_start: int, scale: float, *,
                     split: int | None = None, q_block: int = DEFAULT_Q_BLOCK) -> torch.Tensor:
     """The torch flash-decoding implementation (any device). See the module docstring.
 
     split: KV positions per tile (None: sized by TILE_BYTES); q_block: query rows per block."""
     _, n_q_heads, T, D = q.shape
-    n_kv = store.k.shape[0]
-    if n_q_heads % n_kv:
-        raise ValueError(f"{n_q_heads} query heads do not group over {n_kv} KV heads")
-    if not 0 < kv_len <= store.k.shape[1]:
-        raise ValueError(f"kv_len {kv_len} outside the cache (1..{store.k.shape[1]})")
+    n_kv = check_attention_args(q, store, kv_len)
     g = n_q_heads // n_kv
     n = min(kv_len, q_start + T)
     if (T == 1 and split is None and n <= SDPA_MAX_LEN and isinstance(store, FloatKV)

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import FloatKV, Int4KV, Int8KV, KVStore, groups, n_sink, triton_supports
+from .attention import FloatKV, Int4KV, Int8KV, KVStore, check_attention_args, groups, n_sink, triton_supports
 
 _FLOAT, _INT8, _INT4 = 0, 1, 2
 _LOG2E = 1.4426950408889634
@@ -294,11 +294,7 @@ def triton_attention(q: torch.Tensor, store: KVStore, kv_len: int, q_start: int,
     split: KV positions per split (None: planned from the SM count); block_n / num_warps /
     num_stages / waves: launch parameters (None: the defaults measured on an H100, see CONFIG)."""
     _, n_q_heads, T, D = q.shape
-    n_kv = store.k.shape[0]
-    if n_q_heads % n_kv:
-        raise ValueError(f"{n_q_heads} query heads do not group over {n_kv} KV heads")
-    if not 0 < kv_len <= store.k.shape[1]:
-        raise ValueError(f"kv_len {kv_len} outside the cache (1..{store.k.shape[1]})")
+    n_kv = check_attention_args(q, store, kv_len)
     if not triton_supports(store, D):
         need = 32 if isinstance(store, Int4KV) else 16
         raise ValueError(f"the Triton kernel needs a power-of-two head dim ≥ {need} for this cache, got {D}")
