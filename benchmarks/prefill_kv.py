@@ -1,14 +1,15 @@
-"""Prefill time per KV-cache format, with both attention paths of a quantized cache's prefill, side by side.
+"""Prefill time per KV-cache format, with both attention paths of each, side by side.
 
     python benchmarks/prefill_kv.py [--threads 2] [--weights int4] [--kv fp,int8,int4]
-                                    [--tokens 2048,6144] [-r 1] [--json FILE]
+                                    [--tokens 512,2048,6144] [-r 3] [--json FILE]
 
 The bundled model with `--weights`, loaded once; for each prompt length and KV format, Engine.prefill of that
-many GPL-3 tokens (repeated if the text is shorter) into a fresh cache, after one short warm-up prefill.
-An int8/int4 cache is timed twice in the same process: "flash" (each dequantized tile through torch's fused
-CPU flash kernel, kernels/attention.py `_flash_rows`, the default from FLASH_MIN_ROWS query rows on) and
-"bmm" (the scores / softmax / P·V tile sequence, FLASH_MIN_ROWS set out of reach). The fp cache runs
-F.scaled_dot_product_attention either way.
+many GPL-3 tokens (repeated if the text is shorter) into a fresh cache, after one short warm-up prefill, the
+two paths interleaved rep by rep (best of -r each). "flash" is the default from FLASH_MIN_ROWS query rows on
+(kernels/attention.py `_flash_rows`): torch's fused CPU flash kernel, the cached prefix without a mask (a
+dequantized tile at a time for int8/int4), the chunk's own keys with is_causal. The other path is what runs
+with FLASH_MIN_ROWS set out of reach: "sdpa" for the fp cache (one F.scaled_dot_product_attention call over
+the whole cache with a boolean causal mask), "bmm" for a quantized one (scores / softmax / P·V tiles).
 """
 from __future__ import annotations
 
@@ -29,8 +30,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--weights", default="int4")
     ap.add_argument("--kv", default="fp,int8,int4")
-    ap.add_argument("--tokens", default="2048,6144")
-    ap.add_argument("-r", "--reps", type=int, default=1)
+    ap.add_argument("--tokens", default="512,2048,6144")
+    ap.add_argument("-r", "--reps", type=int, default=3)
     ap.add_argument("--json", default=None, help="write the rows here too")
     args = ap.parse_args()
     import torch
@@ -50,21 +51,23 @@ def main() -> None:
     for n in (int(t) for t in args.tokens.split(",")):
         ids = (text_ids * (n // len(text_ids) + 1))[:n]
         for kv in args.kv.split(","):
-            for path in (["sdpa"] if kv == "fp" else ["flash", "bmm"]):
-                attention.FLASH_MIN_ROWS = 10**9 if path == "bmm" else default_rows
-                cache = KVCache(loaded.model.config, n + 64, loaded.model.dtype, "cpu", kv_format=kv)
-                engine = Engine(loaded.model, loaded.tokenizer, max_seq_len=n + 64, cache=cache)
-                times = []
-                with torch.inference_mode():
-                    engine.prefill(ids[:256])
-                    for _ in range(args.reps):
+            paths = ["flash", "sdpa" if kv == "fp" else "bmm"]
+            cache = KVCache(loaded.model.config, n + 64, loaded.model.dtype, "cpu", kv_format=kv)
+            engine = Engine(loaded.model, loaded.tokenizer, max_seq_len=n + 64, cache=cache)
+            times: dict[str, list[float]] = {p: [] for p in paths}
+            with torch.inference_mode():
+                engine.prefill(ids[:256])
+                for _ in range(args.reps):  # the two paths interleaved, so the machine's load falls on both
+                    for path in paths:
+                        attention.FLASH_MIN_ROWS = default_rows if path == "flash" else 10**9
                         engine.reset()
                         t0 = time.perf_counter()
                         engine.prefill(ids)
-                        times.append(time.perf_counter() - t0)
-                best = min(times)
+                        times[path].append(time.perf_counter() - t0)
+            for path in paths:
+                best = min(times[path])
                 rows.append({"tokens": n, "kv": kv, "path": path, "seconds": round(best, 3),
-                             "tokens_per_s": round(n / best, 1), "all_seconds": [round(t, 3) for t in times]})
+                             "tokens_per_s": round(n / best, 1), "all_seconds": [round(t, 3) for t in times[path]]})
                 print(f"| {n} | {kv} | {path} | {best:.2f} | {n / best:.0f} |", flush=True)
     attention.FLASH_MIN_ROWS = default_rows
     if args.json:

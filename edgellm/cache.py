@@ -25,7 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .kernels.attention import FloatKV, Int4KV, Int8KV, KVStore, attention, write_kv, write_kv_at
+from .kernels.attention import (FloatKV, Int4KV, Int8KV, KVStore, attention, cpu_flash_prefill, write_kv,
+                                write_kv_at)
 
 KV_FORMATS = ("fp", "int8", "int4")
 # Scales and mins in fp16: a quarter of an int4 token's bytes at head dim 64 instead of half of them.
@@ -191,9 +192,10 @@ class KVCache:
             return out if self.rotation is None else self._unrotate(out, layer)
         T = q.shape[2]
         end = start + T
-        if isinstance(store, FloatKV) and (T > 1 or q.is_cuda):
-            # prefill / verification on a float cache: one fused SDPA call with a causal mask; on CUDA
-            # also decode (eager SDPA 13-65 us vs 45-155 us for two Triton launches from Python, H100,
+        if isinstance(store, FloatKV) and (T > 1 or q.is_cuda) and not cpu_flash_prefill(q, store):
+            # prefill / verification on a float cache: one fused SDPA call with a causal mask (on the CPU in
+            # fp32 from FLASH_MIN_ROWS rows, attention()'s flash path instead, which leaves the cached prefix
+            # unmasked and lets the kernel skip the blocks above the diagonal); on CUDA also decode (eager SDPA 13-65 us vs 45-155 us for two Triton launches from Python, H100,
             # benchmarks/results/attention-cuda.json; the Triton kernel wins only inside a CUDA graph)
             k, v = store.k[None, :, :end], store.v[None, :, :end]
             mask = None

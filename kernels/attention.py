@@ -290,6 +290,10 @@ def attention_torch(q: torch.Tensor, store: KVStore, kv_len: int, q_start: int, 
     cdt = _compute_dtype(q, store)
     # The softmax scale goes into q once (T·D work instead of T·kv_len).
     qs = (q[0] if q.dtype == cdt else q[0].to(cdt)) * scale
+    if n == q_start + T and cpu_flash_prefill(qs[None], store):
+        # no score matrix to bound: all the rows at once, so each tile is dequantized once per call
+        out = _flash_rows(qs.reshape(n_kv, g * T, D), store, q_start, T, split or auto_split(store, n_kv, 1, D))
+        return out.view(1, n_q_heads, T, D).to(q.dtype)
     if T <= q_block:
         out = _attend_rows(qs.reshape(n_kv, g * T, D), store, n, q_start, T, split)
         return out.view(1, n_q_heads, T, D).to(q.dtype)
@@ -327,8 +331,6 @@ def _attend_rows(qr: torch.Tensor, store: KVStore, n: int, pos0: int, t_rows: in
     n_kv, R, D = qr.shape
     if split is None:
         split = auto_split(store, n_kv, R, D)
-    if t_rows >= FLASH_MIN_ROWS and _cpu_flash_op(qr, store) is not None:
-        return _flash_rows(qr, store, n, pos0, t_rows, split)
     n_tiles = -(-n // split)
     fold = (_folds_scales(store, 0), _folds_scales(store, 1))
     ws = None if isinstance(store, FloatKV) and store.k.dtype == qr.dtype else _Workspace(
@@ -372,44 +374,60 @@ def _cpu_flash_kernel():
     return op if out.shape == q.shape and lse.shape == (1, 1, 2) else None
 
 
+def cpu_flash_prefill(q: torch.Tensor, store: KVStore) -> bool:
+    """Whether attention() takes q [1, Hq, T, D] through the fused CPU flash kernel (_flash_rows): T rows
+    at once, the prefix unmasked, the rows' own keys causal. For a float cache on the CPU this beats one
+    masked SDPA call over the whole cache (whose mask makes it compute the blocks above the diagonal)."""
+    return q.shape[2] >= FLASH_MIN_ROWS and _cpu_flash_op(q, store) is not None
+
+
 def _cpu_flash_op(qr: torch.Tensor, store: KVStore):
-    """The fused kernel for prefill rows of a quantized cache on the CPU (fp32), else None."""
-    if qr.device.type != "cpu" or qr.dtype != torch.float32 or isinstance(store, FloatKV):
+    """The fused kernel for prefill rows on the CPU (fp32 queries; a quantized or fp32 cache), else None."""
+    if qr.device.type != "cpu" or qr.dtype != torch.float32 or (
+            isinstance(store, FloatKV) and store.k.dtype != torch.float32):
         return None
     return _cpu_flash_kernel()
 
 
-def _flash_rows(qr: torch.Tensor, store: KVStore, n: int, pos0: int, t_rows: int, split: int) -> torch.Tensor:
-    """_attend_rows for many query rows on a quantized CPU cache: each tile of keys dequantized (into the
-    workspace, a tile at a time as ever), then torch's fused flash kernel over it (scores, mask, softmax
-    and P·V without materialising them: int4-KV prefill of 2048 tokens 2.7 → 2.1 s, of 6144 16.6 → 13.5 s,
-    benchmarks/prefill_kv.py), the tiles' outputs combined by their log-sum-exp as the split-KV path does."""
+def _flash_rows(qr: torch.Tensor, store: KVStore, pos0: int, t_rows: int, split: int) -> torch.Tensor:
+    """Prefill rows on a quantized CPU cache: qr [Hkv, R, D] (R = g·t_rows rows in (g, t) order, row t at
+    position pos0 + t, already scaled) against keys [0, pos0 + t_rows), through torch's fused flash kernel
+    (scores, softmax and P·V without materialising them; benchmarks/prefill_kv.py times it against the bmm
+    tiles and, for a float cache, against one masked SDPA call). Two kinds of call, their outputs combined by
+    log-sum-exp as the split-KV path does:
+    - the prefix [0, pos0), a dequantized tile at a time: every row sees every key, so no mask, and the
+      group's query heads ride as rows of their KV head;
+    - the rows' own keys [pos0, pos0 + t_rows), once: causal (is_causal, so the kernel skips the blocks above
+      the diagonal), per query head with K/V repeated over the group (a mask would be [R, t_rows] and make
+      the kernel compute every block)."""
     op = _cpu_flash_kernel()
     n_kv, R, D = qr.shape
     g = R // t_rows
-    ws = _Workspace(store, n_kv, min(split, n), D, qr.dtype, qr.device)
-    q4 = qr[None]
-    rows = torch.arange(pos0, pos0 + t_rows, device=qr.device)
+    ws = None if isinstance(store, FloatKV) else _Workspace(store, n_kv, max(min(split, pos0), t_rows), D,
+                                                             qr.dtype, qr.device)  # (a float cache is read in place)
     acc = m_run = l_run = None
-    for a in range(0, n, split):
-        b = min(n, a + split)
-        k, v = _tile(store, 0, a, b, ws), _tile(store, 1, a, b, ws)
-        mask = torch.zeros(1, 1, R, b - a, dtype=qr.dtype, device=qr.device)
-        if b - 1 > pos0:  # the causal part: row t (position pos0 + t) sees keys <= pos0 + t
-            hide = torch.arange(a, b, device=qr.device)[None, :] > rows[:, None]
-            mask.view(g, t_rows, b - a).masked_fill_(hide, -math.inf)
-        out, lse = op(q4, k[None], v[None], 0.0, False, attn_mask=mask, scale=1.0)  # q is scaled already
-        out, lse = out[0], lse[0].unsqueeze(-1)  # [Hkv, R, D], [Hkv, R, 1]
-        if a > pos0:  # rows that see none of this tile come back as 0 with lse 0: weigh them out
-            lse.view(n_kv, g, t_rows).masked_fill_(rows < a, -math.inf)
+
+    def combine(out: torch.Tensor, lse: torch.Tensor) -> None:
+        nonlocal acc, m_run, l_run
         if acc is None:
             acc, m_run, l_run = out.clone(), lse, torch.ones_like(lse)
-            continue
+            return
         m_new = torch.maximum(m_run, lse)
         w_old, w_new = (m_run - m_new).exp_(), (lse - m_new).exp_()
         acc.mul_(w_old).add_(out * w_new)
         l_run = l_run * w_old + w_new
         m_run = m_new
+
+    for a in range(0, pos0, split):
+        b = min(pos0, a + split)
+        out, lse = op(qr[None], _tile(store, 0, a, b, ws)[None], _tile(store, 1, a, b, ws)[None], 0.0, False,
+                      scale=1.0)  # q is scaled already
+        combine(out[0], lse[0].unsqueeze(-1))
+    end = pos0 + t_rows
+    k = _tile(store, 0, pos0, end, ws).repeat_interleave(g, 0)
+    v = _tile(store, 1, pos0, end, ws).repeat_interleave(g, 0)
+    out, lse = op(qr.reshape(n_kv * g, t_rows, D)[None], k[None], v[None], 0.0, True, scale=1.0)
+    combine(out[0].reshape(n_kv, R, D), lse[0].reshape(n_kv, R, 1))
     return acc.div_(l_run)
 
 
