@@ -195,7 +195,8 @@ class KVCache:
         if isinstance(store, FloatKV) and (T > 1 or q.is_cuda) and not cpu_flash_prefill(q, store):
             # prefill / verification on a float cache: one fused SDPA call with a causal mask (on the CPU in
             # fp32 from FLASH_MIN_ROWS rows, attention()'s flash path instead, which leaves the cached prefix
-            # unmasked and lets the kernel skip the blocks above the diagonal); on CUDA also decode (eager SDPA 13-65 us vs 45-155 us for two Triton launches from Python, H100,
+            # unmasked and lets the kernel skip the blocks above the diagonal); on CUDA also decode (eager
+            # SDPA 13-65 us vs 45-155 us for two Triton launches from Python, H100,
             # benchmarks/results/attention-cuda.json; the Triton kernel wins only inside a CUDA graph)
             k, v = store.k[None, :, :end], store.v[None, :, :end]
             mask = None

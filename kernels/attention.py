@@ -293,7 +293,7 @@ def attention_torch(q: torch.Tensor, store: KVStore, kv_len: int, q_start: int, 
     if n == q_start + T and cpu_flash_prefill(qs[None], store):
         # no score matrix to bound: all the rows at once, so each tile is dequantized once per call
         out = _flash_rows(qs.reshape(n_kv, g * T, D), store, q_start, T, split or auto_split(store, n_kv, 1, D))
-        return out.view(1, n_q_heads, T, D).to(q.dtype)
+        return out.reshape(1, n_q_heads, T, D).to(q.dtype)
     if T <= q_block:
         out = _attend_rows(qs.reshape(n_kv, g * T, D), store, n, q_start, T, split)
         return out.view(1, n_q_heads, T, D).to(q.dtype)
@@ -390,7 +390,7 @@ def _cpu_flash_op(qr: torch.Tensor, store: KVStore):
 
 
 def _flash_rows(qr: torch.Tensor, store: KVStore, pos0: int, t_rows: int, split: int) -> torch.Tensor:
-    """Prefill rows on a quantized CPU cache: qr [Hkv, R, D] (R = g·t_rows rows in (g, t) order, row t at
+    """Prefill rows on a CPU cache (int8 / int4, or fp32 read in place): qr [Hkv, R, D] (R = g·t_rows rows in (g, t) order, row t at
     position pos0 + t, already scaled) against keys [0, pos0 + t_rows), through torch's fused flash kernel
     (scores, softmax and P·V without materialising them; benchmarks/prefill_kv.py times it against the bmm
     tiles and, for a float cache, against one masked SDPA call). Two kinds of call, their outputs combined by
