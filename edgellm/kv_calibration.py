@@ -14,7 +14,7 @@ Storing keys times s (per channel) and reading them with q / s leaves every scor
 makes the expected score error proportional to sum(E[q^2] / s^2) * sum(E[k^2] s^2): smallest for
 s^2 = sqrt(E[q^2] / E[k^2]), channel by channel (the same balancing as SmoothQuant's, between a query and a
 key instead of an activation and a weight). On SmolLM2-135M over GPL-3 at ctx 512 it cut the int4 cache's KL to
-the float cache from 0.0217 to 0.0153 (benchmarks/results/kv-quality.md).
+the float cache from 0.0217 to ~0.015 (benchmarks/results/kv-quality.md).
 
 Both come from the post-RoPE K, V and q of each layer, KV head and channel over a built-in English text
 (CALIBRATION_TEXT, ~512 tokens: over GPL-3 at ctx 512 the centres from 512 tokens of text cut the int4

@@ -47,7 +47,8 @@ TILE_BYTES = 6 << 20
 SDPA_MAX_LEN = 768
 # Query rows per block when T is large (prefill chunks); bounds the fp32 score matrix.
 DEFAULT_Q_BLOCK = 256
-# Query rows from which a quantized CPU cache's prefill takes torch's fused flash kernel per tile (_flash_rows)
+# Query rows from which a CPU prefill (fp32, on a quantized or fp32 cache) takes torch's fused flash kernel
+# (_flash_rows); fewer rows take the bmm tiles (quantized) or one SDPA call (float)
 FLASH_MIN_ROWS = 32
 # Finite "minus infinity": a row whose keys in one tile are all masked gets a finite running max, so
 # exp() never sees inf - inf; its tile weight exp(m_tile - m_max) is exactly 0 at the combine.
@@ -366,12 +367,12 @@ def _cpu_flash_kernel():
     """torch's fused CPU flash-attention kernel, which also returns each row's log-sum-exp (what combining
     tiles needs; F.scaled_dot_product_attention does not return it), or None where this torch lacks it."""
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    try:
+    try:  # the two calls _flash_rows makes: no mask, and is_causal
         q = torch.zeros(1, 1, 2, 8)
-        out, lse = op(q, q, q, 0.0, False, attn_mask=torch.zeros(1, 1, 2, 2), scale=1.0)
+        shapes = [tuple(t.shape) for causal in (False, True) for t in op(q, q, q, 0.0, causal, scale=1.0)]
     except Exception:  # noqa: BLE001 - an older torch, another signature: the bmm tiles serve
         return None
-    return op if out.shape == q.shape and lse.shape == (1, 1, 2) else None
+    return op if shapes == [(1, 1, 2, 8), (1, 1, 2)] * 2 else None
 
 
 def cpu_flash_prefill(q: torch.Tensor, store: KVStore) -> bool:
@@ -390,11 +391,11 @@ def _cpu_flash_op(qr: torch.Tensor, store: KVStore):
 
 
 def _flash_rows(qr: torch.Tensor, store: KVStore, pos0: int, t_rows: int, split: int) -> torch.Tensor:
-    """Prefill rows on a CPU cache (int8 / int4, or fp32 read in place): qr [Hkv, R, D] (R = g·t_rows rows in (g, t) order, row t at
-    position pos0 + t, already scaled) against keys [0, pos0 + t_rows), through torch's fused flash kernel
-    (scores, softmax and P·V without materialising them; benchmarks/prefill_kv.py times it against the bmm
-    tiles and, for a float cache, against one masked SDPA call). Two kinds of call, their outputs combined by
-    log-sum-exp as the split-KV path does:
+    """Prefill rows on a CPU cache (int8 / int4, or fp32 read in place): qr [Hkv, R, D] (R = g·t_rows rows
+    in (g, t) order, row t at position pos0 + t, already scaled) against keys [0, pos0 + t_rows), through
+    torch's fused flash kernel (scores, softmax and P·V without materialising them; benchmarks/prefill_kv.py
+    times it against the bmm tiles and, for a float cache, against one masked SDPA call). Two kinds of call,
+    their outputs combined by log-sum-exp as the split-KV path does:
     - the prefix [0, pos0), a dequantized tile at a time: every row sees every key, so no mask, and the
       group's query heads ride as rows of their KV head;
     - the rows' own keys [pos0, pos0 + t_rows), once: causal (is_causal, so the kernel skips the blocks above
@@ -410,7 +411,7 @@ def _flash_rows(qr: torch.Tensor, store: KVStore, pos0: int, t_rows: int, split:
     def combine(out: torch.Tensor, lse: torch.Tensor) -> None:
         nonlocal acc, m_run, l_run
         if acc is None:
-            acc, m_run, l_run = out.clone(), lse, torch.ones_like(lse)
+            acc, m_run, l_run = out, lse, torch.ones_like(lse)  # (each call's output is a fresh tensor)
             return
         m_new = torch.maximum(m_run, lse)
         w_old, w_new = (m_run - m_new).exp_(), (lse - m_new).exp_()

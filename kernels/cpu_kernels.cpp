@@ -1302,7 +1302,8 @@ enum Variant { AUTO = 0, INT_DOT = 1, FLOAT_FMA = 2, SCALAR = 3, INT_DOT_PORTABL
 // 2M rows), and out = W.x_int8 + W.r_int8. r's own blocks keep what the first rounding lost, so the
 // activations are carried to ~2^-14 of each block's largest instead of 2^-8: the decode-path KL of the
 // bundled int4 model drops from 0.0027 to the weights' own (benchmarks/results/quality.md), for the cost of
-// a second row in the kernel (~0.3 ms a token on the bundled model at 2 threads, vs 2.7 ms for FLOAT_FMA).
+// a second row in the kernel (a decode step 1.3x as long on the bundled model at 2 threads, FLOAT_FMA 2.3x:
+// benchmarks/results/activations-cpu.json).
 template <class Gemm>
 static void residual_gemm(const float* x, int64_t M, int64_t K, int64_t N, float* out, const Gemm& gemm) {
   thread_local std::vector<float> x2, o2;
