@@ -639,6 +639,52 @@ def test_prompt_lookup_proposals():
     assert [max(b for b in r.MATCH_KINDS if b <= n) for n in (1, 2, 3, 5, 6, 9, 40)] == [1, 2, 3, 4, 4, 7, 7]
 
 
+
+class _Texts:
+    """A stand-in tokenizer for the lookup's token texts: ids 50-59 are punctuation, the rest words."""
+    eos_ids = {2}
+
+    def decode(self, ids: list[int]) -> str:
+        return "," if 50 <= ids[0] < 60 else f" w{ids[0]}"
+
+
+def _lookup_with_texts() -> PromptLookupProposer:
+    p = PromptLookupProposer(max_ngram=3)
+    p.device = "cpu"
+    p._tokenizer, p._stops = _Texts(), frozenset(_Texts.eos_ids)
+    return p
+
+
+def test_prompt_lookup_follows_an_edited_source():
+    """After the answer leaves the source it was copying (a substituted or inserted token), the guesses
+    resume the source where the answer left it, not at the latest occurrence of a short match."""
+    source = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 14, 30, 31]  # "14" also occurs later
+    prompt = source + [2, 7]  # end of turn, then the answer begins
+    p = _lookup_with_texts()
+    ctx = prompt + [10, 11, 12]
+    assert p.propose(ctx, 3)[0].tolist() == [13, 14, 15] and p.kind == 3
+    ctx += [13, 14, 99]  # the answer followed the guess for 2 tokens, then wrote 99 for the source's 15
+    assert p.propose(ctx, 3)[0].tolist() == [16, 17, 18] and p.kind == "resync"  # 15 substituted: skip it
+    ctx += [16, 17, 18, 19, 55]  # followed again, then an inserted comma before the source's 20
+    assert p.propose(ctx, 2)[0].tolist() == [20, 21] and p.kind == "resync"  # punctuation: resume at 20
+    ctx += [20, 21, 98, 14]  # left the source at its 14 (position 12); "14" also occurs at 4 and in the answer
+    assert p.propose(ctx, 2)[0].tolist() == [30, 31] and p.kind == "near"  # the occurrence at the cursor
+    # without a followed guess there is no cursor: the latest occurrence, as before
+    q = _lookup_with_texts()
+    assert q.propose(prompt + [97, 14], 2)[0].tolist() == [30, 31] and q.kind == 1
+    assert q.propose(prompt + [97, 14, 96, 95], 2)[0].tolist() == []  # and no resync
+
+
+def test_prompt_lookup_resumes_once_and_stops_at_end_of_turn():
+    source = [10, 11, 12, 13, 14, 15, 16]
+    p = _lookup_with_texts()
+    ctx = source + [2, 7, 10, 11, 12]
+    p.propose(ctx, 3)
+    ctx += [13, 14, 99]
+    assert p.propose(ctx, 8)[0].tolist() == [16, 2]  # resumed past 15; the guess ends at the end of turn
+    ctx += [98]  # that guess was wrong: the same resume position is not guessed again
+    assert p.propose(ctx, 8)[0].tolist() == [] and p.kind is None
+
 def test_gamma_controller():
     g = GammaController()
     assert g.gamma == 4
