@@ -416,8 +416,9 @@ class PromptLookupProposer(Proposer):
     def _cursor(self, context: list[int]) -> tuple[int | None, int]:
         """(the source position the answer has reached, tokens written since it left the source), or
         (None, 0) where no guess has been followed for MIN_RUN tokens or the answer has long moved on."""
-        if self._guess is not None:
-            if self._follow(self._guess, context)[1] > self._guess[1]:
+        if self._guess is not None:  # followed for a token at least: the new anchor, unless it only
+            reached = self._follow(self._guess, context)[1]  # goes on the anchor's own run (as far, shorter)
+            if reached > self._guess[1] and (self._anchor is None or self._follow(self._anchor, context)[1] < reached):
                 self._anchor = self._guess
             self._guess = None
         if self._anchor is None:
