@@ -675,6 +675,19 @@ def test_prompt_lookup_follows_an_edited_source():
     assert q.propose(prompt + [97, 14, 96, 95], 2)[0].tolist() == []  # and no resync
 
 
+def test_prompt_lookup_keeps_the_cursor_along_one_run():
+    """A guess that only goes on the run the answer is already following (followed for one token before the
+    answer leaves the source) does not replace that run's longer agreement: the cursor stays trusted."""
+    source = list(range(10, 30))
+    p = _lookup_with_texts()
+    ctx = source + [2, 7, 10, 11, 12]
+    assert p.propose(ctx, 4)[0].tolist() == [13, 14, 15, 16]
+    ctx += [13, 14, 15, 16]
+    assert p.propose(ctx, 4)[0].tolist() == [17, 18, 19, 20] and p.kind == 7
+    ctx += [17, 99]  # one more token of the same run, then a substitution for 18
+    assert p.propose(ctx, 3)[0].tolist() == [19, 20, 21] and p.kind == "resync"
+
+
 def test_prompt_lookup_resumes_once_and_stops_at_end_of_turn():
     source = [10, 11, 12, 13, 14, 15, 16]
     p = _lookup_with_texts()
