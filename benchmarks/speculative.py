@@ -62,9 +62,9 @@ NOTE = """Notes:
   guess for 2 tokens, the source position it reached is its cursor; when the answer leaves the source (a
   corrected word, an inserted comma), the next guess resumes the source one token past the cursor (or at
   it, after inserted punctuation), and a 1-2 token match is taken at its occurrence nearest the cursor
-  rather than the latest; guesses end at an end-of-turn token. Replay of 17 greedy answers at fixed costs
-  (T=1..4: 2.45 / 3.35 / 3.8 / 4.2 ms): edit 1.49 -> 1.60x, a second grammar edit 1.92 -> 2.45x, others
-  within +-4%, geometric mean 1.251 -> 1.272x. Interleaved in one process against the previous proposer
+  rather than the latest; guesses end at an end-of-turn token. `python benchmarks/lookup_replay.py
+  --baseline e9894ca` (17 greedy answers, fixed costs T=1..4 2.45 / 3.35 / 3.8 / 4.2 ms): edit 1.49 ->
+  1.60x, a second grammar edit 1.92 -> 2.45x, the others -2..+3%, geometric mean 1.251 -> 1.272x. Interleaved in one process against the previous proposer
   (/tmp harness, -r 5, alone at 413-420 tok/s): edit int8 1.65 -> 1.69x, int4 1.60 -> 1.74x; chat 0.94 ->
   0.92-0.93x, code 1.08-1.10 -> 1.05-1.10x. The table above is the first full run after the change, on a
   quiet host (alone 449-479 tok/s, where earlier runs read 1.25-1.4x on edit).

@@ -329,8 +329,9 @@ class PromptLookupProposer(Proposer):
     - with no match at all, within `RESYNC_AFTER` tokens of leaving, the source resumes one token past the
       cursor (a substituted word), or at it when the answer's token is punctuation and the source's a word
       (an inserted comma) (kind "resync"; each resume position is guessed once).
-    Replay of 17 greedy answers of the bundled model (edits, summaries, rewrites, code, chat) at the CPU's
-    measured verification costs: edit prompts 1.49x -> 1.56x and 1.92x -> 2.45x, chat and code within 1%.
+    benchmarks/lookup_replay.py (17 greedy answers of the bundled model: edits, summaries, rewrites, code,
+    chat; the CPU's verification costs): edits 1.49x -> 1.60x and 1.92x -> 2.45x, the rest within -2..+3%,
+    geometric mean 1.251x -> 1.272x (an oracle γ on the same guesses: 1.572x -> 1.635x).
     A guess stops after an end-of-turn token: nothing after it is ever generated."""
 
     name = "lookup"
