@@ -63,8 +63,10 @@ NOTE = """Notes:
   corrected word, an inserted comma), the next guess resumes the source one token past the cursor (or at
   it, after inserted punctuation), and a 1-2 token match is taken at its occurrence nearest the cursor
   rather than the latest; guesses end at an end-of-turn token. `python benchmarks/lookup_replay.py
-  --baseline e9894ca` (17 greedy answers, fixed costs T=1..4 2.45 / 3.35 / 3.8 / 4.2 ms): edit 1.49 ->
-  1.60x, a second grammar edit 1.92 -> 2.45x, the others -2..+3%, geometric mean 1.251 -> 1.272x. Interleaved in one process against the previous proposer
+  --baseline e9894ca` (17 greedy answers, fixed costs T=1..4 2.45 / 3.35 / 3.8 / 4.2 ms): edit 1.45 ->
+  1.60x, a second grammar edit 1.92 -> 2.45x, the others -4..+2% (chat and code -1..-3%), geometric mean
+  1.262 -> 1.280x. The γ controller now explores a kind not worth guessing once every 32 rounds, not 8
+  (replay: geometric mean 1.272 -> 1.280x, no answer slower). Interleaved in one process against the previous proposer
   (/tmp harness, -r 5, alone at 413-420 tok/s): edit int8 1.65 -> 1.69x, int4 1.60 -> 1.74x; chat 0.94 ->
   0.92-0.93x, code 1.08-1.10 -> 1.05-1.10x. The table above is the first full run after the change (alone
   449-479 tok/s, where earlier runs read 1.25-1.4x on edit). A second run minutes later

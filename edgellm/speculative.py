@@ -330,8 +330,9 @@ class PromptLookupProposer(Proposer):
       cursor (a substituted word), or at it when the answer's token is punctuation and the source's a word
       (an inserted comma) (kind "resync"; each resume position is guessed once).
     benchmarks/lookup_replay.py (17 greedy answers of the bundled model: edits, summaries, rewrites, code,
-    chat; the CPU's verification costs): edits 1.49x -> 1.60x and 1.92x -> 2.45x, the rest within -2..+3%,
-    geometric mean 1.251x -> 1.272x (an oracle γ on the same guesses: 1.572x -> 1.635x).
+    chat; the CPU's verification costs): edits 1.45x -> 1.60x and 1.92x -> 2.45x, the rest -4..+2% (chat and
+    code lose 1-3% to guesses that do not pay), geometric mean 1.262x -> 1.280x (an oracle γ on the same
+    guesses: 1.572x -> 1.635x).
     A guess stops after an end-of-turn token: nothing after it is ever generated."""
 
     name = "lookup"
@@ -592,7 +593,10 @@ class GammaController:
     DECAY = 0.9
     VERIFY_SLOPE = 0.05  # prior: each extra verified token costs 5% of a pass (memory-bound decode)
     HYSTERESIS = 1.03
-    EXPLORE = 8  # gamma_for: one guess every 8 rounds of a kind not worth guessing for
+    # gamma_for: one guess every 32 rounds of a kind not worth guessing for (each costs a pass's first-row
+    # premium, ~1 ms on the CPU; benchmarks/lookup_replay.py, 17 answers: every 8 rounds 1.272x, 16 1.278x,
+    # 32 1.280x, never 1.280x geometric mean, no answer slower at 32 than at 8)
+    EXPLORE = 32
     PRIOR = (1.5, 1.0)  # decayed (accepted, first rejections) before any round: α ≈ 0.6, soon forgotten
 
     def __init__(self, fixed: int | None = None, start: int = GAMMA_START, lo: int = GAMMA_MIN, hi: int = GAMMA_MAX,

@@ -729,7 +729,7 @@ def test_gamma_per_proposal_kind():
     assert g.gamma_for(3) >= 8
     tries = [g.gamma_for(1) for _ in range(2 * GammaController.EXPLORE)]
     assert sorted(set(tries)) == [0, 1] and tries.count(1) == 2
-    assert g.alpha_of(3) > 0.9 > 0.2 > g.alpha_of(1)
+    assert g.alpha_of(3) > 0.9 > 0.3 > g.alpha_of(1)  # kind 1 fell from its prior's 0.6
     fixed = GammaController(fixed=5)
     fixed.update(5, 0, 1e-5, 0.01, kind=1)
     assert fixed.gamma_for(1) == 5
