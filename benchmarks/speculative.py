@@ -68,13 +68,14 @@ NOTE = """Notes:
   1.262 -> 1.280x. The γ controller now explores a kind not worth guessing once every 32 rounds, not 8
   (replay: geometric mean 1.272 -> 1.280x, no answer slower). Interleaved in one process against the previous proposer
   (/tmp harness, -r 5, alone at 413-420 tok/s): edit int8 1.65 -> 1.69x, int4 1.60 -> 1.74x; chat 0.94 ->
-  0.92-0.93x, code 1.08-1.10 -> 1.05-1.10x. The table above is the first full run after the change (alone
-  449-479 tok/s, where earlier runs read 1.25-1.4x on edit). A second run minutes later
-  (`--targets int8,int4 --prompts edit -r 5`) read 1.37x / 1.35x: alone the same (456 / 452 tok/s), but each
-  verification pass took 4.1-4.3 ms against 3.3-3.4 ms here. Those passes are compute-bound (the 16-row
-  kernel's in-register transpose of the codes costs as much per weight as streaming them), so they feel
-  the other tenants' use of the cores far more than the memory-bound one-token step does: the 1.5x target
-  holds in some runs, not all. Cutting that compute (codes stored pre-transposed for the row-group
+  0.92-0.93x, code 1.08-1.10 -> 1.05-1.10x. Full runs of this script since the change (edit, int8 / int4):
+  at 4b344bc 1.69 / 1.78x (verification passes 3.3-3.4 ms); a second run minutes later (`--targets int8,int4
+  --prompts edit -r 5`) 1.37 / 1.35x (passes 4.1-4.3 ms, `alone` the same 452-456 tok/s); the table above,
+  after the exploration change, 1.43 / 1.42x (passes 3.6-3.8 ms). Chat now loses 3-4% (0.93-0.96x before).
+  The passes of T > 1 tokens are compute-bound (the 16-row kernel's in-register transpose of the codes costs
+  as much per weight as streaming them: ~27 us per 1.77M int4 weights, one core, plus ~7.8 us per token), so
+  they feel the other tenants' use of the cores far more than the memory-bound one-token step does: the 1.5x
+  target holds in some runs, not all. Cutting that compute (codes stored pre-transposed for the row-group
   kernel) is the lever left; it changes the int4/int8 weight layout every CPU path reads.
 - Since 2026-11-23 (third session): (1) the multi-token row-group kernel takes 16 weight rows in 512-bit
   registers on AVX-512 VNNI builds (a 512-bit vpdpbusd issues as fast as a 256-bit one on Zen 4: 181 vs
