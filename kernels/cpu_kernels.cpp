@@ -849,6 +849,34 @@ EDGELLM_INLINE void rows_block(const XQ& xq, int64_t m0, int64_t b, const uint8_
   }
 }
 
+// The full chunks' blocks of rows_tile, P lanes per sweep over the rows: as many accumulators as registers
+// allow, since the fewer the sweeps, the closer to memory order the codes are read (at T <= 2, 8 lanes: in
+// order; A/B at T = 2, matmuls of a fused int4 step: -5..-15% against P = 2). Lane j takes blocks j, j + 8, ...
+// in turn whatever P is: the same float sequence.
+template <class V, int BITS, bool ASYM, int T, int P>
+EDGELLM_INLINE void sweep(const XQ& xq, int64_t m0, const uint8_t* codes, int64_t rb, const float* wsc, const float* wmn,
+                          const GroupOf& gof, const uint8_t* pf, int64_t bf, typename V::F acc[][8]) {
+  using F = typename V::F;
+  constexpr int64_t bpb = V::R * BITS * 4;
+  for (int j0 = 0; j0 < 8; j0 += P) {
+    F part[T][P];
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < P; ++j) part[t][j] = V::fzero();
+    for (int64_t b0 = 0; b0 < bf; b0 += 8) {
+      if (pf)
+        for (int64_t o = 0; o < P * bpb; o += 64) prefetch(pf + (b0 + j0) * bpb + o);
+      for (int j = 0; j < P; ++j) {
+        F cur[T];
+        for (int t = 0; t < T; ++t) cur[t] = part[t][j];
+        rows_block<V, BITS, ASYM, T>(xq, m0, b0 + j0 + j, codes, rb, wsc, wmn, gof, cur);
+        for (int t = 0; t < T; ++t) part[t][j] = cur[t];
+      }
+    }
+    for (int t = 0; t < T; ++t)
+      for (int j = 0; j < P; ++j) acc[t][j0 + j] = part[t][j];
+  }
+}
+
 // The 4 partial integer sums of block b (partial l: codes 4l..4l+3 and 16+4l..16+4l+3, the one-row kernel's
 // lane split) of rows n0..n0+R-1 against activation rows m0..m0+T-1: the blocks after the last full chunk,
 // which the one-row kernel folds into its float sums part by part.
@@ -874,10 +902,10 @@ EDGELLM_INLINE void rows_parts(const XQ& xq, int64_t m0, int64_t b, const uint8_
   }
 }
 
-// Rows n0..n0+R-1 (codes at `codes`, row stride rb bytes) against activation rows m0..m0+T-1, by exactly the
+// Rows n0..n0+R-1 (codes at `codes`, row stride rb bytes; rb 0: packed) against activation rows m0..m0+T-1, by exactly the
 // float operations of the one-row kernel (qdot_row) for each (row, token), so that a row's result does not
 // depend on the kernel nor on the number of tokens: its accumulator lane j is kept here as acc[j] (the full
-// chunks' blocks b = j mod 8, in increasing order, two residues at a time for two independent FMA chains),
+// chunks' blocks b = j mod 8, in increasing order: sweep()),
 // then the blocks after the last full chunk go in as qdot_row's pair loop and last block put them (partial
 // sums into lanes 0-3 / 4-7 and the tail, offsets in the tail or `rest`), and the sum is hsum_tail's.
 // pf: memory to prefetch over the blocks (or null).
@@ -894,17 +922,7 @@ static inline void rows_tile(const XQ& xq, int64_t m0, const uint8_t* codes, int
     for (int j = 0; j < 4; ++j) tail[t][j] = V::fzero();
     rest[t] = V::fzero();
   }
-  for (int j = 0; j < 8; j += 2) {
-    F even[T], odd[T];
-    for (int t = 0; t < T; ++t) even[t] = odd[t] = V::fzero();
-    for (int64_t b = j; b < bf; b += 8) {
-      if (pf)
-        for (int64_t o = 0; o < 2 * bpb; o += 64) prefetch(pf + b * bpb + o);
-      rows_block<V, BITS, ASYM, T>(xq, m0, b, codes, rb, wsc, wmn, gof, even);
-      rows_block<V, BITS, ASYM, T>(xq, m0, b + 1, codes, rb, wsc, wmn, gof, odd);
-    }
-    for (int t = 0; t < T; ++t) { acc[t][j] = even[t]; acc[t][j + 1] = odd[t]; }
-  }
+  sweep<V, BITS, ASYM, T, (T <= 2 ? 8 : (T <= 4 ? 4 : 2))>(xq, m0, codes, rb, wsc, wmn, gof, pf, bf, acc);
   I part[T][4];
   int64_t b = bf;
   for (; b + 2 <= nb; b += 2) {  // qdot_row's pair loop: block b into lanes 0-3, block b + 1 into lanes 4-7
