@@ -296,9 +296,6 @@ class Engine:
         from .speculative import GammaController, verify_greedy, verify_sampled
 
         self.check_fits(len(prompt))
-        prepare = getattr(self.compiled_step(), "prepare_many", None)
-        if prepare is not None:  # once per plan: its one-time cost must not enter the γ controller's costs
-            prepare()
         s = settings.sampling
         stats = GenerationStats(prompt_tokens=len(prompt), draft=getattr(self.draft, "name", "draft"))
         sampler = Sampler(s, self.device)

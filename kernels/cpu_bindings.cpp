@@ -12,7 +12,6 @@
 #include <torch/library.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "cpu_decode.h"
@@ -26,9 +25,6 @@ const char* isa_name();
 void dequant_int4(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K, int64_t G,
                   float* out);
 void dequant_int8(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t G, float* out);
-int64_t rows_pack_width();
-void rows_pack(int bits, const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
-               int64_t G, uint8_t* pcodes, float* pscales, float* pmins);
 }  // namespace edgellm
 
 namespace {
@@ -163,42 +159,6 @@ struct DecodePlan {
   edgellm::DecodeModel m;
   std::vector<at::Tensor> keep;
   int64_t n_layers = 0;
-  // The int4 / int8 linears packed for T >= 2 token passes (edgellm::PackedRows), built by the first such pass:
-  // a second copy of the quantized weights (packed_bytes), which plain decoding never allocates.
-  // EDGELLM_PACKED_ROWS=0 at plan construction: no copy, the kernels transpose on every pass (A/B, memory).
-  std::vector<std::vector<uint8_t>> packed_store;
-  bool packed_done = false;
-  int64_t packed_bytes = 0;
-
-  void pack(edgellm::DecodeLinear& L) {
-    const int64_t R = edgellm::rows_pack_width();
-    if (R == 0 || L.kind == edgellm::DecodeLinear::F32 || L.N < R) return;
-    const int64_t groups = L.N / R, rb = L.kind == 4 ? L.K / 2 : L.K, ng = L.K / L.G;
-    const int64_t cbytes = (groups * R * rb + 63) / 64 * 64, fbytes = (groups * R * ng * 4 + 63) / 64 * 64;
-    packed_store.emplace_back(cbytes + fbytes * (L.mins ? 2 : 1) + 64);
-    const uintptr_t base = reinterpret_cast<uintptr_t>(packed_store.back().data());
-    uint8_t* p = reinterpret_cast<uint8_t*>((base + 63) & ~uintptr_t(63));  // the scales are read aligned
-    float* ps = reinterpret_cast<float*>(p + cbytes);
-    float* pm = L.mins ? reinterpret_cast<float*>(p + cbytes + fbytes) : nullptr;
-    edgellm::rows_pack(L.kind, L.codes, L.scales, L.mins, L.N, L.K, L.G, p, ps, pm);
-    L.packed.codes = p;
-    L.packed.scales = ps;
-    L.packed.mins = pm;
-    L.packed.groups = groups;
-    packed_bytes += (int64_t)packed_store.back().size();
-  }
-  void pack_all() {
-    packed_done = true;
-    if (!pack_rows) return;
-    for (auto& L : m.layers) {
-      pack(L.qkv);
-      pack(L.o);
-      pack(L.w13);
-      pack(L.w2);
-    }
-    pack(m.output);
-  }
-  bool pack_rows = true;
 
   const at::Tensor& hold(const at::Tensor& t, at::ScalarType dtype, const char* what) {
     TORCH_CHECK(t.device().is_cpu() && t.is_contiguous() && t.scalar_type() == dtype, "edgellm decode plan: ", what,
@@ -335,8 +295,6 @@ struct DecodePlan {
       TORCH_CHECK((L.k.kind != edgellm::DecodeKV::F32) == quantized, "edgellm decode plan: mixed KV kinds");
     TORCH_CHECK(quantized == (M.kv_rot != nullptr), "edgellm decode plan: a quantized cache needs its rotation");
     edgellm::decode_prepare(M);
-    const char* pack_env = std::getenv("EDGELLM_PACKED_ROWS");
-    pack_rows = !(pack_env && pack_env[0] == '0');
   }
 
   at::Tensor step(const at::Tensor& token, int64_t pos, const at::Tensor& logits, int64_t variant) {
@@ -373,7 +331,6 @@ struct DecodePlan {
     float* out = logits.data_ptr<float>();
     {
       py::gil_scoped_release nogil;
-      if (T >= 2 && !packed_done) pack_all();
       edgellm::decode_tokens(m, ids, T, pos, out, (int)variant);
     }
     return logits;
@@ -414,12 +371,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("step_many", &DecodePlan::step_many, py::arg("tokens"), py::arg("pos"), py::arg("logits"),
            py::arg("variant"), "logits [T, vocab] of T tokens at positions [pos, pos + T), causal; each row as step gives it")
       .def_property_readonly_static("max_rows", [](py::object) { return edgellm::kDecodeMaxRows; })
-      .def("pack", [](DecodePlan& p) {
-             py::gil_scoped_release nogil;
-             if (!p.packed_done) p.pack_all();
-           }, "build the packed copy of the quantized linears now (else the first multi-token pass builds it)")
-      .def_property_readonly("packed_bytes", [](const DecodePlan& p) { return p.packed_bytes; },
-                             "bytes of the packed copy of the quantized linears (0 until a multi-token pass)")
       .def("set_profile", [](DecodePlan& p, bool on) {
              p.m.profile = on;
              p.m.t_matmul = p.m.t_attention = p.m.t_other = 0;

@@ -39,11 +39,6 @@ void q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* codes, const ui
              int64_t G, float* out, int variant);
 void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
 int max_threads();
-int64_t rows_pack_width();
-void rows_pack(int bits, const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
-               int64_t G, uint8_t* pcodes, float* pscales, float* pmins);
-void q_gemm_packed(int bits, const float* x, int64_t M, int64_t K, const PackedRows& pk, const uint8_t* codes,
-                   const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t G, float* out);
 
 namespace {
 
@@ -210,9 +205,7 @@ void f32_rows(const float* x, int64_t M, int64_t K, const float* W, int64_t N, f
 
 // out [M, N] = x [M, K] @ W^T (+ bias); the int kernels treat each row on its own too (bit-identical to M = 1).
 void linear(const DecodeLinear& L, const float* x, int64_t M, float* out, int variant) {
-  if (L.packed.groups > 0 && M >= 2 && variant <= 1)  // auto / int-dot: the same numbers, no transposes
-    q_gemm_packed(L.kind, x, M, L.K, L.packed, L.codes, L.scales, L.mins, L.N, L.G, out);
-  else if (L.kind == DecodeLinear::INT4)
+  if (L.kind == DecodeLinear::INT4)
     q4_gemm(x, M, L.K, L.codes, L.scales, L.mins, L.N, L.G, out, variant);
   else if (L.kind == DecodeLinear::INT8)
     q8_gemm(x, M, L.K, reinterpret_cast<const int8_t*>(L.codes), L.scales, L.N, L.G, out, variant);

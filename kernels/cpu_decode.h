@@ -6,16 +6,6 @@
 
 namespace edgellm {
 
-// A quantized linear's rows packed for multi-token passes (cpu_kernels.cpp rows_pack): groups of 16 rows whose
-// codes are stored block by block already transposed (lanes = rows), the scales / mins fp32 [group][K/G][16],
-// 64-byte aligned. The 16-row kernel then loads what it would otherwise shuffle into place on every pass.
-struct PackedRows {
-  const uint8_t* codes = nullptr;
-  const float* scales = nullptr;
-  const float* mins = nullptr;
-  int64_t groups = 0;  // full groups packed; the rows after them take the one-row kernel
-};
-
 struct DecodeLinear {
   enum Kind { F32 = 0, INT4 = 4, INT8 = 8 };
   int kind = F32;
@@ -25,7 +15,6 @@ struct DecodeLinear {
   const uint16_t* scales = nullptr; // fp16 [N, K/G]
   const uint16_t* mins = nullptr;   // fp16 [N, K/G] (asymmetric int4) or null
   const float* bias = nullptr;      // [N] or null
-  PackedRows packed;                // INT4 / INT8: for T >= 2 token passes (DecodePlan packs them on first use)
 };
 
 // K or V of one layer's cache: fp32 [Hkv, S, D], or edgellm.cache's int8 / int4 groups of the head dim

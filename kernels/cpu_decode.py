@@ -79,11 +79,6 @@ class FusedDecodeStep:
         self.cache.length = pos + 1
         return self.logits
 
-    def prepare_many(self) -> None:
-        """Build what multi-token passes read (the row-packed copy of the int4 / int8 weights, `plan.packed_bytes`)
-        now, so that the first verification pass does not pay for it."""
-        self.plan.pack()
-
     def many(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         """Logits [T, vocab] of T ≤ `max_rows` tokens at positions [pos, pos + T), causal, each row bit for bit
         what `__call__` gives that token at its position: speculative verification stays exact. Sets

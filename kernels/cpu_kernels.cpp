@@ -38,7 +38,6 @@
 #include <functional>
 #include <vector>
 
-#include "cpu_decode.h"
 #include "half.h"
 
 #if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || (defined(__FMA__) && defined(__F16C__)))
@@ -675,8 +674,6 @@ struct V8 {
   static I abs8(I a) { return _mm256_abs_epi8(a); }
   static I sign8(I x, I w) { return _mm256_sign_epi8(x, w); }  // x * sign(w) (0 where w is 0)
   static I bcast(const int8_t* p) { return bcast32(p); }
-  static I loadi(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
-  static void storei(uint8_t* p, I v) { _mm256_storeu_si256((__m256i*)p, v); }
   static I dot(I acc, I u, I x) { return dot4_u8s8(acc, u, x); }
   static I dot_bcast(I acc, I u, const int8_t* p) { return dot4_u8s8_bcast(acc, u, p); }
   static I nibbles_lo(I q) { return _mm256_and_si256(q, _mm256_set1_epi8(0x0F)); }
@@ -717,8 +714,6 @@ struct V16 {
     std::memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
   }
-  static I loadi(const uint8_t* p) { return _mm512_loadu_si512(p); }
-  static void storei(uint8_t* p, I v) { _mm512_storeu_si512(p, v); }
   static I dot(I acc, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }
   static I dot_bcast(I acc, I u, const int8_t* p) {
 #if defined(__GNUC__) || defined(__clang__)
@@ -764,24 +759,9 @@ struct V16 {
 #endif
 
 // Block b of rows n0..n0+R-1 (codes at `codes`, row stride rb bytes), transposed: lanes = rows; lo[j]: codes
-// (int8: bytes) 4j..4j+3 of the block, hi[j]: 16+4j..16+4j+3.  rb == 0: `codes` is the rows' packed copy
-// (rows_pack), whose block b already holds the transposed vectors: plain loads, no shuffles.
+// (int8: bytes) 4j..4j+3 of the block, hi[j]: 16+4j..16+4j+3.
 template <class V, int BITS>
 EDGELLM_INLINE void rows_codes(const uint8_t* codes, int64_t b, int64_t rb, typename V::I lo[4], typename V::I hi[4]) {
-  if (rb == 0) {
-    const uint8_t* p = codes + b * (V::R * BITS * 4);
-    for (int j = 0; j < 4; ++j) {
-      if (BITS == 4) {
-        const typename V::I q = V::loadi(p + j * V::R * 4);
-        lo[j] = V::nibbles_lo(q);
-        hi[j] = V::nibbles_hi(q);
-      } else {
-        lo[j] = V::loadi(p + j * V::R * 4);
-        hi[j] = V::loadi(p + (4 + j) * V::R * 4);
-      }
-    }
-    return;
-  }
   if (BITS == 4) {
     typename V::I q[4];
     V::transpose16(codes + b * 16, rb, q);
@@ -966,38 +946,24 @@ static inline void rows_tile(const XQ& xq, int64_t m0, const uint8_t* codes, int
   }
 }
 
-// `pk` (optional): the rows' packed copy (rows_pack), used instead of codes / scales / mins.
 template <class V, int BITS, bool ASYM>
 static void rows_group(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
-                       const uint16_t* mins, int64_t N, int64_t G, float* out, int64_t n0, float* wbuf,
-                       const PackedRows* pk = nullptr) {
+                       const uint16_t* mins, int64_t N, int64_t G, float* out, int64_t n0, float* wbuf) {
   constexpr int64_t R = V::R;
   const int64_t ng = K / G, rb = BITS == 4 ? K / 2 : K;
   const GroupOf gof(G);
-  const uint8_t* c = pk ? pk->codes + n0 * rb : codes + n0 * rb;  // (a packed group is R * rb bytes too)
+  const uint8_t* c = codes + n0 * rb;
   // the next groups' codes stream in while this one computes (rows n0.. are contiguous: R * rb bytes)
   const int64_t ahead = std::max<int64_t>(1, (2 * PREFETCH_BYTES + R * rb - 1) / (R * rb)) * R * rb;
-  const int64_t sahead = ahead / rb * ng;  // the same rows' scales (and mins): R * ng contiguous
-  const float* wsc;
-  const float* wmn;
-  if (pk) {
-    wsc = pk->scales + n0 * ng;
-    wmn = ASYM ? pk->mins + n0 * ng : nullptr;
-    for (int64_t o = 0; o < R * ng; o += 16) {
-      prefetch(wsc + sahead + o);
-      if (ASYM) prefetch(wmn + sahead + o);
-    }
-  } else {
-    for (int64_t o = 0; o < R * ng; o += 32) {
-      prefetch(scales + n0 * ng + sahead + o);
-      if (ASYM) prefetch(mins + n0 * ng + sahead + o);
-    }
-    V::transpose_scales(scales + n0 * ng, ng, wbuf);
-    if (ASYM) V::transpose_scales(mins + n0 * ng, ng, wbuf + ng * R);
-    wsc = wbuf;
-    wmn = wbuf + ng * R;
+  const int64_t sahead = ahead / rb * ng;  // the same rows' scales (and mins): R * ng contiguous fp16
+  for (int64_t o = 0; o < R * ng; o += 32) {
+    prefetch(scales + n0 * ng + sahead + o);
+    if (ASYM) prefetch(mins + n0 * ng + sahead + o);
   }
-  const int64_t crb = pk ? 0 : rb;  // 0: rows_codes reads the packed layout
+  float* wsc = wbuf;
+  float* wmn = wbuf + ng * R;
+  V::transpose_scales(scales + n0 * ng, ng, wsc);
+  if (ASYM) V::transpose_scales(mins + n0 * ng, ng, wmn);
   // tiles of at most ROWS8_TILE tokens, as even as possible (5 = 3 + 2, not 4 + 1: a 1-token tile pays a
   // whole transpose per block for one token)
   const int64_t tiles = (M + ROWS8_TILE - 1) / ROWS8_TILE;
@@ -1006,15 +972,15 @@ static void rows_group(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes,
     const int64_t size = M / tiles + (i < M % tiles ? 1 : 0);
     switch (size) {
 #if ROWS8_TILE > 4
-      case 8: rows_tile<V, BITS, ASYM, 8>(xq, m, c, crb, wsc, wmn, gof, out + n0, N, pf); break;
-      case 7: rows_tile<V, BITS, ASYM, 7>(xq, m, c, crb, wsc, wmn, gof, out + n0, N, pf); break;
-      case 6: rows_tile<V, BITS, ASYM, 6>(xq, m, c, crb, wsc, wmn, gof, out + n0, N, pf); break;
-      case 5: rows_tile<V, BITS, ASYM, 5>(xq, m, c, crb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 8: rows_tile<V, BITS, ASYM, 8>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 7: rows_tile<V, BITS, ASYM, 7>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 6: rows_tile<V, BITS, ASYM, 6>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 5: rows_tile<V, BITS, ASYM, 5>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
 #endif
-      case 4: rows_tile<V, BITS, ASYM, 4>(xq, m, c, crb, wsc, wmn, gof, out + n0, N, pf); break;
-      case 3: rows_tile<V, BITS, ASYM, 3>(xq, m, c, crb, wsc, wmn, gof, out + n0, N, pf); break;
-      case 2: rows_tile<V, BITS, ASYM, 2>(xq, m, c, crb, wsc, wmn, gof, out + n0, N, pf); break;
-      default: rows_tile<V, BITS, ASYM, 1>(xq, m, c, crb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 4: rows_tile<V, BITS, ASYM, 4>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 3: rows_tile<V, BITS, ASYM, 3>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      case 2: rows_tile<V, BITS, ASYM, 2>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
+      default: rows_tile<V, BITS, ASYM, 1>(xq, m, c, rb, wsc, wmn, gof, out + n0, N, pf); break;
     }
     m += size;
   }
@@ -1027,36 +993,6 @@ static void rows_group_any(const XQ& xq, int64_t M, int64_t K, const uint8_t* co
   else if (mins) rows_group<V, 4, true>(xq, M, K, codes, scales, mins, N, G, out, n0, wbuf);
   else rows_group<V, 4, false>(xq, M, K, codes, scales, nullptr, N, G, out, n0, wbuf);
 }
-
-#if defined(EDGELLM_VNNI)
-// Pack rows [0, N / 16 * 16) of a linear for the 16-row kernel (PackedRows in cpu_decode.h): each block's
-// vectors exactly as rows_codes transposes them, and the scales (mins) as transpose_scales lays them out, so a
-// packed pass computes the same numbers as an unpacked one.
-static void rows_pack_impl(int bits, const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, int64_t N,
-                           int64_t K, int64_t G, uint8_t* pcodes, float* pscales, float* pmins) {
-  constexpr int64_t R = V16::R;
-  const int64_t rb = bits == 4 ? K / 2 : K, nb = K / QK, ng = K / G;
-  edgellm_par::parallel_for(0, N / R, 1, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const uint8_t* c = codes + g * R * rb;
-      uint8_t* o = pcodes + g * R * rb;
-      for (int64_t b = 0; b < nb; ++b) {
-        V16::I q[8];
-        if (bits == 4) {
-          V16::transpose16(c + b * 16, rb, q);
-          for (int j = 0; j < 4; ++j) V16::storei(o + b * R * 16 + j * R * 4, q[j]);
-        } else {
-          V16::transpose16(c + b * 32, rb, q);
-          V16::transpose16(c + b * 32 + 16, rb, q + 4);
-          for (int j = 0; j < 8; ++j) V16::storei(o + b * R * 32 + j * R * 4, q[j]);
-        }
-      }
-      V16::transpose_scales(scales + g * R * ng, ng, pscales + g * R * ng);
-      if (mins) V16::transpose_scales(mins + g * R * ng, ng, pmins + g * R * ng);
-    }
-  });
-}
-#endif
 
 // Rows [n0, n1) of out[m, n] = W[n] . x[m] for all M activation rows: each weight row is read from memory once
 // and used by every activation row (tiles of 4 from registers, further tiles from L1).
@@ -1460,50 +1396,6 @@ static void q4_dot_range(const XQ& xq, int64_t M, int64_t K, const uint8_t* code
   }
 }
 #endif
-
-int64_t rows_pack_width() {
-#if defined(EDGELLM_VNNI)
-  return V16::R;
-#else
-  return 0;
-#endif
-}
-
-void rows_pack(int bits, const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K,
-               int64_t G, uint8_t* pcodes, float* pscales, float* pmins) {
-#if defined(EDGELLM_VNNI)
-  rows_pack_impl(bits, codes, scales, mins, N, K, G, pcodes, pscales, pmins);
-#else
-  (void)bits, (void)codes, (void)scales, (void)mins, (void)N, (void)K, (void)G, (void)pcodes, (void)pscales, (void)pmins;
-#endif
-}
-
-// The int-dot variant of q4_gemm / q8_gemm (same numbers) for M >= 2 tokens, reading the packed groups.
-void q_gemm_packed(int bits, const float* x, int64_t M, int64_t K, const PackedRows& pk, const uint8_t* codes,
-                   const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t G, float* out) {
-#if defined(EDGELLM_VNNI)
-  constexpr int64_t R = V16::R;
-  const XQ xq = quantize_x(x, M, K);
-  if (M < rows8_min_tokens() || !rows16_enabled()) {  // the A/B switches: as q4_gemm / q8_gemm would
-    if (bits == 8) qdot_all<8>(xq, M, K, codes, scales, nullptr, N, G, out);
-    else qdot_all<4>(xq, M, K, codes, scales, mins, N, G, out);
-    return;
-  }
-  edgellm_par::parallel_for(0, pk.groups, (grain_for(K, M) + R - 1) / R, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      if (bits == 8) rows_group<V16, 8, false>(xq, M, K, codes, scales, nullptr, N, G, out, g * R, nullptr, &pk);
-      else if (mins) rows_group<V16, 4, true>(xq, M, K, codes, scales, mins, N, G, out, g * R, nullptr, &pk);
-      else rows_group<V16, 4, false>(xq, M, K, codes, scales, nullptr, N, G, out, g * R, nullptr, &pk);
-    }
-  });
-  if (pk.groups * R < N) {  // the rows after the last full group: the one-row kernel (the same numbers)
-    if (bits == 8) qdot<8>(xq, M, K, codes, scales, nullptr, N, G, out, pk.groups * R, N);
-    else qdot<4>(xq, M, K, codes, scales, mins, N, G, out, pk.groups * R, N);
-  }
-#else
-  (void)bits, (void)x, (void)M, (void)K, (void)pk, (void)codes, (void)scales, (void)mins, (void)N, (void)G, (void)out;
-#endif
-}
 
 void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
              const uint16_t* mins, int64_t N, int64_t G, float* out, int variant) {

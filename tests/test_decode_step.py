@@ -114,39 +114,6 @@ def test_fused_many_rows_equal_one_token_steps(tiny_models, variant, weights):
         step.many(torch.zeros(step.max_rows + 1, dtype=torch.long), 0)
 
 
-
-@needs_ext
-@pytest.mark.parametrize("weights", ["int8", "int4-sym", "int4"])
-def test_packed_rows_change_no_bit(tmp_path, weights, monkeypatch):
-    """Multi-token passes read a row-packed copy of the quantized linears (built once, before the first such
-    pass; AVX-512 VNNI builds): the same numbers as the unpacked layout (EDGELLM_PACKED_ROWS=0) and as one-token
-    steps, bit for bit, including the rows past the last full group of 16 (a padded vocabulary of 410 here)."""
-    from edgellm.kernels.matmul import cpu_extension
-
-    bits, sym = weights.split("-")[0], weights.endswith("-sym")
-    folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=5, vocab_size=410)
-    loaded = load_model(folder, max_seq_len=64, weights=bits, symmetric=sym)
-    assert loaded.model.config.vocab_size % 16
-    one = step_logits(Engine(loaded.model, loaded.tokenizer))
-    rows, packed = {}, {}
-    for env in ("1", "0"):
-        monkeypatch.setenv("EDGELLM_PACKED_ROWS", env)
-        e = Engine(loaded.model, loaded.tokenizer)
-        e.prefill(PROMPT)
-        step = e.compiled_step()
-        step.prepare_many()
-        packed[env] = step.plan.packed_bytes
-        rows[env] = torch.cat([step.many(torch.tensor(STEPS[:6]), len(PROMPT)).clone(),
-                               step.many(torch.tensor(STEPS[6:]), len(PROMPT) + 6).clone()])
-    assert torch.equal(rows["1"], rows["0"])
-    for got, want in zip(rows["1"], one):
-        assert torch.equal(got, want)
-    assert packed["0"] == 0
-    if cpu_extension().isa() == "avx512vnni":
-        assert packed["1"] > 0
-    else:
-        assert packed["1"] == 0  # no packed kernel in this build: nothing copied
-
 @needs_ext
 @pytest.mark.parametrize("kv", ["fp", "int8", "int4"])
 @pytest.mark.parametrize("weights", ["fp", "int4"])
