@@ -70,13 +70,21 @@ NOTE = """Notes:
   (/tmp harness, -r 5, alone at 413-420 tok/s): edit int8 1.65 -> 1.69x, int4 1.60 -> 1.74x; chat 0.94 ->
   0.92-0.93x, code 1.08-1.10 -> 1.05-1.10x. Full runs of this script since the change (edit, int8 / int4):
   at 4b344bc 1.69 / 1.78x (verification passes 3.3-3.4 ms); a second run minutes later (`--targets int8,int4
-  --prompts edit -r 5`) 1.37 / 1.35x (passes 4.1-4.3 ms, `alone` the same 452-456 tok/s); the table above,
-  after the exploration change, 1.43 / 1.42x (passes 3.6-3.8 ms). Chat now loses 3-4% (0.93-0.96x before).
+  --prompts edit -r 5`) 1.37 / 1.35x (passes 4.1-4.3 ms, `alone` the same 452-456 tok/s); after the
+  exploration change 1.43 / 1.42x (passes 3.6-3.8 ms); the table above, after the row-group kernel's in-order
+  sweeps (below), 1.64 / 1.66x, and four `-r 3` runs around it 1.66-1.80x. Chat loses 4-8% (0.91-0.96x
+  before).
+- Row-group kernel (seventh session): the full chunks' blocks are swept with as many lane accumulators as
+  registers allow (8 at T <= 2, i.e. in memory order; 4 at T <= 4; 2 before), the same float sequence per
+  lane. Fused int4 step at position 300, A/B by environment in alternating processes: T=2 matmuls 2.68-2.88
+  -> 2.31-2.41 ms, T=3 2.61-3.13 -> 2.50-2.56 ms; the edit-prompt lookup ratio did not move beyond its
+  noise (1.66-1.80x either way). Tried and reverted: a second copy of the int4/int8 weights stored already
+  transposed for that kernel (no shuffles per pass; +111 MB for this model, built in 51 ms): T=2 matmuls
+  a further 12% faster, but three interleaved lookup A/Bs read +3.5% / -6% / +4% end to end.
   The passes of T > 1 tokens are compute-bound (the 16-row kernel's in-register transpose of the codes costs
   as much per weight as streaming them: ~27 us per 1.77M int4 weights, one core, plus ~7.8 us per token), so
   they feel the other tenants' use of the cores far more than the memory-bound one-token step does: the 1.5x
-  target holds in some runs, not all. Cutting that compute (codes stored pre-transposed for the row-group
-  kernel) is the lever left; it changes the int4/int8 weight layout every CPU path reads.
+  target holds in most runs, not all.
 - Since 2026-11-23 (third session): (1) the multi-token row-group kernel takes 16 weight rows in 512-bit
   registers on AVX-512 VNNI builds (a 512-bit vpdpbusd issues as fast as a 256-bit one on Zen 4: 181 vs
   101 GMAC/s per core); each (row, token) keeps the one-row kernel's float sequence, so greedy output stays

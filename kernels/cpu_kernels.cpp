@@ -882,7 +882,7 @@ EDGELLM_INLINE void rows_parts(const XQ& xq, int64_t m0, int64_t b, const uint8_
   }
 }
 
-// Rows n0..n0+R-1 (codes at `codes`, row stride rb bytes; rb 0: packed) against activation rows m0..m0+T-1, by exactly the
+// Rows n0..n0+R-1 (codes at `codes`, row stride rb bytes) against activation rows m0..m0+T-1, by exactly the
 // float operations of the one-row kernel (qdot_row) for each (row, token), so that a row's result does not
 // depend on the kernel nor on the number of tokens: its accumulator lane j is kept here as acc[j] (the full
 // chunks' blocks b = j mod 8, in increasing order: sweep()),
