@@ -11,7 +11,8 @@ same answers exactly (the machine's load moves a live lookup run's ratio by ±0.
 3. Oracle: every round guesses exactly the tokens that will be accepted (the best any controller could do
    with this proposer's guesses).
 
-`--baseline REF` replays the PromptLookupProposer of another git revision beside this one (e.g. HEAD~3).
+`--baseline REF` replays the PromptLookupProposer of another git revision beside this one (e.g. HEAD~3), with
+this revision's γ controller for both, so the proposers alone differ.
 
 Usage: python benchmarks/lookup_replay.py [-n 128] [--baseline REV] [--out benchmarks/results/lookup-replay.json]
 """
