@@ -365,9 +365,10 @@ class PromptLookupProposer(Proposer):
         # n → {n-gram: starts of its occurrences that have a following token, oldest first}
         self.index: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in self.ngrams}
         self._trusted = 0
-        # (source position, context length) of the last guess, and of the last one the answer followed
+        # (source position, context length) of the last guess; of the last one the answer followed:
+        # (source position reached, context position reached, its context length, where it started)
         self._guess: tuple[int, int] | None = None
-        self._anchor: tuple[int, int] | None = None
+        self._anchor: tuple[int, int, int, int] | None = None
         self._resumed: int | None = None  # the last source position a "resync" guess resumed at
 
     def bind(self, engine: Any) -> None:
@@ -407,26 +408,30 @@ class PromptLookupProposer(Proposer):
             L += 1
         return L
 
-    def _follow(self, at: tuple[int, int], context: list[int]) -> tuple[int, int]:
-        """From a guess's (source position, context length), walk while the context repeats the source:
+    def _follow(self, j: int, t: int, limit: int, context: list[int]) -> tuple[int, int]:
+        """Walk source position j (< limit) and context position t on while the context repeats the source:
         the (source position, context position) reached."""
-        j, t = at
-        while t < len(context) and j < at[1] and context[t] == self.ids[j]:
+        while t < len(context) and j < limit and context[t] == self.ids[j]:
             j, t = j + 1, t + 1
         return j, t
 
     def _cursor(self, context: list[int]) -> tuple[int | None, int]:
         """(the source position the answer has reached, tokens written since it left the source), or
-        (None, 0) where no guess has been followed for MIN_RUN tokens or the answer has long moved on."""
-        if self._guess is not None:  # followed for a token at least: the new anchor, unless it only
-            reached = self._follow(self._guess, context)[1]  # goes on the anchor's own run (as far, shorter)
-            if reached > self._guess[1] and (self._anchor is None or self._follow(self._anchor, context)[1] < reached):
-                self._anchor = self._guess
+        (None, 0) where no guess has been followed for MIN_RUN tokens or the answer has long moved on.
+        The anchor keeps how far it has been followed, so each call walks only the new tokens."""
+        if self._anchor is not None:
+            j, t, limit, t0 = self._anchor
+            self._anchor = (*self._follow(j, t, limit, context), limit, t0)
+        if self._guess is not None:  # followed for a token at least: the new anchor, unless it only goes
+            start, n = self._guess  # on the anchor's own run (reaching no further)
+            j, t = self._follow(start, n, n, context)
+            if t > n and (self._anchor is None or self._anchor[1] < t):
+                self._anchor = (j, t, n, n)
             self._guess = None
         if self._anchor is None:
             return None, 0
-        j, t = self._follow(self._anchor, context)
-        if t - self._anchor[1] < self.MIN_RUN:
+        j, t, _, t0 = self._anchor
+        if t - t0 < self.MIN_RUN:
             return None, 0
         if len(context) - t > self.RESYNC_AFTER + 3:
             self._anchor = None
@@ -441,7 +446,7 @@ class PromptLookupProposer(Proposer):
     def _resume_at(self, context: list[int], j: int) -> int:
         """Where the source goes on after the answer left it at j: past the source's token (a substitution),
         or at it where the answer's token is punctuation and the source's a word (an insertion)."""
-        if self._tokenizer is not None and j < len(context):
+        if self._tokenizer is not None:
             mine, theirs = self._text(context[-1]).strip(), self._text(context[j]).strip()
             if mine and not any(c.isalnum() for c in mine) and theirs[:1].isalnum():
                 return j
