@@ -86,8 +86,11 @@ NOTES = [
     "asym): its KL is what its int8 activation blocks cost. The edgellm decode path rounds activations the same "
     "way and lands at the same place; `--activations int8x2` (the int8 residual as a second kernel row) takes it "
     "to KL 0.00003.",
-    "The forward pass runs int4 prefill GEMMs in bf16 on CPUs that have it and int8 prefill in fp32 "
-    "(EDGELLM_PREFILL_BF16), so the int8 forward row is the weights' error alone.",
+    "The forward pass is `edgellm perplexity`'s default compute on this CPU (AVX512-BF16, VNNI): 512-token "
+    "windows of int4 weights multiply in a bf16 GEMM on the dequantized weights, of int8 weights in the int "
+    "kernels with int8-rounded activations (kernels/matmul.py PREFILL_KERNEL_MAX_M: up to 512 rows where the "
+    "GEMM would be fp32). The weights' error alone (fp32 GEMM, EDGELLM_PREFILL_BF16=0) is in "
+    "benchmarks/results/quality.md.",
 ]
 
 

@@ -8,7 +8,9 @@ Works on raw tensors in the packed format of `edgellm.quant.groups` (imports not
   order, so a GGUF Q8_0/Q4_0/Q4_1 import dequantizes bit for bit like `gguf.quants.dequantize`.
 
 Dispatch (`int8_linear` / `int4_linear`):
-  CPU, M <= 16 tokens: the C++ kernel of `kernels/cpu_ext.py` when it builds (reads the codes once).
+  CPU, M <= 16 tokens (decode, verification): the C++ kernel of `kernels/cpu_ext.py` when it builds
+  (reads the codes once); prefills up to the crossover measured for the kernel build, activations and
+  GEMM dtype (PREFILL_KERNEL_MAX_M) too.
   CPU otherwise: float GEMM on a dequantized weight — the caller's cached copy (`dense=`) or one
   dequantized for this call. torch's own CPU packed kernels (`_weight_int4pack_mm_for_cpu`,
   `_weight_int8pack_mm`) measured 28x / 10x slower than fp32 F.linear on a 1536x576 matvec on our
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-CPU_KERNEL_MAX_M = 16  # above this, the float GEMM on a dequantized weight wins (compute-bound)
+CPU_KERNEL_MAX_M = 16  # decode and verification sizes: always the C++ kernel (prefill: PREFILL_KERNEL_MAX_M)
 TINYGEMM_MAX_M = 16  # tinygemm int4 (CUDA/MPS): ~bf16 speed at M <= 16, 20x slower than it at M = 512
 INT8PACK_MAX_M = 1  # torch's int8pack kernel beats dequantize+GEMM at M = 1 only (see above)
 BLOCK = 32  # int4 codes are packed in GGUF Q4 blocks of 32 along K
@@ -69,9 +71,10 @@ def _detect_bf16_gemm() -> bool:
     Without it (AVX2 only) bf16 is several times slower than fp32, so fp32 stays. The weights are int8/int4
     approximations already; bf16 activations cost less than the decode kernel's int8 rounding of them.
     That holds for int4; int8 is the near-lossless choice, and bf16 doubled its error (GPL-3, calibrated
-    int8 g32: KL 0.0011 / top-1 97.5% with bf16 prefill, 0.0004 / 98.9% in fp32), so int8 prefill stays
-    fp32 unless EDGELLM_PREFILL_BF16=1 asks for it. EDGELLM_PREFILL_BF16=0 keeps every prefill in fp32;
-    exact mode (EDGELLM_EXACT_MATMUL=1) keeps fp32."""
+    int8 g32: KL 0.0011 / top-1 97.5% with bf16 prefill, 0.0004 / 98.9% in fp32), so int8's GEMM stays
+    fp32 unless EDGELLM_PREFILL_BF16=1 asks for it; exact mode (EDGELLM_EXACT_MATMUL=1) keeps fp32. This
+    is the GEMM's dtype for prefills longer than the kernel's crossover (PREFILL_KERNEL_MAX_M); setting
+    EDGELLM_PREFILL_BF16 (0: fp32, 1: bf16) sends every prefill to the GEMM."""
     if _PREFILL_BF16_ENV:
         return _PREFILL_BF16_ENV != "0"
     try:
@@ -80,20 +83,61 @@ def _detect_bf16_gemm() -> bool:
         return False
 
 
-_bf16_gemm = {"on": _detect_bf16_gemm(), "int8": _PREFILL_BF16_ENV not in ("", "0")}
+# "auto": prefill rows go to the C++ kernel up to the measured crossover (PREFILL_KERNEL_MAX_M), then to
+# dequantize + GEMM; an explicit EDGELLM_PREFILL_BF16 or set_bf16_prefill() sends every prefill (more than
+# CPU_KERNEL_MAX_M rows) to the GEMM in that dtype: fp32 there measures the weights' error alone.
+_bf16_gemm = {"on": _detect_bf16_gemm(), "int8": _PREFILL_BF16_ENV not in ("", "0"), "auto": not _PREFILL_BF16_ENV}
 
 
 def set_bf16_prefill(on: bool, int8: bool = False) -> None:
-    """bf16 prefill GEMMs for int4 weights (on) and also for int8 weights (on and int8)."""
-    _bf16_gemm["on"] = on
-    _bf16_gemm["int8"] = int8
+    """Every prefill through dequantize + GEMM: bf16 GEMMs for int4 weights (on) and also for int8 weights
+    (on and int8), else fp32."""
+    _bf16_gemm.update(on=on, int8=int8, auto=False)
+
+
+def _dense_bf16(bits: int) -> bool:
+    return _bf16_gemm["on"] and _variant["v"] != _FLOAT_FMA and (bits == 4 or _bf16_gemm["int8"])
+
+
+# Prefill (more rows than CPU_KERNEL_MAX_M): up to how many rows the C++ int kernel beats dequantize + GEMM,
+# by the kernel build (isa()), the activations variant and the GEMM's dtype. The kernel streams the codes
+# once per call and its integer dots run at up to twice the fp32 GEMM's rate (VNNI); the GEMM pays a
+# dequantize pass, a dtype conversion and its own weight packing per call. Measured on the bundled model,
+# 2 threads, kernel and GEMM interleaved (benchmarks/prefill_cpu.py, results/prefill-cpu.json; ratio =
+# GEMM time / kernel time): int8 activations against the fp32 GEMM 1.9-5.2x (VNNI) and 1.1-3.6x (AVX2)
+# at 17-512 rows; against the bf16 GEMM 3.4x at 17 rows, 1.35x at 128, 1.0 at 256. int8x2 (two kernel
+# rows per token) wins over fewer rows. Combinations not listed (the float-FMA variant, scalar and NEON
+# builds, an AVX2 build beside a native bf16 GEMM) keep the GEMM above CPU_KERNEL_MAX_M.
+PREFILL_KERNEL_MAX_M = {
+    ("avx512vnni", _INT_DOT_OR_AUTO, "bf16"): 128,
+    ("avx512vnni", _INT_DOT_OR_AUTO, "fp32"): 512,
+    ("avx2", _INT_DOT_OR_AUTO, "fp32"): 512,
+    ("avx512vnni", _INT_DOT_RESIDUAL, "bf16"): 32,
+    ("avx512vnni", _INT_DOT_RESIDUAL, "fp32"): 256,
+    ("avx2", _INT_DOT_RESIDUAL, "fp32"): 24,
+}
+
+
+def _in_kernel(ext, bits: int, x: torch.Tensor) -> bool:
+    """Whether x runs in the C++ kernel (decode sizes always) or dequantize + GEMM."""
+    rows = _rows(x)
+    return rows <= CPU_KERNEL_MAX_M or (_bf16_gemm["auto"] and rows <= _kernel_max_rows(ext, bits, x))
+
+
+def _kernel_max_rows(ext, bits: int, x: torch.Tensor) -> int:
+    """Prefills of up to this many rows run in the C++ kernel (the "auto" mode's table)."""
+    if "isa" not in _cpu_ext_state:
+        _cpu_ext_state["isa"] = ext.isa() if hasattr(ext, "isa") else ""
+    bf16 = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and _dense_bf16(bits))
+    key = (_cpu_ext_state["isa"], _variant["v"], "bf16" if bf16 else "fp32")
+    return PREFILL_KERNEL_MAX_M.get(key, CPU_KERNEL_MAX_M)
 
 
 def _float_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, bits: int = 4) -> torch.Tensor:
     """x @ w.T (+ bias) for a dequantized weight: fp32 in x's dtype, or bf16 on CPUs that multiply it
     natively (int4 weights; int8 only when EDGELLM_PREFILL_BF16=1)."""
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and _bf16_gemm["on"] and _variant["v"] != _FLOAT_FMA
-            and _rows(x) > CPU_KERNEL_MAX_M and (bits == 4 or _bf16_gemm["int8"])):
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and _dense_bf16(bits)
+            and _rows(x) > CPU_KERNEL_MAX_M):
         out = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16))
         out = out.to(torch.float32)
         return out if bias is None else out.add_(bias.to(torch.float32))
@@ -155,6 +199,7 @@ def cpu_extension():
 
 def set_cpu_extension(ext) -> None:
     """Override the lookup: None disables the C++ kernel (tests of the float path, benchmarks)."""
+    _cpu_ext_state.clear()
     _cpu_ext_state["ext"] = ext
 
 
@@ -314,11 +359,10 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, grou
     k = x.shape[-1]
     if _use_pack(pack, x):
         return _finish(_packed_matmul(x.reshape(-1, k), pack), x, bias)
-    if x.device.type == "cpu" and _rows(x) <= CPU_KERNEL_MAX_M:
-        ext = cpu_extension()
-        if ext is not None:  # the C++ side converts x to contiguous fp32 itself
-            out = ext.int8_gemm_variant(x.reshape(-1, k), codes, scales, group_size, _variant["v"])
-            return _finish_cpu(out, x, bias)
+    ext = cpu_extension() if x.device.type == "cpu" else None
+    if ext is not None and _in_kernel(ext, 8, x):  # the C++ side makes x contiguous fp32
+        out = ext.int8_gemm_variant(x.reshape(-1, k), codes, scales, group_size, _variant["v"])
+        return _finish_cpu(out, x, bias)
     w = dense if dense is not None else _dequantize_cpu(8, codes, scales, None, group_size, x)
     if w is None:
         w = dequantize_int8(codes, scales, group_size, x.dtype)
@@ -332,12 +376,11 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins
     k = x.shape[-1]
     if _use_pack(pack, x):
         return _finish(_packed_matmul(x.reshape(-1, k), pack), x, bias)
-    if x.device.type == "cpu" and _rows(x) <= CPU_KERNEL_MAX_M:
-        ext = cpu_extension()
-        if ext is not None:
-            m = _NO_MINS if mins is None else mins
-            out = ext.int4_gemm_variant(x.reshape(-1, k), codes, scales, m, group_size, _variant["v"])
-            return _finish_cpu(out, x, bias)
+    ext = cpu_extension() if x.device.type == "cpu" else None
+    if ext is not None and _in_kernel(ext, 4, x):
+        m = _NO_MINS if mins is None else mins
+        out = ext.int4_gemm_variant(x.reshape(-1, k), codes, scales, m, group_size, _variant["v"])
+        return _finish_cpu(out, x, bias)
     w = dense if dense is not None else _dequantize_cpu(4, codes, scales, mins, group_size, x)
     if w is None:
         w = dequantize_int4(codes, scales, mins, group_size, x.dtype)

@@ -243,3 +243,48 @@ def test_cuda_paths_match_reference(bits, group, sym):
             assert rel_err(y, ref) < 2e-2, (dtype, m)
     packed = bits == 4 or group == 0
     assert (q._pack is not None) == packed
+
+
+def test_prefill_rows_take_the_kernel_up_to_the_measured_crossover(monkeypatch):
+    """In the default (auto) mode a prefill of up to PREFILL_KERNEL_MAX_M rows for this kernel build,
+    activations variant and GEMM dtype runs in the C++ kernel: every row bit for bit what a one-token call
+    gives, as decode computes it. More rows, a combination the table does not list, or an explicit
+    set_bf16_prefill() take dequantize + GEMM (fp32 there: exact to the dequantized weight)."""
+    ext = matmul.cpu_extension()
+    if ext is None:
+        pytest.skip("C++ CPU kernel not available")
+    saved, variant = dict(matmul._bf16_gemm), matmul._variant["v"]
+    try:
+        matmul._bf16_gemm.update(on=False, int8=False, auto=True)
+        matmul.set_activations("int8")
+        monkeypatch.setattr(matmul, "PREFILL_KERNEL_MAX_M", {(ext.isa(), matmul.ACTIVATIONS["int8"], "fp32"): 48})
+        lin = make_linear(n=64, k=256, bias=True)
+        for bits, sym in ((4, False), (4, True), (8, True)):
+            q = QuantLinear.from_linear(lin, bits, 32, symmetric=sym)
+            ref = lambda x: F.linear(x.double(), q.dequantized_weight().double(), lin.bias.detach().double())
+            x = torch.randn(48, 256)
+            rows = torch.cat([q(x[i:i + 1]) for i in range(48)])
+            assert torch.equal(q(x), rows), bits  # the kernel, as one-token decode steps compute it
+            assert 1e-5 < rel_err(q(x), ref(x)) < 2e-2
+            x = torch.randn(49, 256)
+            assert rel_err(q(x), ref(x)) < 1e-5  # past the crossover: the fp32 GEMM
+            x = torch.randn(40, 256)
+            matmul.set_activations("fp32")  # a variant the table does not list
+            assert rel_err(q(x), ref(x)) < 1e-5
+            matmul.set_activations("int8")
+            matmul.set_bf16_prefill(False)  # an explicit prefill choice: every prefill to the GEMM
+            assert rel_err(q(x), ref(x)) < 1e-5
+            matmul._bf16_gemm.update(auto=True)
+            assert torch.equal(q(x), torch.cat([q(x[i:i + 1]) for i in range(40)]))
+    finally:
+        matmul._bf16_gemm.update(saved)
+        matmul._variant["v"] = variant
+
+
+def test_prefill_table_names_real_kernel_builds():
+    """Every key of the prefill table is a kernel build `isa()` reports (kernels/cpu_kernels.cpp isa_name), an
+    activations variant and a GEMM dtype, and every bound is at least the decode sizes (always the kernel)."""
+    variants = set(matmul.ACTIVATIONS.values())
+    for (isa, variant, gemm), rows in matmul.PREFILL_KERNEL_MAX_M.items():
+        assert isa in ("avx512vnni", "avx2") and variant in variants and gemm in ("fp32", "bf16")
+        assert rows >= matmul.CPU_KERNEL_MAX_M
