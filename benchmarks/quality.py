@@ -74,17 +74,21 @@ WEIGHT_ROWS = [
                                     "calibration": "builtin"}),
     ("bundled GGUF, int4 g32 asym (exact Q4_1 import)",
      {"weights": "int4", "group_size": 32, "symmetric": False, "source": "bundled"}),
-    # every row above runs its prefill GEMMs in fp32, so it measures the weights alone; this one is the
-    # same model with `edgellm run`'s default compute on this CPU: int4 prefill GEMMs in bf16
+    # every row above runs its prefill GEMMs in fp32, so it measures the weights alone; these are the same
+    # weights with every prefill GEMM in bf16, then with `edgellm run`'s default compute on this CPU
     ("bundled GGUF, exact Q4_1 import, bf16 prefill",
      {"weights": "int4", "group_size": 32, "symmetric": False, "source": "bundled", "prefill": "bf16"}),
+    ("bundled GGUF, exact Q4_1 import, default compute",
+     {"weights": "int4", "group_size": 32, "symmetric": False, "source": "bundled", "prefill": "default"}),
     # and as generation computes it: the scored tokens one at a time through the decode step (the fused C++
     # step: int8-rounded activations in the int4 matmul kernels)
     ("bundled GGUF, exact Q4_1 import, decode path",
-     {"weights": "int4", "group_size": 32, "symmetric": False, "source": "bundled", "prefill": "bf16",
+     {"weights": "int4", "group_size": 32, "symmetric": False, "source": "bundled", "prefill": "default",
       "scoring": "decode"}),
 ]
 SETUP_KEYS = ("source", "prefill", "scoring")  # row settings that are not load_model keywords
+# prefill: every GEMM in fp32 (the weights alone) or in bf16, or the engine's default for this CPU
+PREFILL_ENV = {"fp32": ["EDGELLM_PREFILL_BF16=0"], "bf16": ["EDGELLM_PREFILL_BF16=1"], "default": []}
 # rows whose model is also exported to GGUF and scored by llama.cpp
 EXPORT_ROWS = {"int8 g32": "int8-g32-Q8_0.gguf", "int4 g32 sym": "int4-g32-sym-Q4_0.gguf"}
 KV_ROWS = ["fp", "int8", "int8:32", "int4", "int4:64"]
@@ -135,7 +139,7 @@ def cli_args(settings: dict) -> argparse.Namespace:
 
 
 def command(model: str | None, settings: dict, threads: int, kv: str = "fp", decode: bool = False) -> str:
-    env = [] if settings.get("prefill") == "bf16" else ["EDGELLM_PREFILL_BF16=0"]
+    env = PREFILL_ENV[settings.get("prefill", "fp32")]
     cmd = env + ["edgellm", "perplexity"] + (["-m", model] if model else []) + ["-f", TEXT, "--ctx", str(CTX),
                                                                           "--threads", str(threads)]
     w = settings.get("weights", "fp")
@@ -228,7 +232,7 @@ def prepare_f32(work: Path, bundled: Path) -> tuple[Path, str]:
 
 
 def run_weights(args, f32: Path, bundled: Path, fp, ref, ids, ref_ppl, peer: bool) -> list[dict]:
-    from edgellm.kernels.matmul import set_bf16_prefill
+    from edgellm.kernels.matmul import reset_prefill, set_bf16_prefill
     from edgellm.quant.convert import export_gguf
 
     rows = []
@@ -237,7 +241,11 @@ def run_weights(args, f32: Path, bundled: Path, fp, ref, ids, ref_ppl, peer: boo
         src = bundled if settings.get("source") == "bundled" else f32
         model_arg = None if src == bundled else str(f32)
         kw = {k: v for k, v in settings.items() if k not in SETUP_KEYS}
-        set_bf16_prefill(settings.get("prefill") == "bf16")
+        prefill = settings.get("prefill", "fp32")
+        if prefill == "default":
+            reset_prefill()
+        else:
+            set_bf16_prefill(prefill == "bf16", int8=prefill == "bf16")
         if kw["weights"] == "fp":
             loaded, res = fp, from_reference(ref, fp.tokenizer, ids)
             load_s = 0.0
@@ -423,12 +431,17 @@ def kv_targets(rows: list[dict]) -> list[dict]:
 
 
 WEIGHT_NOTES = [
-    "Prefill windows of 512 tokens take the dense path (a quantized layer's weights dequantized, then the "
-    "GEMM; the int8-activation CPU kernels serve only M ≤ 16), and every row but the last two runs those "
-    "GEMMs in fp32 (EDGELLM_PREFILL_BF16=0), so these figures measure the weights' quantization error "
-    "alone. The next-to-last row is the exact import again with `edgellm run`'s default compute on this CPU "
-    "(AVX512-BF16): int4 prefill GEMMs in bf16; its KL against the row above it is the cost of that "
-    "compute, not of any weight format (int8 prefill stays fp32 by default). The last row is the same "
+    "Every row but the last three sends its 512-token windows through the dense path (a quantized layer's "
+    "weights dequantized, then an fp32 GEMM: EDGELLM_PREFILL_BF16=0), so these figures measure the weights' "
+    "quantization error alone. The three \"bundled GGUF, exact Q4_1 import\" rows after the lossless one "
+    "measure compute on the same weights, so their KL against it is the cost of that compute, not of any "
+    "weight format. \"bf16 prefill\": every GEMM in bf16 (EDGELLM_PREFILL_BF16=1, the LM head's 512 scored "
+    "rows included). \"default compute\": `edgellm run`'s default on this CPU (AVX512-BF16, VNNI), where "
+    "inputs of up to 128 rows for a bf16 GEMM and 512 for an fp32 one take the int8-activation kernels "
+    "(kernels/matmul.py PREFILL_KERNEL_MAX_M): the int4 linears' windows go to the bf16 GEMM, the int8 "
+    "LM head's 512 scored rows to the kernel (in generation it sees one row per prompt). Until the eighth "
+    "session every prefill above 16 rows took the GEMM, and the default-compute row was the bf16-GEMM row "
+    "with an fp32 LM head: KL 0.00023, top-1 99.13%, ppl 18.293. The last row is the same "
     "model scored as generation runs it (`--decode`: each window's first half prefilled, then one decode step "
     "per scored token): on this CPU the fused C++ step, whose int4 matmul kernels round each activation "
     "block to int8 as llama.cpp's do; its KL is what that rounding adds for a chat user. With the kernels' "

@@ -86,7 +86,15 @@ def _detect_bf16_gemm() -> bool:
 # "auto": prefill rows go to the C++ kernel up to the measured crossover (PREFILL_KERNEL_MAX_M), then to
 # dequantize + GEMM; an explicit EDGELLM_PREFILL_BF16 or set_bf16_prefill() sends every prefill (more than
 # CPU_KERNEL_MAX_M rows) to the GEMM in that dtype: fp32 there measures the weights' error alone.
-_bf16_gemm = {"on": _detect_bf16_gemm(), "int8": _PREFILL_BF16_ENV not in ("", "0"), "auto": not _PREFILL_BF16_ENV}
+_bf16_gemm: dict[str, bool] = {}
+
+
+def reset_prefill() -> None:
+    """The default prefill compute (EDGELLM_PREFILL_BF16 as the process started)."""
+    _bf16_gemm.update(on=_detect_bf16_gemm(), int8=_PREFILL_BF16_ENV not in ("", "0"), auto=not _PREFILL_BF16_ENV)
+
+
+reset_prefill()
 
 
 def set_bf16_prefill(on: bool, int8: bool = False) -> None:
