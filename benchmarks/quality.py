@@ -437,7 +437,7 @@ WEIGHT_NOTES = [
     "measure compute on the same weights, so their KL against it is the cost of that compute, not of any "
     "weight format. \"bf16 prefill\": every GEMM in bf16 (EDGELLM_PREFILL_BF16=1, the LM head's 512 scored "
     "rows included). \"default compute\": `edgellm run`'s default on this CPU (AVX512-BF16, VNNI), where "
-    "inputs of up to 128 rows for a bf16 GEMM and 512 for an fp32 one take the int8-activation kernels "
+    "inputs of up to 64 rows for a bf16 GEMM and 512 for an fp32 one take the int8-activation kernels "
     "(kernels/matmul.py PREFILL_KERNEL_MAX_M): the int4 linears' windows go to the bf16 GEMM, the int8 "
     "LM head's 512 scored rows to the kernel (in generation it sees one row per prompt). Until the eighth "
     "session every prefill above 16 rows took the GEMM, and the default-compute row was the bf16-GEMM row "
