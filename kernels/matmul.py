@@ -114,8 +114,8 @@ def _dense_bf16(bits: int) -> bool:
 # 2 threads, kernel and GEMM interleaved (benchmarks/prefill_cpu.py, results/prefill-cpu.json; ratio =
 # GEMM time / kernel time): int8 activations against the fp32 GEMM 1.9-5.2x (VNNI) and 1.1-3.6x (AVX2)
 # at 17-512 rows; against the bf16 GEMM 3.4x at 17 rows, 1.35x at 128, 1.0 at 256, and in `edgellm bench`
-# TTFT (models alternating by process) 1.5-1.9x at 24-64 tokens but even at 96-128, where the bf16 GEMM's
-# rounding (smaller than int8 activations') decides. int8x2 (two kernel rows per token) wins over fewer
+# TTFT (the two rules alternating by process) 1.5-1.9x at 24-64 tokens and level at 96-128, where the bf16
+# GEMM's rounding (smaller than int8 activations') decides. int8x2 (two kernel rows per token) wins over fewer
 # rows. Combinations not listed (the float-FMA variant, scalar and NEON builds, an AVX2 build beside a
 # native bf16 GEMM) keep the GEMM above CPU_KERNEL_MAX_M.
 PREFILL_KERNEL_MAX_M = {
