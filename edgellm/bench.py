@@ -32,7 +32,7 @@ import torch
 
 from .errors import EdgeLLMError, ModelNotFoundError, OutputError
 
-WEIGHT_FORMATS = ("fp", "int8", "int4")
+WEIGHT_FORMATS = ("auto", "fp", "int8", "int4")
 KV_FORMATS = ("fp", "int8", "int4")
 DRAFT_KINDS = ("none", "self", "lookup")  # plus self:<spec> and a draft model path
 AGAINST = ("llama.cpp",)
@@ -137,7 +137,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
 # ------------------------------------------------------------------------------------------------
 def missing_feature(kind: str, value: str, loaded=None) -> str | None:
     """None when `value` of `kind` (weights | kv | draft) can run, else a one-line reason."""
-    if kind == "weights" and value != "fp":
+    if kind == "weights" and value not in ("fp", "auto"):
         # load_model(weights=...) quantizes through edgellm.quant.convert (QuantSettings, install_quantized)
         try:
             mod = importlib.import_module("edgellm.quant.convert")
@@ -874,7 +874,7 @@ def add_parser(sub) -> None:
     g.add_argument("--warmup", type=int, default=1, help="unmeasured runs per row (default 1)")
     # replaces the shared --ctx (one int): here it is the sweep of prompt lengths
     g.add_argument("--ctx", default=None, help="comma list of prompt lengths to decode after, e.g. 256,2048,6144")
-    g.add_argument("--weights", default="fp", help="comma list of fp,int8,int4 (default fp)")
+    g.add_argument("--weights", default="auto", help="comma list of auto,fp,int8,int4 (default auto: as stored)")
     g.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4/int8 group size")
     g.add_argument("--kv", default="fp", help="comma list of fp,int8,int4 (default fp)")
     g.add_argument("--activations", default=None, choices=("int8", "int8x2", "fp32"),

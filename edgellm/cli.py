@@ -39,7 +39,7 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
 
 
-WEIGHT_FORMATS = ("fp", "int8", "int4")
+WEIGHT_FORMATS = ("auto", "fp", "int8", "int4")
 COMPILE_MODES = ("auto", "inductor", "off")
 
 
@@ -55,8 +55,10 @@ def kv_format_arg(value: str) -> str:
 
 def add_format_options(p: argparse.ArgumentParser, draft: bool = False) -> None:
     g = p.add_argument_group("formats")
-    g.add_argument("--weights", default="fp", choices=WEIGHT_FORMATS,
-                   help="quantize the weights in memory at load (default: fp = the compute dtype)")
+    g.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
+                   help="auto = as stored: a quantized GGUF keeps its blocks (Q4_K, Q6_K, Q8_0, ...) and multiplies "
+                        "them in place, a float model stays float; fp = the compute dtype; int8 | int4 = quantize "
+                        "at load (default auto)")
     g.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4/int8 group size")
     g.add_argument("--kv", default="fp", type=kv_format_arg,
                    help="KV-cache storage: fp | int8 | int4, optionally :GROUP (int8:32, int4:64) (default: fp)")
@@ -127,7 +129,7 @@ def load_from_args(args: argparse.Namespace, on_tensor=None):
     except (ValueError, RuntimeError) as e:
         raise EdgeLLMError(str(e)) from e
     ctx = args.ctx or DEFAULT_CTX
-    weights = getattr(args, "weights", "fp")
+    weights = getattr(args, "weights", "auto")
     per_channel = getattr(args, "per_channel", False)
     if per_channel and weights != "int8":
         raise EdgeLLMError("--per-channel is for int8 weights only")
@@ -261,6 +263,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("rope", f"theta {cfg.rope_theta:g}" + (f", {cfg.rope_scaling['rope_type']} scaling" if cfg.rope_scaling else "")),
         ("tied embeddings", str(cfg.tie_embeddings)),
         ("tensor types", ", ".join(f"{k}×{v}" for k, v in sorted(loaded.tensor_types.items()))),
+        ("weights run as", f"{loaded.runs_as_text()} (--weights {getattr(args, 'weights', 'auto')})"),
         ("file size", _mib(loaded.file_bytes)),
         ("weights in memory", f"{_mib(weight_bytes)} ({model.dtype})".replace("torch.", "")),
         ("KV cache", f"{kv_per_token / 1024:.1f} KiB/token, {_mib(kv_per_token * ctx)} at {ctx} tokens"),

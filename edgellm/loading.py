@@ -331,6 +331,11 @@ class LoadedModel:
     file_bytes: int
     tensor_types: dict[str, int]
     load_seconds: float
+    runs_as: dict[str, int] = field(default_factory=dict)  # weight matrices by the format they run as
+
+    def runs_as_text(self) -> str:
+        """E.g. "Q4_K×97, Q6_K×25": what the weight matrices run as, most common first."""
+        return ", ".join(f"{k}×{v}" for k, v in sorted(self.runs_as.items(), key=lambda kv: -kv[1]))
 
 
 def open_source(path: Path) -> tuple[TensorSource, ModelConfig, str]:
@@ -354,21 +359,70 @@ def _magic(path: Path) -> bytes:
         return f.read(4)
 
 
+# GGUF tensor types that are plain floats (everything else is quantized blocks)
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+MATRIX_NAMES = ("tok_embeddings.weight", "output.weight", "attention.wqkv.weight", "attention.wo.weight",
+                "feed_forward.w13.weight", "feed_forward.w2.weight")
+
+
+def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPlan):
+    """How `--weights auto` keeps one of our matrices from a GGUF: ("exact", QuantizedTensor) when every part is
+    Q8_0 / Q4_0 / Q4_1 of one type (our packed int8/int4 format, a byte reshuffle), ("blocks", [GGUFPart]) when
+    every part is a type the GGUF kernels multiply in place, else None (float tensors, or a type we
+    dequantize at load: the caller warns)."""
+    if not ours.endswith(MATRIX_NAMES):
+        return None
+    types = [src.tensor_type(p) for p in parts]
+    if any(t in GGUF_FLOAT_TYPES for t in types):
+        return None
+    from .quant.convert import GGUF_EXACT, try_exact_gguf
+    from .quant.gguf_linear import GGUFPart, raw_tensor
+    from .quant.gguf_tensor import NATIVE_TYPES
+
+    permute = [plan.permute.get(p) for p in parts]
+    if len(set(types)) == 1 and types[0] in GGUF_EXACT:
+        return "exact", try_exact_gguf([src.raw(p) for p in parts], (8, 32, True), permute)
+    if not set(types) <= NATIVE_TYPES:
+        return None
+    out, start = [], 0
+    for name, heads in zip(parts, permute):
+        data, ggml_type, (rows, k) = src.raw(name)
+        index = None
+        if heads:  # stored rows in llama.cpp's RoPE order: route each row to our column instead of moving it
+            ours_from_stored = unpermute_rope_rows(torch.arange(rows), heads)
+            index = torch.empty(rows, dtype=torch.int32)
+            index[ours_from_stored] = torch.arange(start, start + rows, dtype=torch.int32)
+        out.append(GGUFPart(raw_tensor(data, rows, int(ggml_type), k), int(ggml_type), rows, index))
+        start += rows
+    return "blocks", out
+
+
 def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: torch.device,
                      on_tensor: Callable[[str], None] | None = None, quant: Any = None,
-                     importance: dict[str, torch.Tensor] | None = None):
-    """Our parameters from the source, one at a time → (float state dict, quantized tensors).
+                     importance: dict[str, torch.Tensor] | None = None, as_stored: bool = False):
+    """Our parameters from the source, one at a time → (float state dict, quantized tensors, GGUF parts).
     With `quant` (edgellm.quant.convert.QuantSettings), linears are quantized as they are read, so
     a float copy of the whole model never exists; `importance` weights their scale search per input
-    channel (quant/calibrate.py)."""
+    channel (quant/calibrate.py). With `as_stored` (a GGUF source), quantized matrices keep their blocks
+    (`gguf_as_stored`): int8/int4 tensors, or GGUF parts used in place from the memory-mapped file."""
     plan = weight_plan(cfg, GGUF_NAMES if fmt == "gguf" else HF_NAMES, gguf_layout=fmt == "gguf")
     available = set(src.names())
     state: dict[str, torch.Tensor] = {}
     qtensors: dict[str, Any] = {}
+    gguf_parts: dict[str, list] = {}
+    dequantized: set[str] = set()
     for ours, parts in plan.parts.items():
         missing = [p for p in parts if p not in available]
         if missing:
             raise ModelFormatError(f"{src.path}: missing tensor {missing[0]}")
+        if as_stored and fmt == "gguf":
+            kept = gguf_as_stored(src, ours, parts, plan)
+            if kept is not None:
+                (qtensors if kept[0] == "exact" else gguf_parts)[ours] = kept[1]
+                if on_tensor:
+                    on_tensor(ours)
+                continue
+            dequantized.update(t for t in map(src.tensor_type, parts) if t not in GGUF_FLOAT_TYPES)
         qfmt = quant.format_for(ours) if quant is not None else None
         if qfmt is not None and fmt == "gguf":
             from .quant.convert import try_exact_gguf
@@ -397,22 +451,31 @@ def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch
             state[ours] = tensor.to(dtype).to(device).contiguous()
         if on_tensor:
             on_tensor(ours)
-    return state, qtensors
+    if dequantized:
+        warnings.warn(f"{src.path}: {', '.join(sorted(dequantized))} tensors have no kernel here; they were "
+                      f"dequantized to {str(dtype).replace('torch.', '')} at load (more memory, slower)")
+    return state, qtensors, gguf_parts
+
+
+WEIGHT_FORMATS = ("auto", "fp", "int8", "int4")
 
 
 def load_model(arg: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
-               on_tensor: Callable[[str], None] | None = None, weights: str = "fp",
+               on_tensor: Callable[[str], None] | None = None, weights: str = "auto",
                group_size: int = 32, symmetric: bool = True, embeddings: str = "int8",
                search: bool = True, calibration: str | None = None) -> LoadedModel:
     """Load weights + tokenizer. `max_seq_len` sizes the RoPE table (default: the model's context).
+    `weights`: auto = as stored (a quantized GGUF keeps its blocks and multiplies them in place; float
+    sources stay float), fp = the compute dtype, int8 / int4 = quantized at load.
     `calibration` ("builtin" or a text file, with int8/int4 weights): load the float model first, measure
     each linear's input activations over that text, and weight the scale search by them."""
     from .kv_calibration import calibration_ids
+    from .quant.gguf_linear import weight_formats
     from .tokenizer import load_tokenizer
 
-    if weights not in ("fp", "int8", "int4"):
-        raise UnsupportedModelError(f"weight format {weights!r} is not supported (fp, int8, int4)")
+    if weights not in WEIGHT_FORMATS:
+        raise UnsupportedModelError(f"weight format {weights!r} is not supported ({', '.join(WEIGHT_FORMATS)})")
     t0 = time.perf_counter()
     path = resolve_model(arg)
     device = torch.device(device)
@@ -422,10 +485,11 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
         model, tokenizer, cfg, file_bytes, types = load_edgellm(path, dtype, device)
         _setup_context(model, cfg, max_seq_len)
         model.calibration_ids = calibration_ids(tokenizer)
-        return LoadedModel(model, tokenizer, cfg, path, "edgellm", file_bytes, types, time.perf_counter() - t0)
+        return LoadedModel(model, tokenizer, cfg, path, "edgellm", file_bytes, types, time.perf_counter() - t0,
+                           weight_formats(model))
     src, cfg, fmt = open_source(path)
     quant = None
-    if weights != "fp":
+    if weights not in ("fp", "auto"):
         from .quant.convert import QuantSettings
 
         quant = QuantSettings(weights=weights, group_size=group_size, symmetric=symmetric,
@@ -434,13 +498,19 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
     if quant is not None and calibration:
         from .quant.calibrate import activation_importance, calibration_tokens
 
-        fp = load_model(path, device=device, dtype=torch.float32 if device.type == "cpu" else dtype)  # full context
+        fp = load_model(path, device=device, dtype=torch.float32 if device.type == "cpu" else dtype,
+                        weights="fp")  # full context
         importance = activation_importance(fp.model, calibration_tokens(fp.tokenizer, calibration))
         del fp
-    state, qtensors = build_state_dict(src, cfg, fmt, dtype, device, on_tensor, quant, importance)
+    state, qtensors, gguf_parts = build_state_dict(src, cfg, fmt, dtype, device, on_tensor, quant, importance,
+                                                   as_stored=weights == "auto")
     with torch.device("meta"):
         model = Transformer(cfg)
-    if qtensors:
+    if gguf_parts:
+        from .quant.gguf_linear import install_gguf
+
+        install_gguf(model, gguf_parts, state, dtype, device)
+    if qtensors or gguf_parts:
         from .quant.convert import install_quantized
 
         install_quantized(model, qtensors, state, dtype, device)
@@ -453,7 +523,8 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
     tokenizer = load_tokenizer(path if path.is_dir() else src)
     model.calibration_ids = calibration_ids(tokenizer)  # for a quantized KV cache's centres, on first use
     types = Counter(src.tensor_type(n) for n in src.names())
-    return LoadedModel(model, tokenizer, cfg, path, fmt, src.file_bytes, dict(types), time.perf_counter() - t0)
+    return LoadedModel(model, tokenizer, cfg, path, fmt, src.file_bytes, dict(types), time.perf_counter() - t0,
+                       weight_formats(model))
 
 
 def _setup_context(model: Transformer, cfg: ModelConfig, max_seq_len: int | None) -> None:

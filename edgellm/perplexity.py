@@ -129,7 +129,7 @@ def weight_summary(args: argparse.Namespace, loaded) -> dict:
     from .bench import weight_bytes
     from .quant.linear import QuantEmbedding, QuantLinear
 
-    weights = getattr(args, "weights", "fp")
+    weights = getattr(args, "weights", "auto")
     total, _ = weight_bytes(loaded.model)
     # what the modules actually hold: a GGUF's Q4_1/Q8_0 blocks are kept as they are when the format
     # asked for has as many bits or more, whatever group or symmetry was asked
@@ -140,9 +140,13 @@ def weight_summary(args: argparse.Namespace, loaded) -> dict:
             seen.add(id(m.codes))
             n = m.qtensor().shape[0] * m.qtensor().shape[1]
             stored[m._fmt()] = stored.get(m._fmt(), 0) + n
+        for p, name in zip(getattr(m, "gguf_parts", []), getattr(m, "type_names", list)()):
+            if id(p.raw) not in seen:  # GGUF blocks kept as stored (--weights auto)
+                seen.add(id(p.raw))
+                stored[name] = stored.get(name, 0) + p.rows * m.in_features
     out = {"weights": weights, "weight_bytes": total,
            "bits_per_weight": 8 * total / loaded.config.num_parameters(), "stored_formats": stored}
-    if weights != "fp":
+    if weights in ("int8", "int4"):
         per_channel = getattr(args, "per_channel", False)
         out |= {"group_size": "channel" if per_channel else getattr(args, "group_size", 32),
                 "symmetric": weights == "int8" or getattr(args, "symmetric", True),

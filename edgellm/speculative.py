@@ -252,6 +252,11 @@ def _quant_copy(module: torch.nn.Module, bits: int, group_size: int, symmetric: 
             qt = quantize(w, bits, group_size, symmetric=symmetric or bits == 8, search=search)
         bias = None if module.bias is None else module.bias.clone()
         return QuantLinear(qt, bias)
+    if hasattr(module, "gguf_parts"):  # GGUF blocks as stored (K-quants, ...): requantize a float copy
+        with torch.no_grad():
+            qt = quantize(module.dequantized_weight(torch.float32), bits, group_size,
+                          symmetric=symmetric or bits == 8, search=search)
+        return QuantLinear(qt, None if module.bias is None else module.bias.clone())
     return QuantLinear.from_linear(module, bits, group_size, symmetric=symmetric or bits == 8, search=search)
 
 

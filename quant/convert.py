@@ -160,7 +160,7 @@ def install_quantized(model: nn.Module, qtensors: dict[str, QuantizedTensor], st
         state.pop("output.weight", None)
     missing = set(n for n, _ in model.named_parameters()) - set(state)
     model.load_state_dict(state, strict=False, assign=True)
-    if model.config.tie_embeddings and "tok_embeddings.weight" not in qtensors:
+    if model.config.tie_embeddings and isinstance(model.tok_embeddings, nn.Embedding):
         model.output.weight = model.tok_embeddings.weight
         missing.discard("output.weight")
     missing -= set(state)

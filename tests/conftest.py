@@ -36,7 +36,7 @@ def bundled(bundled_path):
     """The bundled SmolLM2-135M-Instruct loaded once (fp32, CPU)."""
     from edgellm.loading import load_model
 
-    return load_model(bundled_path, max_seq_len=2048)
+    return load_model(bundled_path, max_seq_len=2048, weights="fp")
 
 
 @pytest.fixture

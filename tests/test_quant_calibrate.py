@@ -82,7 +82,7 @@ def test_calibration_helps_the_bundled_model(bundled_path):
     bundled GGUF with --weights int4 keeps its Q4_1 blocks, so the weights are requantized here directly.)"""
     import copy
 
-    fp = load_model(bundled_path)
+    fp = load_model(bundled_path, weights="fp")
     imp = activation_importance(fp.model, calibration_tokens(fp.tokenizer, "builtin"))
     text = ("In the beginning the universe was created. This has made a lot of people very angry and been "
             "widely regarded as a bad move. Many were increasingly of the opinion that they'd all made a big "

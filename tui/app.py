@@ -411,7 +411,7 @@ class ChatApp(App):
         self.memory_probe = memory_probe or _process_rss
         self.show_drafts = bool(getattr(args, "show_drafts", False))
         self.draft_name = str(getattr(args, "draft", "none") or "none")
-        self.weights_name = str(getattr(args, "weights", "fp") or "fp")
+        self.weights_name = str(getattr(args, "weights", "auto") or "auto")
         self.kv_name = str(getattr(args, "kv", "fp") or "fp")
         self.device_name = self.dtype_name = "?"
         self.threads: int | None = getattr(args, "threads", None)
@@ -534,6 +534,8 @@ class ChatApp(App):
         model = loaded.model
         self.device_name = str(getattr(model, "device", "cpu"))
         self.dtype_name = _dtype_name(getattr(model, "dtype", None))
+        if self.weights_name == "auto" and getattr(loaded, "runs_as", None):  # say what "as stored" turned out to be
+            self.weights_name = "+".join(sorted(loaded.runs_as, key=lambda k: -loaded.runs_as[k]))
         settings = ChatSettings.from_args(self.args)
         self.session = ChatSession(engine, loaded.tokenizer, settings)
         name = Path(str(loaded.path)).name

@@ -1,0 +1,230 @@
+"""Linear and embedding modules over GGUF blocks as stored (`--weights auto` on a quantized GGUF).
+
+A GGUFLinear holds one or more *parts*: raw blocks of one GGUF tensor each (a fused Q/K/V may be Q4_K + Q4_K +
+Q6_K in a Q4_K_M file), usually read-only views of the memory-mapped file, so the weights are used in place
+with no second copy. Where the source rows are stored in another order than ours (llama.cpp permutes Q/K rows
+for RoPE), `out_index` says which output column each stored row feeds: the rows are never moved.
+
+How the product is computed:
+  CPU with the C++ kernels: tokens up to `KERNEL_MAX_ROWS` (decode, verification, short prompts) run the
+      int8-activation kernels on the blocks (kernels/cpu_gguf.cpp); longer prompts dequantize this layer into
+      a float buffer for the call and use the float GEMM.
+  Anywhere else (CUDA, MPS, CPU without the extension): this layer's blocks are dequantized on the device for
+      the call (quant/gguf_tensor.py, bit for bit gguf.quants) and multiplied in the compute dtype: one layer's
+      float weight exists at a time, never the whole model's.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import matmul as K
+from .gguf_tensor import dequantize_blocks, gguf_type, row_bytes
+from .linear import _move_packed
+
+__all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "KERNEL_MAX_ROWS", "raw_tensor"]
+
+# Above this many rows a prompt is dequantized into a float GEMM (the CPU kernels' own measured crossover for
+# int4 prefill with int8 activations and an fp32 GEMM: kernels/matmul.py PREFILL_KERNEL_MAX_M).
+KERNEL_MAX_ROWS = 512
+
+
+@dataclass
+class GGUFPart:
+    raw: torch.Tensor  # uint8 [rows, row_bytes]
+    type: int  # gguf.GGMLQuantizationType value
+    rows: int
+    out_index: torch.Tensor | None = None  # int32 [rows]: output column of each stored row; None = in order
+
+
+def raw_tensor(data, rows: int, type_id: int, k: int) -> torch.Tensor:
+    """A uint8 [rows, row_bytes] view of GGUF blocks (a numpy view of the memory-mapped file: no copy)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the mmap is read-only; nothing here writes to it
+        t = torch.from_numpy(data) if not isinstance(data, torch.Tensor) else data
+    return t.reshape(rows, row_bytes(type_id, k))
+
+
+class _GGUFWeight(nn.Module):
+    """The parts as buffers (so .to(device) moves them; dtype conversions leave uint8 alone)."""
+
+    def _init_parts(self, parts: list[GGUFPart], in_features: int) -> None:
+        self.in_features = in_features
+        self.out_features = sum(p.rows for p in parts)
+        self.part_types = [int(p.type) for p in parts]
+        self.part_rows = [int(p.rows) for p in parts]
+        for i, p in enumerate(parts):
+            if tuple(p.raw.shape) != (p.rows, row_bytes(p.type, in_features)) or p.raw.dtype != torch.uint8:
+                raise ValueError(f"GGUF part {i}: expected uint8 [{p.rows}, {row_bytes(p.type, in_features)}], "
+                                 f"got {p.raw.dtype} {list(p.raw.shape)}")
+            self.register_buffer(f"raw{i}", p.raw)
+            self.register_buffer(f"index{i}", p.out_index)
+
+    @property
+    def gguf_parts(self) -> list[GGUFPart]:
+        return [GGUFPart(getattr(self, f"raw{i}"), t, r, getattr(self, f"index{i}"))
+                for i, (t, r) in enumerate(zip(self.part_types, self.part_rows))]
+
+    def _apply(self, fn, recurse: bool = True):
+        # the blocks keep their dtype whatever the conversion; a tied embedding / LM head stays one table
+        raws = {n: self._buffers.pop(n) for n in list(self._buffers) if n.startswith("raw")}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for n, t in raws.items():
+                self._buffers[n] = _move_packed(t, fn)
+        return self
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float weight [out, in] in our row order (for prefill GEMMs, self-drafts and exports)."""
+        parts = self.gguf_parts
+        device = parts[0].raw.device
+        out = torch.empty(self.out_features, self.in_features, dtype=dtype, device=device)
+        start = 0
+        for p in parts:
+            w = _dequantize(p, self.in_features, dtype)
+            if p.out_index is None:
+                out[start:start + p.rows] = w
+            else:
+                out.index_copy_(0, p.out_index.long(), w)
+            start += p.rows
+        return out
+
+    @property
+    def weight_nbytes(self) -> int:
+        return sum(p.raw.numel() for p in self.gguf_parts)
+
+    def type_names(self) -> list[str]:
+        return [gguf_type(t).name for t in self.part_types]
+
+    def _fmt(self) -> str:
+        return "+".join(dict.fromkeys(self.type_names()))
+
+
+def _dequantize(p: GGUFPart, k: int, dtype: torch.dtype) -> torch.Tensor:
+    ext = K.cpu_extension() if p.raw.device.type == "cpu" else None
+    if ext is not None and hasattr(ext, "gguf_dequantize") and p.type in _native_types(ext):
+        return ext.gguf_dequantize(p.raw, p.type, p.rows, k, None).to(dtype)
+    return dequantize_blocks(p.raw, p.type, (p.rows, k), dtype)
+
+
+_native: dict[int, frozenset[int]] = {}
+
+
+def _native_types(ext) -> frozenset[int]:
+    key = id(ext)
+    if key not in _native:
+        _native[key] = frozenset(int(t) for t in ext.gguf_types()) if hasattr(ext, "gguf_types") else frozenset()
+    return _native[key]
+
+
+class GGUFLinear(_GGUFWeight):
+    """y = x @ W.T (+ b), W held as GGUF blocks (one or more parts stacked along the output dim)."""
+
+    def __init__(self, parts: list[GGUFPart], in_features: int, bias: torch.Tensor | None = None):
+        super().__init__()
+        self._init_parts(parts, in_features)
+        if bias is not None and tuple(bias.shape) != (self.out_features,):
+            raise ValueError(f"bias of shape {tuple(bias.shape)} does not fit {self.out_features} outputs")
+        self.register_buffer("bias", bias)
+
+    def _kernel(self, x2: torch.Tensor):
+        if x2.device.type != "cpu" or x2.shape[0] > KERNEL_MAX_ROWS:
+            return None
+        ext = K.cpu_extension()
+        if ext is None or not hasattr(ext, "gguf_linear"):
+            return None
+        if any(t not in _native_types(ext) for t in self.part_types):
+            return None
+        return ext
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        ext = self._kernel(x2)
+        if ext is not None:
+            parts = [(p.raw, p.type, p.rows, p.out_index) for p in self.gguf_parts]
+            out = ext.gguf_linear(x2.float().contiguous(), parts, self.out_features).to(x.dtype)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = F.linear(x2, self.dequantized_weight(x.dtype), self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, gguf {self._fmt()}, "
+                f"bias={self.bias is not None}")
+
+
+class GGUFEmbedding(_GGUFWeight):
+    """nn.Embedding over a GGUF table: only the looked-up rows are dequantized."""
+
+    def __init__(self, part: GGUFPart, dim: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        if part.out_index is not None:
+            raise ValueError("an embedding table is stored in token order")
+        self._init_parts([part], dim)
+        self.num_embeddings, self.embedding_dim = part.rows, dim
+        self.dtype = dtype
+
+    def _apply(self, fn, recurse: bool = True):
+        self.dtype = fn(torch.empty(0, dtype=self.dtype)).dtype  # output dtype follows .half() / .to(dtype)
+        return super()._apply(fn, recurse)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = self.raw0.index_select(0, flat)
+        w = dequantize_blocks(rows, self.part_types[0], (flat.numel(), self.embedding_dim), self.dtype)
+        return w.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, gguf {self._fmt()}"
+
+
+def install_gguf(model: nn.Module, parts: dict[str, list[GGUFPart]], state: dict[str, torch.Tensor],
+                 dtype: torch.dtype, device: torch.device) -> None:
+    """Swap GGUFLinear / GGUFEmbedding modules in for the parameters kept as GGUF blocks (taking their
+    biases out of `state`). A tied LM head multiplies the embedding's own blocks."""
+    for name, ps in parts.items():
+        module_name = name.rsplit(".", 1)[0]
+        parent_name, _, attr = module_name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, attr)
+        ps = [GGUFPart(p.raw.to(device), p.type, p.rows, None if p.out_index is None else p.out_index.to(device))
+              for p in ps]
+        if isinstance(old, nn.Embedding):
+            new: nn.Module = GGUFEmbedding(ps[0], old.embedding_dim, dtype)
+        else:
+            bias = state.pop(module_name + ".bias", None)
+            new = GGUFLinear(ps, old.in_features, bias)
+        setattr(parent, attr, new)
+    if model.config.tie_embeddings and "tok_embeddings.weight" in parts:
+        model.output = GGUFLinear(model.tok_embeddings.gguf_parts, model.tok_embeddings.embedding_dim)
+        state.pop("output.weight", None)
+
+
+# our packed formats that are GGUF types byte for byte (quant/groups.py)
+GGUF_NAME_OF = {"int4-g32-asym": "Q4_1", "int4-g32-sym": "Q4_0", "int8-g32-sym": "Q8_0"}
+
+
+def weight_formats(model: nn.Module) -> dict[str, int]:
+    """What each weight matrix runs as: {format name: count}, e.g. {"Q4_K": 97, "Q6_K": 25, "f32": 1}
+    (a tied embedding / LM head counts once per module)."""
+    from .linear import QuantEmbedding, QuantLinear
+
+    out: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, _GGUFWeight):
+            names = m.type_names()
+        elif isinstance(m, (QuantLinear, QuantEmbedding)):
+            names = [GGUF_NAME_OF.get(m._fmt(), m._fmt())]
+        elif isinstance(m, (nn.Linear, nn.Embedding)):
+            names = [str(m.weight.dtype).replace("torch.float", "f").replace("torch.bfloat", "bf")]
+        else:
+            continue
+        for n in names:
+            out[n] = out.get(n, 0) + 1
+    return out

@@ -1,0 +1,127 @@
+"""GGUF weight blocks as stored: the type table, and dequantization in torch on any device.
+
+A GGUF tensor of shape (N, K) is N rows of K / block_values blocks, each `block_bytes` long. The C++
+kernels (kernels/cpu_gguf.cpp) multiply the blocks in place on the CPU; this module is what every other
+device (CUDA, MPS) and the no-extension CPU path run: a layer's blocks → float rows, with the same float32
+operations in the same order as `gguf.quants.dequantize`, so the result is bit for bit that reference's.
+
+Only torch here (no numpy), so it runs on the device that holds the blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["GGUFType", "GGUF_TYPES", "NATIVE_TYPES", "gguf_type", "dequantize_blocks", "row_bytes"]
+
+
+@dataclass(frozen=True)
+class GGUFType:
+    id: int  # gguf.GGMLQuantizationType value
+    name: str
+    block_values: int
+    block_bytes: int
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.block_bytes / self.block_values
+
+
+GGUF_TYPES = {t.id: t for t in (
+    GGUFType(2, "Q4_0", 32, 18), GGUFType(3, "Q4_1", 32, 20), GGUFType(6, "Q5_0", 32, 22),
+    GGUFType(7, "Q5_1", 32, 24), GGUFType(8, "Q8_0", 32, 34), GGUFType(12, "Q4_K", 256, 144),
+    GGUFType(13, "Q5_K", 256, 176), GGUFType(14, "Q6_K", 256, 210),
+)}
+# the quantized types edgellm multiplies as stored; others (Q2_K, Q3_K, IQ*) are dequantized at load
+NATIVE_TYPES = frozenset(t.name for t in GGUF_TYPES.values())
+
+
+def gguf_type(type_id: int) -> GGUFType:
+    return GGUF_TYPES[int(type_id)]
+
+
+def row_bytes(type_id: int, k: int) -> int:
+    t = gguf_type(type_id)
+    return k // t.block_values * t.block_bytes
+
+
+def _f16(b: torch.Tensor) -> torch.Tensor:
+    """[..., 2] uint8 little-endian halves → float32 [...]."""
+    return b.contiguous().view(torch.float16).squeeze(-1).float()
+
+
+def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
+    """[..., width] bytes → [..., 2 * width] codes: low nibbles first, then high (GGUF's order)."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
+
+
+def _bits(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """[n, g, count / 8] bytes → [n, g, count] bits, little-endian bit order."""
+    shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).reshape(*packed.shape[:-1], count)
+
+
+def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit sub-block scales and mins → two [n, 8] uint8 tensors."""
+    d, m, m_d = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
+    sc = torch.cat((d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
+    mn = torch.cat((m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)), dim=-1)
+    return sc, mn
+
+
+def dequantize_blocks(raw: torch.Tensor, type_id: int, shape: tuple[int, int],
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """uint8 blocks of a tensor of `shape` (N, K) → float [N, K] (computed in float32, then cast)."""
+    t = gguf_type(type_id)
+    n, k = int(shape[0]), int(shape[1])
+    b = raw.reshape(-1, t.block_bytes)
+    if b.shape[0] * t.block_values != n * k:
+        raise ValueError(f"{t.name} blocks of {raw.numel()} bytes do not hold a ({n}, {k}) tensor")
+    b = b.reshape(b.shape[0], 1, t.block_bytes)  # [blocks, 1, bytes]: the "g" axis the helpers share
+    if t.name == "Q8_0":
+        d = _f16(b[..., 0:2])
+        w = b[..., 2:].contiguous().view(torch.int8).float() * d.unsqueeze(-1)
+    elif t.name in ("Q4_0", "Q4_1"):
+        d = _f16(b[..., 0:2]).unsqueeze(-1)
+        if t.name == "Q4_0":
+            w = d * (_nibbles(b[..., 2:], 16).to(torch.int8) - 8).float()
+        else:
+            w = d * _nibbles(b[..., 4:], 16).float() + _f16(b[..., 2:4]).unsqueeze(-1)
+    elif t.name in ("Q5_0", "Q5_1"):
+        asym = t.name == "Q5_1"
+        off = 4 if asym else 2
+        d = _f16(b[..., 0:2]).unsqueeze(-1)
+        q = _nibbles(b[..., off + 4:], 16) | (_bits(b[..., off:off + 4], 32) << 4)
+        w = d * q.float() + _f16(b[..., 2:4]).unsqueeze(-1) if asym else d * (q.to(torch.int8) - 16).float()
+    elif t.name in ("Q4_K", "Q5_K"):
+        nb = b.shape[0]
+        d = _f16(b[..., 0:2]).reshape(nb, 1, 1)
+        dmin = _f16(b[..., 2:4]).reshape(nb, 1, 1)
+        sc, mn = _k_scale_min(b[:, 0, 4:16])
+        dl = d * sc.float().reshape(nb, 8, 1)
+        ml = dmin * mn.float().reshape(nb, 8, 1)
+        if t.name == "Q4_K":
+            q = _nibbles(b[:, 0, 16:].reshape(nb, 4, 32), 32).reshape(nb, 8, 32)
+        else:
+            ql = _nibbles(b[:, 0, 48:].reshape(nb, 4, 32), 32).reshape(nb, 8, 32)
+            qh = (b[:, 0, 16:48].reshape(nb, 1, 32) >> torch.arange(8, device=b.device, dtype=torch.uint8)
+                  .reshape(1, 8, 1)) & 1
+            q = ql | (qh << 4)
+        w = dl * q.float() - ml
+    elif t.name == "Q6_K":
+        nb = b.shape[0]
+        ql, qh = b[:, 0, 0:128], b[:, 0, 128:192]
+        scales = b[:, 0, 192:208].contiguous().view(torch.int8).float()
+        d = _f16(b[:, 0, 208:210].unsqueeze(1)).reshape(nb, 1)
+        dl = (d * scales).reshape(nb, 16, 1)
+        # per 128-value half: low nibbles of its 64 ql bytes, then their high nibbles; 2 more bits each from
+        # its 32 qh bytes, shifted by 0/2/4/6 for the half's four runs of 32
+        low = _nibbles(ql.reshape(nb, 2, 64), 64).reshape(nb, 2, 4, 32)
+        high = (qh.reshape(nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], device=b.device, dtype=torch.uint8)
+                .reshape(1, 1, 4, 1)) & 3
+        q = ((low | (high << 4)).to(torch.int8) - 32).reshape(nb, 16, 16).float()
+        w = dl * q
+    else:  # pragma: no cover - GGUF_TYPES lists exactly the branches above
+        raise ValueError(f"no dequantizer for {t.name}")
+    return w.reshape(n, k).to(dtype)

@@ -1,0 +1,164 @@
+"""`--weights auto`: a quantized GGUF runs as stored (blocks kept bit for bit, used in place from the mmap).
+
+References: gguf.quants.dequantize for the blocks, and the same file loaded with `--weights fp` (every tensor
+dequantized by gguf.quants, the float model that tests/test_model_reference.py checks against transformers).
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from edgellm.cache import KVCache
+from edgellm.kernels import matmul
+from edgellm.loading import load_model
+from edgellm.quant.gguf_linear import GGUFEmbedding, GGUFLinear
+from edgellm.quant.gguf_tensor import GGUF_TYPES, dequantize_blocks
+from edgellm.quant.linear import QuantLinear
+from tests.fixtures.tiny import make_gguf, make_hf_model, random_blocks
+
+# A Q4_K_M-like mix (Q/K/gate Q4_K, V and down Q6_K, the head Q6_K) and one of the 32-value block types;
+# the fused Q/K/V and gate/up hold parts of different types.
+K_MIX = {"attn_q.weight": "Q4_K", "attn_k.weight": "Q4_K", "attn_v.weight": "Q6_K", "attn_output.weight": "Q5_K",
+         "ffn_gate.weight": "Q4_K", "ffn_up.weight": "Q4_K", "ffn_down.weight": "Q6_K",
+         "token_embd.weight": "Q4_K", "output.weight": "Q6_K"}
+LEGACY_MIX = {"attn_q.weight": "Q5_0", "attn_k.weight": "Q5_1", "attn_v.weight": "Q4_0", "attn_output.weight": "Q8_0",
+              "ffn_gate.weight": "Q4_1", "ffn_up.weight": "Q5_0", "ffn_down.weight": "Q5_1",
+              "token_embd.weight": "Q5_0", "output.weight": "Q8_0"}
+SHAPE = dict(hidden_size=256, intermediate_size=512)  # K-quants need rows of 256
+
+
+@pytest.fixture(scope="module")
+def quant_files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-mix")
+    out = {}
+    for name, variant, types in (("kmix", "llama_gqa", K_MIX), ("legacy", "llama_gqa", LEGACY_MIX),
+                                 ("tied", "llama_tied", {k: v for k, v in K_MIX.items() if k != "output.weight"}),
+                                 ("qwen2", "qwen2_bias", K_MIX)):
+        folder = make_hf_model(root / name, variant, seed=3, **SHAPE)
+        out[name] = make_gguf(folder, root / f"{name}.gguf", quant_types=types, seed=7)
+    return out
+
+
+@pytest.fixture
+def no_kernels():
+    """The torch path: blocks dequantized on the device per call (what CUDA / MPS run)."""
+    saved = matmul.cpu_extension()
+    matmul.set_cpu_extension(None)
+    yield
+    matmul.set_cpu_extension(saved)
+
+
+def _logits(loaded, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(all prefill logits, then one cached decode step's logits)."""
+    model = loaded.model
+    cache = KVCache(model.config, model.rope_len, model.dtype, model.device)
+    with torch.no_grad():
+        pre = model(torch.tensor([ids[:-1]]), cache, 0, all_logits=True)
+        step = model(torch.tensor([ids[-1:]]), cache, len(ids) - 1)
+    return pre, step
+
+
+@pytest.mark.parametrize("type_id", sorted(GGUF_TYPES))
+def test_torch_dequantize_is_gguf_quants_bit_for_bit(type_id):
+    name = GGUF_TYPES[type_id].name
+    raw = random_blocks(name, 6, 512, np.random.default_rng(type_id))
+    ref = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(type_id)).reshape(6, 512)
+    got = dequantize_blocks(torch.from_numpy(raw), type_id, (6, 512)).numpy()
+    assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
+
+
+@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2"])
+def test_auto_keeps_every_block_in_place(quant_files, name):
+    loaded = load_model(quant_files[name], weights="auto")
+    model = loaded.model
+    reader = gguf.GGUFReader(str(quant_files[name]))
+    stored = {t.name: t.tensor_type.name for t in reader.tensors}
+    a = model.layers[0].attention
+    assert isinstance(a.wqkv, GGUFLinear)
+    assert a.wqkv.type_names() == [stored["blk.0.attn_q.weight"], stored["blk.0.attn_k.weight"],
+                                   stored["blk.0.attn_v.weight"]]
+    assert isinstance(model.tok_embeddings, GGUFEmbedding)
+    if name == "tied":
+        assert model.output.gguf_parts[0].raw is model.tok_embeddings.gguf_parts[0].raw  # one table
+    # the blocks are views of the memory-mapped file, byte for byte the stored tensor
+    t = next(t for t in loaded_tensors(quant_files[name]) if t.name == "blk.1.ffn_down.weight")
+    part = model.layers[1].feed_forward.w2.gguf_parts[0]
+    assert np.array_equal(part.raw.numpy().reshape(-1), np.asarray(t.data).reshape(-1))
+    assert mapped_file(part.raw.data_ptr()) == str(quant_files[name].resolve())  # used in place, not copied
+    assert loaded.runs_as[stored["blk.0.attn_v.weight"]] >= 1
+
+
+def mapped_file(address: int) -> str | None:
+    """The file memory-mapped at `address` in this process (Linux /proc/self/maps), or None."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5].strip() if len(fields) == 6 else None
+    return None
+
+
+def loaded_tensors(path):
+    return gguf.GGUFReader(str(path)).tensors
+
+
+@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2"])
+def test_auto_equals_fp_exactly_on_the_torch_path(quant_files, name, no_kernels):
+    """Dequantized per layer on the device, the as-stored model computes exactly what the fp model computes
+    from gguf.quants' dequantization: same floats, same GEMMs (Q/K rows routed, not moved)."""
+    ids = list(range(3, 40))
+    fp = _logits(load_model(quant_files[name], weights="fp"), ids)
+    auto = _logits(load_model(quant_files[name], weights="auto"), ids)
+    for a, b in zip(auto, fp):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["kmix", "legacy", "qwen2"])
+def test_auto_with_the_cpu_kernels_tracks_fp(quant_files, name):
+    if matmul.cpu_extension() is None or not hasattr(matmul.cpu_extension(), "gguf_linear"):
+        pytest.fail("the C++ GGUF kernels did not build")
+    ids = list(range(3, 40))
+    fp = _logits(load_model(quant_files[name], weights="fp"), ids)
+    auto = _logits(load_model(quant_files[name], weights="auto"), ids)
+    for a, b in zip(auto, fp):
+        # int8-rounded activations (llama.cpp's numerics): close, not equal
+        p, q = torch.log_softmax(b.double(), -1), torch.log_softmax(a.double(), -1)
+        kl = (p.exp() * (p - q)).sum(-1).max().item()
+        assert kl < 2e-3, kl
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+
+
+def test_q4_1_files_keep_the_packed_int4_path(bundled_path):
+    loaded = load_model(bundled_path, weights="auto", max_seq_len=64)
+    assert isinstance(loaded.model.layers[0].feed_forward.w13, QuantLinear)
+    assert loaded.runs_as.get("Q4_1", 0) > 100
+    assert "f32" not in loaded.runs_as
+
+
+def test_types_without_a_kernel_are_dequantized_with_a_warning(tmp_path):
+    folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=1, **SHAPE)
+    path = make_gguf(folder, tmp_path / "q2.gguf", quant_types={"ffn_down.weight": "Q2_K"})
+    with pytest.warns(UserWarning, match="Q2_K tensors have no kernel here"):
+        loaded = load_model(path, weights="auto")
+    assert isinstance(loaded.model.layers[0].feed_forward.w2, torch.nn.Linear)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = load_model(path, weights="fp")
+    assert torch.equal(loaded.model.layers[0].feed_forward.w2.weight, ref.model.layers[0].feed_forward.w2.weight)
+
+
+def test_info_says_what_each_tensor_runs_as(quant_files):
+    out = subprocess.run([sys.executable, "-m", "edgellm.cli", "info", "-m", str(quant_files["kmix"]), "--json"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    row = json.loads(out.stdout)["weights run as"]
+    assert "Q4_K×" in row and "Q6_K×" in row and "Q5_K×" in row and "--weights auto" in row
