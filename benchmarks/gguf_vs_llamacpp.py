@@ -1,0 +1,152 @@
+"""edgellm `--weights auto` against llama.cpp on the same GGUF files, side by side, one process per engine and
+file (so each peak RSS is that engine's alone), the engines interleaved file by file.
+
+    python benchmarks/gguf_vs_llamacpp.py FILE.gguf [FILE.gguf ...] --peer-python /tmp/peer/bin/python \
+        [--json benchmarks/results/gguf-vs-llamacpp.json]
+
+Per file and engine: load time (file → ready), peak RSS (the child's ru_maxrss), decode tok/s (128 greedy tokens
+after a short chat prompt, median of 3), TTFT of a 512- and a 2048-token prompt (GPL-3 text, median of 3 / 2),
+2 threads each. The peer needs llama-cpp-python (see ../shared/peers/README.md); make the test files with
+benchmarks/make_gguf_files.py.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+TEXT = "/usr/share/common-licenses/GPL-3"
+CHAT = "Tell me a random fun fact about the Roman Empire"
+CTX = 2560
+THREADS = 2
+
+
+def child_edgellm(path: str) -> dict:
+    import time
+
+    t0 = time.perf_counter()
+    from edgellm.bench import run_once
+    from edgellm.cli import build_parser, engine_from_args, load_from_args
+
+    args = build_parser().parse_args(["run", "x", "-m", path, "--ctx", str(CTX), "--threads", str(THREADS)])
+    loaded = load_from_args(args)
+    engine = engine_from_args(args, loaded)
+    tok = loaded.tokenizer
+    load_s = time.perf_counter() - t0
+    text_ids = tok.encode(open(TEXT).read())
+    chat_ids = tok.encode_chat([{"role": "user", "content": CHAT}])
+    run_once(engine, chat_ids, 8)  # warm-up: lazy kernel builds, first-touch of the weights
+    decode = [run_once(engine, chat_ids, 128)[0].decode_tok_s for _ in range(3)]
+    ttft512 = [run_once(engine, text_ids[:512], 1)[0].ttft_s for _ in range(3)]
+    ttft2048 = [run_once(engine, text_ids[:2048], 1)[0].ttft_s for _ in range(2)]
+    return {"load_s": load_s, "decode_tok_s": statistics.median(decode), "ttft_512_s": statistics.median(ttft512),
+            "ttft_2048_s": statistics.median(ttft2048), "runs_as": loaded.runs_as_text(),
+            "path": getattr(engine, "decode_path", None)}
+
+
+def child_llamacpp(path: str) -> dict:
+    import time
+
+    t0 = time.perf_counter()
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_threads=THREADS, n_threads_batch=THREADS, n_ctx=CTX, n_batch=512, verbose=False,
+                seed=0)
+    load_s = time.perf_counter() - t0
+    text_ids = llm.tokenize(open(TEXT).read().encode())
+    chat_ids = llm.tokenize(f"<|im_start|>user\n{CHAT}<|im_end|>\n<|im_start|>assistant\n".encode(), special=True)
+
+    def run(ids, n):
+        llm.reset()
+        t = time.perf_counter()
+        times = []
+        for _ in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            times.append(time.perf_counter())
+            if len(times) >= n:
+                break
+        rate = (len(times) - 1) / (times[-1] - times[0]) if len(times) > 1 else 0.0
+        return times[0] - t, rate
+
+    run(chat_ids, 8)
+    decode = [run(chat_ids, 128)[1] for _ in range(3)]
+    ttft512 = [run(text_ids[:512], 1)[0] for _ in range(3)]
+    ttft2048 = [run(text_ids[:2048], 1)[0] for _ in range(2)]
+    return {"load_s": load_s, "decode_tok_s": statistics.median(decode), "ttft_512_s": statistics.median(ttft512),
+            "ttft_2048_s": statistics.median(ttft2048)}
+
+
+def measure(python: str, engine: str, path: str) -> dict:
+    """One engine on one file in a fresh process: its JSON line plus its own peak RSS (wait4's rusage)."""
+    proc = subprocess.Popen([python, __file__, "--child", engine, path], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out_chunks: list[str] = []
+    err_chunks: list[str] = []
+
+    def pump(stream, sink):
+        sink.append(stream.read())
+
+    threads = [threading.Thread(target=pump, args=(proc.stdout, out_chunks)),
+               threading.Thread(target=pump, args=(proc.stderr, err_chunks))]
+    for t in threads:
+        t.start()
+    _, status, usage = os.wait4(proc.pid, 0)
+    for t in threads:
+        t.join()
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        return {"error": ("".join(err_chunks).strip().splitlines() or ["?"])[-1]}
+    result = json.loads("".join(out_chunks).strip().splitlines()[-1])
+    result["peak_rss_bytes"] = usage.ru_maxrss * 1024
+    return result
+
+
+def cpu_flags() -> list[str]:
+    with open("/proc/cpuinfo") as f:
+        flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    return sorted(x for x in flags if x.startswith(("avx", "fma", "f16c", "amx")))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("files", nargs="*")
+    ap.add_argument("--peer-python", default="/tmp/peer/bin/python")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child", nargs=2, metavar=("ENGINE", "FILE"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        fn = child_edgellm if args.child[0] == "edgellm" else child_llamacpp
+        print(json.dumps(fn(args.child[1])))
+        return
+    rows = []
+    for f in args.files:
+        ours = measure(sys.executable, "edgellm", f)
+        theirs = measure(args.peer_python, "llama.cpp", f)
+        row = {"file": Path(f).name, "file_bytes": Path(f).stat().st_size, "edgellm": ours, "llama.cpp": theirs}
+        if "error" not in ours and "error" not in theirs:
+            row["ratio"] = {"decode": ours["decode_tok_s"] / theirs["decode_tok_s"],
+                            "ttft_512": ours["ttft_512_s"] / theirs["ttft_512_s"],
+                            "ttft_2048": ours["ttft_2048_s"] / theirs["ttft_2048_s"],
+                            "rss": ours["peak_rss_bytes"] / theirs["peak_rss_bytes"],
+                            "load": ours["load_s"] / theirs["load_s"]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    doc = {"command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                       "flags": cpu_flags()},
+           "threads": THREADS, "ctx": CTX, "rows": rows}
+    if args.json:
+        tmp = Path(args.json).with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        tmp.replace(args.json)
+
+
+if __name__ == "__main__":
+    main()
