@@ -279,7 +279,8 @@ struct DecodePlan {
                 " elements, expected ", numel);
     return t.data_ptr<float>();
   }
-  // (kind, group, weight-or-codes, scales, mins, bias); kind 0 = fp32 [N, K], 4 = int4, 8 = int8
+  // (kind, group, weight-or-codes, scales, mins, bias); kind 0 = fp32 [N, K], 4 = int4, 8 = int8, 1 = GGUF parts
+  // (weight-or-codes: the list of gguf_linear's part tuples; group, scales, mins unused)
   edgellm::DecodeLinear linear(const py::tuple& spec, int64_t N, int64_t K, const char* what) {
     TORCH_CHECK(spec.size() == 6, "edgellm decode plan: ", what, ": a linear spec has 6 fields");
     edgellm::DecodeLinear L;
@@ -290,6 +291,21 @@ struct DecodePlan {
     if (L.kind == edgellm::DecodeLinear::F32) {
       L.w = f32(spec[2], N * K, what);
       TORCH_CHECK(L.w, "edgellm decode plan: ", what, ": no weight");
+    } else if (L.kind == edgellm::DecodeLinear::GGUF) {  // spec[2]: [(raw uint8, type, rows, out_index or None)]
+      const std::string where = std::string("edgellm decode plan: ") + what;
+      TORCH_CHECK(K % 32 == 0, where, ": K=", K, " must be a multiple of 32");
+      std::vector<GgufPartView> views;
+      for (const py::handle& item : spec[2].cast<py::list>()) {
+        const py::tuple t = item.cast<py::tuple>();
+        keep.push_back(py::cast<at::Tensor>(t[0]));
+        if (!t[3].is_none()) keep.push_back(py::cast<at::Tensor>(t[3]));
+        views.push_back(gguf_part(item, K, where.c_str()));
+      }
+      check_gguf_columns(views, N, where.c_str());
+      for (const auto& v : views) {
+        TORCH_CHECK(std::string(what) != "embedding" || !v.out_index, where, ": embedding parts take no out_index");
+        L.parts.push_back({v.type, v.N, edgellm::gguf_row_bytes(v.type, K), v.data, v.out_index});
+      }
     } else {
       TORCH_CHECK(L.kind == 4 || L.kind == 8, "edgellm decode plan: ", what, ": unknown kind ", L.kind);
       TORCH_CHECK(L.G > 0 && L.G % 32 == 0 && K % L.G == 0, "edgellm decode plan: ", what, ": group ", L.G,

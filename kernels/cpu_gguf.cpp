@@ -298,6 +298,18 @@ inline __m256i reduce8(const __m256i p[8]) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
 }
 
+// The same for int16 pair sums (maddubs of codes <= 31): two levels of hadd_epi16 stay in int16 (8 products,
+// |.| <= 8 * 31 * 127 = 31496), then madd with ones widens to int32 (16 products) before the last level.  Four
+// fewer instructions per 8 sub-blocks than widening each one first, and the same integers.
+inline __m256i reduce8_i16(const __m256i p[8]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i h01 = _mm256_hadd_epi16(p[0], p[1]), h23 = _mm256_hadd_epi16(p[2], p[3]);
+  const __m256i h45 = _mm256_hadd_epi16(p[4], p[5]), h67 = _mm256_hadd_epi16(p[6], p[7]);
+  const __m256i a = _mm256_madd_epi16(_mm256_hadd_epi16(h01, h23), ones);  // [lows 0-3 | highs 0-3], int32
+  const __m256i b = _mm256_madd_epi16(_mm256_hadd_epi16(h45, h67), ones);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
 inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
   s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -313,8 +325,20 @@ inline float hsum_ps(__m256 v) {
 }
 
 inline __m256i nibbles32(const uint8_t* qs) {  // 16 bytes -> values 0..15 (low nibbles) | 16..31 (high)
-  const __m128i v = _mm_loadu_si128((const __m128i*)qs);
-  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+  // one broadcast load, the upper copy shifted by 4 (bits crossing bytes are masked off)
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)qs));
+  return _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+}
+
+// 8 fp16 at p, p + stride, ... as fp32 (assembled in general registers: no store-forwarding stall)
+inline __m256 halves8(const uint8_t* p, int64_t stride) {
+  uint64_t w[2] = {0, 0};
+  for (int j = 0; j < 8; ++j) {
+    uint16_t h;
+    std::memcpy(&h, p + j * stride, 2);
+    w[j / 4] |= (uint64_t)h << (16 * (j % 4));
+  }
+  return _mm256_cvtph_ps(_mm_set_epi64x((long long)w[1], (long long)w[0]));
 }
 
 inline __m256i bits32(const uint8_t* qh) {  // 32 bits -> byte l = 0x10 where bit l is set
@@ -347,20 +371,28 @@ struct Chunk {
 template <int TYPE>
 inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
   using F = Fmt<TYPE>;
-  if (F::QV == 32) {
-    alignas(16) uint16_t dh[8], mh[8];
-    for (int j = 0; j < 8; ++j) {
-      const uint8_t* b = row + (c * 8 + j) * F::BYTES;
-      ch.u[j] = codes32<TYPE>(b);
-      std::memcpy(&dh[j], b, 2);
-      if (F::MIN) std::memcpy(&mh[j], b + 2, 2);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1) {  // u[2k] / u[2k+1]: low / high nibbles of blocks 2k | 2k+1
+    const uint8_t* b0 = row + c * 8 * F::BYTES;
+    constexpr int64_t QS = TYPE == GGUF_Q4_0 ? 2 : 4;
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t* b = b0 + 2 * k * F::BYTES + QS;
+      const __m256i v = _mm256_loadu2_m128i((const __m128i*)(b + F::BYTES), (const __m128i*)b);
+      ch.u[2 * k] = _mm256_and_si256(v, m4);
+      ch.u[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
     }
-    ch.fs = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)dh));
-    if (F::MIN) ch.fm = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)mh));
+    ch.fs = halves8(b0, F::BYTES);
+    if (F::MIN) ch.fm = halves8(b0 + 2, F::BYTES);
+    return;
+  }
+  if (F::QV == 32) {
+    const uint8_t* b0 = row + c * 8 * F::BYTES;
+    for (int j = 0; j < 8; ++j) ch.u[j] = codes32<TYPE>(b0 + j * F::BYTES);
+    ch.fs = halves8(b0, F::BYTES);
+    if (F::MIN) ch.fm = halves8(b0 + 2, F::BYTES);
     return;
   }
   const uint8_t* b = row + c * F::BYTES;
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
   if (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
     alignas(16) uint8_t sm[16];
     kquant_scales(b + 4, sm);
@@ -411,6 +443,29 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
 // The 8 sub-block integer sums of one chunk against activation row m (offsets taken off).
 template <int TYPE>
 inline __m256i chunk_isums(const Chunk& ch, const GgufActs& a, int64_t m, int64_t c) {
+  if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1) {  // cpu_kernels.cpp's int4 reduction over paired blocks
+    const int8_t* xp = a.q2 + m * a.K + c * 256;
+    __m256i s4[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256i x0 = _mm256_load_si256((const __m256i*)(xp + 64 * k));
+      const __m256i x1 = _mm256_load_si256((const __m256i*)(xp + 64 * k + 32));
+#ifdef EDGELLM_G_VNNI  // int32 lanes [blk 2k: 4 sums of 8 products | blk 2k+1: 4]
+      s4[k] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ch.u[2 * k], x0), ch.u[2 * k + 1], x1);
+#else  // int16 lanes of 4 products (|.| <= 4 * 15 * 127)
+      s4[k] = _mm256_add_epi16(_mm256_maddubs_epi16(ch.u[2 * k], x0), _mm256_maddubs_epi16(ch.u[2 * k + 1], x1));
+#endif
+    }
+#ifdef EDGELLM_G_VNNI
+    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s4[0], s4[1]), _mm256_hadd_epi32(s4[2], s4[3]));
+#else  // two levels in int16 (16 products, |.| <= 30480), widened by madd: [blk 0, 2, 4, 6 | 1, 3, 5, 7]
+    __m256i h = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(s4[0], s4[1]), _mm256_hadd_epi16(s4[2], s4[3])),
+                                  _mm256_set1_epi16(1));
+#endif
+    h = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (TYPE == GGUF_Q4_0)
+      h = _mm256_sub_epi32(h, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sum32 + m * a.nb + c * 8)), 3));
+    return h;
+  }
   const int8_t* xq = a.q + m * a.K + c * 256;
   __m256i p[8];
   for (int j = 0; j < 8; ++j) {
@@ -420,10 +475,18 @@ inline __m256i chunk_isums(const Chunk& ch, const GgufActs& a, int64_t m, int64_
     } else if (TYPE == GGUF_Q6_K) {  // per-16 int scales: madd with [sc_a x8 | sc_b x8]
       p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(ch.u[j], x), ch.sc16[j]);
     } else {
+#ifdef EDGELLM_G_VNNI
       p[j] = dot_u8s8(ch.u[j], x);
+#else
+      p[j] = _mm256_maddubs_epi16(ch.u[j], x);  // codes <= 31: int16 pair sums, widened in reduce8_i16
+#endif
     }
   }
+#ifdef EDGELLM_G_VNNI
   __m256i isum = reduce8(p);
+#else
+  __m256i isum = TYPE == GGUF_Q8_0 || TYPE == GGUF_Q6_K ? reduce8(p) : reduce8_i16(p);
+#endif
   const int64_t o = m * a.nb + c * 8;
   if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q5_0)
     isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sum32 + o)),
@@ -614,7 +677,7 @@ GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K) {
   a.nb = K / QK;
   const size_t per = (size_t)(M * a.nb);
   // q [M, K] (K % 32 == 0: every row 32-byte aligned), then d, s, sum32 (4 bytes each), sum16 (2 x 2 bytes)
-  uint8_t* base = acts_buffer(per * 32 + per * 16);
+  uint8_t* base = acts_buffer(per * 64 + per * 16 + 64);
   int8_t* q = reinterpret_cast<int8_t*>(base);
   float* d = reinterpret_cast<float*>(base + per * 32);
   float* s = d + per;
@@ -626,6 +689,16 @@ GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K) {
       d[o] = quantize_block32(x + m * K + b * QK, q + m * K + b * QK, &s32[o], &s16[2 * o]);
       s[o] = d[o] * (float)s32[o];
     }
+#ifdef EDGELLM_G_AVX2
+  int8_t* q2 = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(s16 + 2 * per) + 63) & ~uintptr_t(63));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < a.nb; ++b) {
+      int8_t* dst = q2 + m * K + (b >> 1) * 64 + (b & 1) * 16;
+      std::memcpy(dst, q + m * K + b * QK, 16);
+      std::memcpy(dst + 32, q + m * K + b * QK + 16, 16);
+    }
+  a.q2 = q2;
+#endif
   a.q = q;
   a.d = d;
   a.s = s;

@@ -25,6 +25,10 @@ struct GgufActs {
   const float* s = nullptr;      // [M, nb]
   const int32_t* sum32 = nullptr;  // [M, nb]
   const int16_t* sum16 = nullptr;  // [M, 2 * nb]
+  // AVX2 builds: q again, blocks paired as cpu_kernels.cpp's int4 kernel reads them (the 64 bytes of blocks 2p,
+  // 2p + 1 = [2p: x0..15 | 2p+1: x0..15 | 2p: x16..31 | 2p+1: x16..31]), so that one 32-byte load of Q4_0 / Q4_1
+  // codes serves two blocks; null elsewhere
+  const int8_t* q2 = nullptr;    // [M, K]
 };
 GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K);
 

@@ -353,3 +353,119 @@ def test_vnni_build_bit_identical_to_avx2(isa_builds):
     a, v = run_isa(folder, jobs, "avx2"), run_isa(folder, jobs, "avx512vnni")
     for key in a:
         assert np.array_equal(a[key][3].view(np.uint32), v[key][3].view(np.uint32)), key
+
+
+# ------------------------------------------------------------------------------------------------ fused step
+# The fused C++ decode step (kernels/cpu_decode.py) on a tiny model whose every linear, its embedding and its output
+# are GGUF modules (duck-typed as the loader's: `gguf_parts` of raw / type / rows / out_index), against the eager
+# model whose fake modules compute an independent reference: gguf.quants' dequantized weights in float64 against x
+# rounded to int8 per 32 values (emulated in numpy), so only fp32 rounding (and a rare flip of an activation's
+# int8 rounding by it) separates the two.
+class _Part:
+    def __init__(self, raw: np.ndarray, qtype: Q, out_index: torch.Tensor | None):
+        self.raw = torch.from_numpy(raw)
+        self.type = int(qtype)
+        self.rows = raw.shape[0]
+        self.out_index = out_index
+
+
+class FakeGGUFLinear(torch.nn.Module):
+    def __init__(self, parts: list[_Part], in_features: int, out_features: int, bias=None, embedding=False):
+        super().__init__()
+        self.gguf_parts, self.in_features, self.out_features = parts, in_features, out_features
+        self.bias = bias
+        w = np.zeros((out_features, in_features), dtype=np.float32)
+        offset = 0
+        for p in parts:
+            rows = dequant_ref(p.raw.numpy(), Q(p.type))
+            if p.out_index is None:
+                w[offset:offset + p.rows] = rows
+            else:
+                w[p.out_index.long().numpy()] = rows
+            offset += p.rows
+        self.w = torch.from_numpy(w)
+        self.embedding = embedding
+
+    def forward(self, x):
+        if self.embedding:
+            return self.w[x]
+        shape = x.shape
+        xq = emulate_int8_x(x.reshape(-1, shape[-1]).detach().float().numpy())
+        y = torch.from_numpy(xq @ self.w.double().numpy().T).float().reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def _gguf_module(n: int, k: int, recipe: list[Q], seed: int, bias=None, permute=False, embedding=False):
+    """n rows split evenly over the recipe's types; with `permute`, every part but the last scatters its rows over
+    [0, n - last part's rows) by out_index, and the last one (no out_index) takes the rows after them."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = [n // len(recipe)] * (len(recipe) - 1)
+    sizes.append(n - sum(sizes))
+    perm = torch.randperm(n - sizes[-1], generator=gen).to(torch.int32)
+    parts, start = [], 0
+    for i, (t, rows) in enumerate(zip(recipe, sizes)):
+        idx = perm[start:start + rows].clone() if permute and i < len(recipe) - 1 else None
+        parts.append(_Part(make_weights(t, rows, k, seed=seed * 10 + i), t, idx))
+        start += rows
+    return FakeGGUFLinear(parts, k, n, bias, embedding)
+
+
+RECIPES = {  # Q4_K_M's mix, and the legacy 32-block types
+    "kquants": dict(qkv=[Q.Q4_K, Q.Q6_K], o=[Q.Q4_K], w13=[Q.Q5_K, Q.Q4_K], w2=[Q.Q6_K], emb=[Q.Q4_K], out=[Q.Q6_K]),
+    "legacy": dict(qkv=[Q.Q4_0, Q.Q5_1], o=[Q.Q5_0], w13=[Q.Q4_1, Q.Q8_0], w2=[Q.Q4_0], emb=[Q.Q8_0, Q.Q5_0],
+                   out=[Q.Q4_1]),
+}
+
+
+def _gguf_model(tmp_path, variant: str, recipe: dict):
+    from edgellm.loading import load_model
+    from tests.fixtures.tiny import make_hf_model
+
+    folder = make_hf_model(tmp_path / variant, variant, seed=2, hidden_size=256, intermediate_size=512,
+                           num_attention_heads=4, num_key_value_heads=2)
+    loaded = load_model(folder, max_seq_len=64)
+    model, cfg = loaded.model, loaded.model.config
+    with torch.no_grad():
+        for i, blk in enumerate(model.layers):
+            a, f = blk.attention, blk.feed_forward
+            a.wqkv = _gguf_module(a.wqkv.out_features, cfg.dim, recipe["qkv"], 100 + i, a.wqkv.bias, permute=True)
+            a.wo = _gguf_module(cfg.dim, a.wo.in_features, recipe["o"], 200 + i)
+            f.w13 = _gguf_module(f.w13.out_features, cfg.dim, recipe["w13"], 300 + i, permute=True)
+            f.w2 = _gguf_module(cfg.dim, f.w2.in_features, recipe["w2"], 400 + i)
+        model.tok_embeddings = _gguf_module(cfg.vocab_size, cfg.dim, recipe["emb"], 7, embedding=True)
+        model.output = _gguf_module(cfg.vocab_size, cfg.dim, recipe["out"], 8)
+    return loaded
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias"])
+def test_fused_step_runs_gguf_model(ext, tmp_path, variant, recipe):
+    from edgellm.generate import Engine
+    from tests.test_decode_step import PROMPT, STEPS, eager_logits, step_logits
+
+    loaded = _gguf_model(tmp_path, variant, RECIPES[recipe])
+    engine = Engine(loaded.model, loaded.tokenizer)
+    assert engine.compiled_step() is not None, "the fused step should take a model of GGUF modules"
+    want = eager_logits(loaded.model)
+    got = step_logits(engine)
+    for g, w in zip(got, want):
+        assert rel_err(g.numpy(), w.double().numpy()) <= 1e-5  # measured ~2e-7
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_fused_gguf_many_rows_equal_one_token_steps(ext, tmp_path, recipe):
+    """Speculative verification through the fused step: each row of a T-token call bit for bit the one-token
+    step at its position."""
+    from edgellm.generate import Engine
+    from tests.test_decode_step import PROMPT, STEPS, step_logits
+
+    loaded = _gguf_model(tmp_path, "qwen2_bias", RECIPES[recipe])
+    a, b = (Engine(loaded.model, loaded.tokenizer) for _ in range(2))
+    one = step_logits(a)
+    b.reset()
+    b.prefill(PROMPT)
+    step = b.compiled_step()
+    rows = list(step.many(torch.tensor(STEPS[:5]), len(PROMPT)).clone())
+    rows += list(step.many(torch.tensor(STEPS[5:]), len(PROMPT) + 5))
+    for got, want in zip(rows, one):
+        assert torch.equal(got, want)
