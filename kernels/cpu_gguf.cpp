@@ -330,15 +330,21 @@ inline __m256i nibbles32(const uint8_t* qs) {  // 16 bytes -> values 0..15 (low 
   return _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
-// 8 fp16 at p, p + stride, ... as fp32 (assembled in general registers: no store-forwarding stall)
+// 8 fp16 at p, p + stride, ... as fp32: assembled in general registers (the integer ports are idle here; 8 small
+// stores and one vector load would stall store forwarding, vpinsrw chains load the vector ports)
+inline uint64_t ld16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return h;
+}
+
 inline __m256 halves8(const uint8_t* p, int64_t stride) {
-  uint64_t w[2] = {0, 0};
-  for (int j = 0; j < 8; ++j) {
-    uint16_t h;
-    std::memcpy(&h, p + j * stride, 2);
-    w[j / 4] |= (uint64_t)h << (16 * (j % 4));
-  }
-  return _mm256_cvtph_ps(_mm_set_epi64x((long long)w[1], (long long)w[0]));
+  uint64_t lo = ld16(p) | ld16(p + stride) << 16 | ld16(p + 2 * stride) << 32 | ld16(p + 3 * stride) << 48;
+  uint64_t hi = ld16(p + 4 * stride) | ld16(p + 5 * stride) << 16 | ld16(p + 6 * stride) << 32 | ld16(p + 7 * stride) << 48;
+#if defined(__GNUC__) || defined(__clang__)
+  __asm__("" : "+r"(lo), "+r"(hi));  // keep the SLP vectorizer from moving this to the vector ports
+#endif
+  return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_cvtsi64_si128((long long)lo), _mm_cvtsi64_si128((long long)hi)));
 }
 
 inline __m256i bits32(const uint8_t* qh) {  // 32 bits -> byte l = 0x10 where bit l is set
@@ -566,12 +572,73 @@ void rows_range(const GgufActs& a, const uint8_t* blocks, int64_t n0, int64_t n1
 // ------------------------------------------------------------------------------------------------ dequantize
 // gguf.quants' float operations, in its order: (q - off) * d | d * q + m | (d sc) * q - (dmin m) | (d sc) * q,
 // each product rounded on its own (no FMA).
+#ifdef EDGELLM_G_AVX2
+// 8 codes (u8, or int8 for Q8_0) -> fp32 with gguf.quants' operations: (q - off) * d, d * q + m, d * q - dm.
+template <int TYPE>
+inline __m256 dequant8(__m128i q8, __m256 d, __m256 m) {
+  const __m256 q = _mm256_cvtepi32_ps(TYPE == GGUF_Q8_0 ? _mm256_cvtepi8_epi32(q8) : _mm256_cvtepu8_epi32(q8));
+  if (TYPE == GGUF_Q4_0) return _mm256_mul_ps(_mm256_sub_ps(q, _mm256_set1_ps(8.0f)), d);
+  if (TYPE == GGUF_Q5_0) return _mm256_mul_ps(_mm256_sub_ps(q, _mm256_set1_ps(16.0f)), d);
+  if (TYPE == GGUF_Q6_K) return _mm256_mul_ps(d, _mm256_sub_ps(q, _mm256_set1_ps(32.0f)));
+  if (TYPE == GGUF_Q8_0) return _mm256_mul_ps(q, d);
+  __m256 p = _mm256_mul_ps(d, q);
+#if defined(__GNUC__) || defined(__clang__)
+  __asm__("" : "+x"(p));  // two roundings, as numpy: no FMA
+#endif
+  return TYPE == GGUF_Q4_1 || TYPE == GGUF_Q5_1 ? _mm256_add_ps(p, m) : _mm256_sub_ps(p, m);
+}
+
+// 32 values of sub-block (or block) j from its u8 codes in x's order [0..15 | 16..31].
+template <int TYPE>
+inline void dequant32(__m256i u, __m256 d0, __m256 d1, __m256 m, float* o) {
+  const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+  _mm256_storeu_ps(o, dequant8<TYPE>(lo, d0, m));
+  _mm256_storeu_ps(o + 8, dequant8<TYPE>(_mm_srli_si128(lo, 8), d0, m));
+  _mm256_storeu_ps(o + 16, dequant8<TYPE>(hi, d1, m));
+  _mm256_storeu_ps(o + 24, dequant8<TYPE>(_mm_srli_si128(hi, 8), d1, m));
+}
+
+// The full chunks of a row through the kernels' decoding (decode_chunk); returns the values written.
+template <int TYPE>
+int64_t dequant_chunks(const uint8_t* row, int64_t K, float* out) {
+  using F = Fmt<TYPE>;
+  alignas(32) float fs[8], fm[8];
+  Chunk ch;
+  const int64_t nchunk = K / 256;
+  for (int64_t c = 0; c < nchunk; ++c) {
+    decode_chunk<TYPE>(row, c, ch);
+    _mm256_store_ps(fs, ch.fs);
+    if (F::MIN) _mm256_store_ps(fm, TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K ? _mm256_xor_ps(ch.fm, _mm256_set1_ps(-0.0f)) : ch.fm);
+    float* o = out + c * 256;
+    for (int j = 0; j < 8; ++j) {
+      __m256i u = ch.u[j];
+      if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1) {  // paired: u[2k] = values 0..15 of blocks 2k | 2k+1
+        const __m256i a = ch.u[j & ~1], b = ch.u[j | 1];
+        u = (j & 1) ? _mm256_permute2x128_si256(a, b, 0x31) : _mm256_permute2x128_si256(a, b, 0x20);
+      }
+      __m256 d0 = _mm256_set1_ps(fs[j]), d1 = d0;
+      if (TYPE == GGUF_Q6_K) {
+        const uint8_t* sc = row + c * F::BYTES + 192 + 2 * j;
+        d0 = _mm256_set1_ps(fs[j] * (float)(int8_t)sc[0]);
+        d1 = _mm256_set1_ps(fs[j] * (float)(int8_t)sc[1]);
+      }
+      dequant32<TYPE>(u, d0, d1, _mm256_set1_ps(F::MIN ? fm[j] : 0.0f), o + 32 * j);
+    }
+  }
+  return nchunk * 256;
+}
+#endif
+
 template <int TYPE>
 void dequant_row(const uint8_t* row, int64_t K, float* out) {
   using F = Fmt<TYPE>;
   constexpr int SUBS = (int)(F::QV / QK);
   alignas(16) int8_t w[32];
-  for (int64_t bi = 0; bi < K / F::QV; ++bi) {
+  int64_t done = 0;
+#ifdef EDGELLM_G_AVX2
+  done = dequant_chunks<TYPE>(row, K, out);
+#endif
+  for (int64_t bi = done / F::QV; bi < K / F::QV; ++bi) {
     const uint8_t* b = row + bi * F::BYTES;
     for (int j = 0; j < SUBS; ++j) {
       float fs, fm;
