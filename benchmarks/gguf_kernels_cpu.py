@@ -9,14 +9,16 @@ the microseconds. "int4 sym/asym g32" is cpu_kernels.cpp's int4 kernel on Q4_0 /
 and fp16 scales, stored apart instead of interleaved in 18 / 20-byte blocks). Calls are timed from Python (the
 call overhead the model pays is in), methods interleaved round-robin, the median round kept.
 
-The prefill table times, for the K-quants at M rows > 16, the int-dot kernel against dequantize (gguf_dequantize
-into a reused buffer) + fp32 F.linear, and records the largest M where the kernel still wins:
+A "hot" table runs the same calls on one 256 x 2048 copy that stays in L2 (compute speed, less noisy on a loaded
+machine). The prefill table times, for the K-quants at M rows >= 16 (wq: 2048 x 2048), the int-dot kernel against dequantize
+(gguf_dequantize into a reused buffer) + fp32 F.linear, and records the largest M where the kernel still wins:
 kernels/gguf_ops.py GGUF_KERNEL_MAX_ROWS holds those thresholds.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Callable
@@ -28,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.kernels_cpu import bench_round_robin, cpu_model, load_average  # noqa: E402
+from benchmarks.kernels_cpu import bench_round_robin, cpu_model, cycling, load_average  # noqa: E402
 from benchmarks.run_record import write_run  # noqa: E402
 from edgellm.kernels.cpu_ext import get_extension  # noqa: E402
 
@@ -39,6 +41,7 @@ TYPES = {2: ("Q4_0", 32, 18, (0,)), 3: ("Q4_1", 32, 20, (0, 2)), 6: ("Q5_0", 32,
          7: ("Q5_1", 32, 24, (0, 2)), 8: ("Q8_0", 32, 34, (0,)), 12: ("Q4_K", 256, 144, (0, 2)),
          13: ("Q5_K", 256, 176, (0, 2)), 14: ("Q6_K", 256, 210, (208,))}
 COLD_BYTES = 64 << 20
+STAT = statistics.median  # --stat min: the fastest round (a loaded machine's rounds mostly measure the others)
 
 
 def random_blocks(qtype: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -68,45 +71,38 @@ def int4_method(ext, asym: bool, n: int, k: int, gen) -> tuple[int, Callable[[],
     return n * k // 32 * (20 if asym else 18), f
 
 
-def cold(nbytes: int, factory) -> Callable[[torch.Tensor], Callable[[], object]]:
-    copies = [factory() for _ in range(max(1, -(-COLD_BYTES // nbytes)))]
-
-    def bind(x):
-        state = [0]
-
-        def call():
-            i = state[0] = (state[0] + 1) % len(copies)
-            return copies[i](x)
-        return call
-    return bind
+def cold(nbytes: int, factory, cold_bytes: int) -> Callable[[torch.Tensor], Callable[[], object]]:
+    return cycling([factory() for _ in range(max(1, -(-cold_bytes // nbytes)))])
 
 
-def decode_table(ext, ms: list[int], rounds: int, gen) -> list[dict]:
+def decode_table(ext, ms: list[int], rounds: int, gen, shapes=SHAPES, cold_bytes: int = COLD_BYTES,
+                 table: str = "decode") -> list[dict]:
     rows = []
-    for shape, n, k in SHAPES:
+    for shape, n, k in shapes:
         methods = {f"{TYPES[t][0]}": gguf_method(ext, t, n, k, gen) for t in TYPES}
         methods["int4 sym g32 (Q4_0 data)"] = int4_method(ext, False, n, k, gen)
         methods["int4 asym g32 (Q4_1 data)"] = int4_method(ext, True, n, k, gen)
-        bound = {name: (nbytes, cold(nbytes, f)) for name, (nbytes, f) in methods.items()}
+        bound = {name: (nbytes, cold(nbytes, f, cold_bytes)) for name, (nbytes, f) in methods.items()}
         for m in ms:
             x = torch.randn(m, k, generator=gen)
-            us = bench_round_robin({name: b(x) for name, (_, b) in bound.items()}, rounds)
+            us = bench_round_robin({name: b(x) for name, (_, b) in bound.items()}, rounds, STAT)
             for name, t in us.items():
                 nbytes = bound[name][0]
-                rows.append({"table": "decode", "shape": shape, "N": n, "K": k, "M": m, "method": name,
+                rows.append({"table": table, "shape": shape, "N": n, "K": k, "M": m, "method": name,
                              "us": round(t, 1), "weight_GBps": round(nbytes / t / 1e3, 2)})
-                print(f"{shape:4s} N={n:5d} K={k:4d} M={m:2d} {name:26s} {t:9.1f} us {nbytes / t / 1e3:6.2f} GB/s",
+                print(f"{table} {shape:4s} N={n:5d} K={k:4d} M={m:2d} {name:26s} {t:9.1f} us {nbytes / t / 1e3:6.2f} GB/s",
                       flush=True)
     return rows
 
 
 def prefill_table(ext, ms: list[int], rounds: int, gen) -> tuple[list[dict], dict[str, int]]:
-    """Kernel vs dequantize + GEMM for the K-quants at the w13 and wq shapes; threshold = largest M the kernel wins."""
+    """Kernel vs dequantize + GEMM for the K-quants at the wq shape; threshold = the largest M of the first run of
+    kernel wins."""
     rows, thresholds = [], {}
     for qtype in (12, 13, 14):
         name = TYPES[qtype][0]
         wins = []
-        for shape, n, k in SHAPES[:2]:
+        for shape, n, k in SHAPES[:1]:
             raw = random_blocks(qtype, n, k, gen)
             parts = [(raw, qtype, n, None)]
             buf = torch.empty(n * k)
@@ -115,10 +111,9 @@ def prefill_table(ext, ms: list[int], rounds: int, gen) -> tuple[list[dict], dic
                 us = bench_round_robin({
                     "kernel": lambda: ext.gguf_linear(x, parts, n),
                     "dequantize+GEMM": lambda: F.linear(x, ext.gguf_dequantize(raw, qtype, n, k, buf)),
-                }, rounds)
+                }, rounds, STAT)
                 win = us["kernel"] <= us["dequantize+GEMM"]
-                if shape == "w13":
-                    wins.append((m, win))
+                wins.append((m, win))
                 for meth, t in us.items():
                     rows.append({"table": "prefill", "type": name, "shape": shape, "N": n, "K": k, "M": m,
                                  "method": meth, "us": round(t, 1)})
@@ -140,15 +135,22 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--m", default="1,2,4,8,16", help="M values of the decode / verification table")
     ap.add_argument("--prefill", default="16,32,64,128,256,512", help="M values of the prefill table ('' skips it)")
+    ap.add_argument("--stat", choices=("median", "min"), default="median", help="statistic over the rounds")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "gguf-kernels-cpu.json"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    global STAT
+    STAT = min if args.stat == "min" else statistics.median
     ext = get_extension()
     if ext is None or not hasattr(ext, "gguf_linear"):
         sys.exit("the CPU kernel extension is unavailable (EDGELLM_NO_EXT set, or the build failed)")
     gen = torch.Generator().manual_seed(0)
     load_before = load_average()
-    rows = decode_table(ext, [int(v) for v in args.m.split(",") if v], args.rounds, gen)
+    ms = [int(v) for v in args.m.split(",") if v]
+    rows = decode_table(ext, ms, args.rounds, gen)
+    # the same kernels on one weight copy that stays in L2: their compute speed, which a loaded machine's DRAM
+    # timings blur (each figure is then weights x rows per second, not a bandwidth)
+    rows += decode_table(ext, [m for m in ms if m in (1, 16)], args.rounds, gen, [("hot", 256, 2048)], 0, "hot")
     thresholds = {}
     if args.prefill:
         prows, thresholds = prefill_table(ext, [int(v) for v in args.prefill.split(",") if v], args.rounds, gen)
@@ -157,7 +159,7 @@ def main() -> None:
     flags = sorted(f for f in open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split()
                    if f.startswith(("avx", "fma", "f16c", "sse4", "vnni"))) if os.path.exists("/proc/cpuinfo") else []
     write_run(args.out, rows, args.threads, cpu=cpu_model(), cpu_flags=flags, isa=ext.isa(),
-              load_average=[load_before, load_average()], gguf_kernel_max_rows=thresholds)
+              load_average=[load_before, load_average()], stat=args.stat, gguf_kernel_max_rows=thresholds)
     print("wrote", args.out)
 
 

@@ -330,21 +330,34 @@ inline __m256i nibbles32(const uint8_t* qs) {  // 16 bytes -> values 0..15 (low 
   return _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
 }
 
-// 8 fp16 at p, p + stride, ... as fp32: assembled in general registers (the integer ports are idle here; 8 small
-// stores and one vector load would stall store forwarding, vpinsrw chains load the vector ports)
-inline uint64_t ld16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return h;
+// The first 4 bytes of 8 blocks (d, or d | m << 16) as one vector of dwords (dword loads inserted from memory:
+// fewer instructions than assembling fp16 in general registers, and no store-forwarding stall)
+inline int32_t ld32(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
 }
 
-inline __m256 halves8(const uint8_t* p, int64_t stride) {
-  uint64_t lo = ld16(p) | ld16(p + stride) << 16 | ld16(p + 2 * stride) << 32 | ld16(p + 3 * stride) << 48;
-  uint64_t hi = ld16(p + 4 * stride) | ld16(p + 5 * stride) << 16 | ld16(p + 6 * stride) << 32 | ld16(p + 7 * stride) << 48;
-#if defined(__GNUC__) || defined(__clang__)
-  __asm__("" : "+r"(lo), "+r"(hi));  // keep the SLP vectorizer from moving this to the vector ports
-#endif
-  return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_cvtsi64_si128((long long)lo), _mm_cvtsi64_si128((long long)hi)));
+inline __m256i heads8(const uint8_t* p, int64_t stride) {
+  __m128i a = _mm_cvtsi32_si128(ld32(p)), b = _mm_cvtsi32_si128(ld32(p + 4 * stride));
+  a = _mm_insert_epi32(a, ld32(p + stride), 1);
+  b = _mm_insert_epi32(b, ld32(p + 5 * stride), 1);
+  a = _mm_insert_epi32(a, ld32(p + 2 * stride), 2);
+  b = _mm_insert_epi32(b, ld32(p + 6 * stride), 2);
+  a = _mm_insert_epi32(a, ld32(p + 3 * stride), 3);
+  b = _mm_insert_epi32(b, ld32(p + 7 * stride), 3);
+  return _mm256_set_m128i(b, a);
+}
+
+// fp16 halves of 8 dwords as fp32: the low (high = false) or high halves
+template <bool HIGH>
+inline __m256 halves_of(__m256i dw) {
+  const __m256i pick = HIGH ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)
+                            : _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i h = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(dw, pick), 0x08);  // qwords 0, 2 -> low lane
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(h));
 }
 
 inline __m256i bits32(const uint8_t* qh) {  // 32 bits -> byte l = 0x10 where bit l is set
@@ -387,15 +400,17 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
       ch.u[2 * k] = _mm256_and_si256(v, m4);
       ch.u[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
     }
-    ch.fs = halves8(b0, F::BYTES);
-    if (F::MIN) ch.fm = halves8(b0 + 2, F::BYTES);
+    const __m256i heads = heads8(b0, F::BYTES);
+    ch.fs = halves_of<false>(heads);
+    if (F::MIN) ch.fm = halves_of<true>(heads);
     return;
   }
   if (F::QV == 32) {
     const uint8_t* b0 = row + c * 8 * F::BYTES;
     for (int j = 0; j < 8; ++j) ch.u[j] = codes32<TYPE>(b0 + j * F::BYTES);
-    ch.fs = halves8(b0, F::BYTES);
-    if (F::MIN) ch.fm = halves8(b0 + 2, F::BYTES);
+    const __m256i heads = heads8(b0, F::BYTES);
+    ch.fs = halves_of<false>(heads);
+    if (F::MIN) ch.fm = halves_of<true>(heads);
     return;
   }
   const uint8_t* b = row + c * F::BYTES;
