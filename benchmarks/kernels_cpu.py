@@ -65,8 +65,9 @@ def time_calls(fn: Callable[[], object], seconds: float = 0.02) -> tuple[int, fl
     return max(1, min(2000, int(seconds / one))), one
 
 
-def bench_round_robin(methods: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
-    """Median over `rounds` of the mean microseconds per call, methods interleaved within each round."""
+def bench_round_robin(methods: dict[str, Callable[[], object]], rounds: int,
+                      stat: Callable[[list[float]], float] = statistics.median) -> dict[str, float]:
+    """Median (or `stat`) over `rounds` of the mean microseconds per call, methods interleaved within each round."""
     plan = {name: time_calls(fn)[0] for name, fn in methods.items()}
     samples: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(rounds):
@@ -76,7 +77,7 @@ def bench_round_robin(methods: dict[str, Callable[[], object]], rounds: int) -> 
             for _ in range(n):
                 fn()
             samples[name].append((time.perf_counter() - t) / n * 1e6)
-    return {name: statistics.median(v) for name, v in samples.items()}
+    return {name: stat(v) for name, v in samples.items()}
 
 
 COLD_BYTES = 64 << 20  # each method cycles through weight copies totalling >= this: past the 36 MB L3
@@ -142,8 +143,11 @@ def cold(method: str, n: int, k: int, gen: torch.Generator, ext) -> Callable[[to
     """x -> a zero-argument call that uses the next weight copy each time, so weights come from DRAM, as in
     the model (84 MB of int4 weights per token do not fit the caches)."""
     nbytes, factory = make_method(method, n, k, gen, ext)
-    copies = [factory() for _ in range(max(1, -(-COLD_BYTES // int(nbytes))))]
+    return cycling([factory() for _ in range(max(1, -(-COLD_BYTES // int(nbytes))))])
 
+
+def cycling(copies: list[Callable[[torch.Tensor], object]]) -> Callable[[torch.Tensor], Callable[[], object]]:
+    """x -> a zero-argument call that applies the next of `copies` to x each time."""
     def bind(x: torch.Tensor) -> Callable[[], object]:
         state = [0]
 

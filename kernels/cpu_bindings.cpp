@@ -15,6 +15,7 @@
 #include <string>
 
 #include "cpu_decode.h"
+#include "cpu_gguf.h"
 
 namespace edgellm {
 void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,
@@ -150,10 +151,115 @@ at::Tensor dequant_out(const at::Tensor& codes, const at::Tensor& scales, const 
   return buf.view({-1}).narrow(0, 0, N * K).view({N, K});
 }
 
+// ------------------------------------------------------------------------------------------------ GGUF
+// A GGUF tensor's raw blocks (uint8, [N, row_bytes] or 1-D, typically memory-mapped through torch.frombuffer and
+// so read-only): checked and used in place, never copied nor written.
+namespace py = pybind11;
+
+struct GgufPartView {
+  int type = 0;
+  int64_t N = 0;
+  const uint8_t* data = nullptr;
+  const int32_t* out_index = nullptr;
+};
+
+GgufPartView gguf_part(const py::handle& item, int64_t K, const char* what) {
+  const py::tuple t = item.cast<py::tuple>();
+  TORCH_CHECK(t.size() == 4, what, ": a GGUF part is (raw uint8 tensor, type, rows, out_index or None)");
+  const at::Tensor raw = py::cast<at::Tensor>(t[0]);
+  GgufPartView p;
+  p.type = t[1].cast<int>();
+  p.N = t[2].cast<int64_t>();
+  TORCH_CHECK(edgellm::gguf_supported(p.type), what, ": GGML type ", p.type, " is not multiplied natively (types: 2, 3, 6, "
+              "7, 8, 12, 13, 14)");
+  const int64_t qv = edgellm::gguf_block_values(p.type);
+  TORCH_CHECK(K > 0 && K % qv == 0, what, ": K=", K, " is not a multiple of the type's ", qv, "-value blocks");
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() &&
+                  (raw.dim() == 1 || raw.dim() == 2), what, ": raw blocks must be a contiguous uint8 CPU tensor, got ",
+              raw.scalar_type(), " ", raw.sizes());
+  const int64_t rb = edgellm::gguf_row_bytes(p.type, K);
+  TORCH_CHECK(p.N >= 0 && raw.numel() == p.N * rb && (raw.dim() == 1 || raw.size(1) == rb), what, ": ", raw.numel(),
+              " raw bytes ", raw.sizes(), " do not hold ", p.N, " rows of ", rb, " bytes (type ", p.type, ", K=", K, ")");
+  p.data = raw.data_ptr<uint8_t>();
+  if (!t[3].is_none()) {
+    const at::Tensor idx = py::cast<at::Tensor>(t[3]);
+    TORCH_CHECK(idx.device().is_cpu() && idx.scalar_type() == at::kInt && idx.is_contiguous() && idx.numel() == p.N,
+                what, ": out_index must be a contiguous int32 CPU tensor of ", p.N, " entries, got ", idx.scalar_type(),
+                " ", idx.sizes());
+    p.out_index = idx.data_ptr<int32_t>();
+  }
+  return p;
+}
+
+// The parts' output columns: each of [0, N_total) exactly once (a part without out_index takes the next rows).
+void check_gguf_columns(const std::vector<GgufPartView>& parts, int64_t N_total, const char* what) {
+  std::vector<uint8_t> seen((size_t)std::max<int64_t>(N_total, 0), 0);
+  int64_t offset = 0, rows = 0;
+  for (const auto& p : parts) {
+    for (int64_t n = 0; n < p.N; ++n) {
+      const int64_t c = p.out_index ? p.out_index[n] : offset + n;
+      TORCH_CHECK(c >= 0 && c < N_total && !seen[(size_t)c], what, ": output column ", c, " is out of [0, ", N_total,
+                  ") or written twice");
+      seen[(size_t)c] = 1;
+    }
+    offset += p.N;
+    rows += p.N;
+  }
+  TORCH_CHECK(rows == N_total, what, ": the parts hold ", rows, " rows, expected ", N_total);
+}
+
+// x fp32 [M, K] @ (the parts' rows)^T -> fp32 [M, N_total]; x quantized once for all parts.
+at::Tensor gguf_linear(const at::Tensor& x_, const py::list& parts_, int64_t N_total) {
+  const at::Tensor x = as_f32_rows(x_);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % 32 == 0, "edgellm gguf_linear: K=", K, " must be a multiple of 32");
+  std::vector<GgufPartView> parts;
+  for (const py::handle& item : parts_) parts.push_back(gguf_part(item, K, "edgellm gguf_linear"));
+  check_gguf_columns(parts, N_total, "edgellm gguf_linear");
+  at::Tensor out = at::empty({M, N_total}, x.options());
+  float* y = out.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  {
+    py::gil_scoped_release nogil;
+    const edgellm::GgufActs acts = edgellm::gguf_quantize_acts(xp, M, K);
+    int64_t offset = 0;
+    for (const auto& p : parts) {
+      edgellm::gguf_gemm(acts, p.data, p.type, p.N, K, p.out_index ? y : y + offset, N_total, p.out_index);
+      offset += p.N;
+    }
+  }
+  return out;
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t N, int64_t K, const std::optional<at::Tensor>& out_) {
+  const GgufPartView p = gguf_part(py::make_tuple(raw, type, N, py::none()), K, "edgellm gguf_dequantize");
+  at::Tensor out;
+  if (out_.has_value()) {
+    out = *out_;
+    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.device().is_cpu() && out.numel() == N * K,
+                "edgellm gguf_dequantize: out must be a contiguous fp32 CPU tensor of ", N, " x ", K, " elements");
+    out = out.view({N, K});
+  } else {
+    out = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
+  }
+  float* o = out.data_ptr<float>();
+  {
+    py::gil_scoped_release nogil;
+    edgellm::gguf_dequantize_rows(p.data, p.type, N, K, o);
+  }
+  return out;
+}
+
+std::vector<int> gguf_types() {
+  std::vector<int> r;
+  for (int t = 0; t < 64; ++t)
+    if (edgellm::gguf_supported(t)) r.push_back(t);
+  return r;
+}
+
 // ------------------------------------------------------------------------------------------------ decode plan
 // The fused decode step's plan: cpu_decode.py passes the model's tensors; the plan keeps a reference to each,
 // so the raw pointers in edgellm::DecodeModel stay valid for its lifetime.
-namespace py = pybind11;
 
 struct DecodePlan {
   edgellm::DecodeModel m;
@@ -173,7 +279,8 @@ struct DecodePlan {
                 " elements, expected ", numel);
     return t.data_ptr<float>();
   }
-  // (kind, group, weight-or-codes, scales, mins, bias); kind 0 = fp32 [N, K], 4 = int4, 8 = int8
+  // (kind, group, weight-or-codes, scales, mins, bias); kind 0 = fp32 [N, K], 4 = int4, 8 = int8, 1 = GGUF parts
+  // (weight-or-codes: the list of gguf_linear's part tuples; group, scales, mins unused)
   edgellm::DecodeLinear linear(const py::tuple& spec, int64_t N, int64_t K, const char* what) {
     TORCH_CHECK(spec.size() == 6, "edgellm decode plan: ", what, ": a linear spec has 6 fields");
     edgellm::DecodeLinear L;
@@ -184,6 +291,21 @@ struct DecodePlan {
     if (L.kind == edgellm::DecodeLinear::F32) {
       L.w = f32(spec[2], N * K, what);
       TORCH_CHECK(L.w, "edgellm decode plan: ", what, ": no weight");
+    } else if (L.kind == edgellm::DecodeLinear::GGUF) {  // spec[2]: [(raw uint8, type, rows, out_index or None)]
+      const std::string where = std::string("edgellm decode plan: ") + what;
+      TORCH_CHECK(K % 32 == 0, where, ": K=", K, " must be a multiple of 32");
+      std::vector<GgufPartView> views;
+      for (const py::handle& item : spec[2].cast<py::list>()) {
+        const py::tuple t = item.cast<py::tuple>();
+        keep.push_back(py::cast<at::Tensor>(t[0]));
+        if (!t[3].is_none()) keep.push_back(py::cast<at::Tensor>(t[3]));
+        views.push_back(gguf_part(item, K, where.c_str()));
+      }
+      check_gguf_columns(views, N, where.c_str());
+      for (const auto& v : views) {
+        TORCH_CHECK(std::string(what) != "embedding" || !v.out_index, where, ": embedding parts take no out_index");
+        L.parts.push_back({v.type, v.N, edgellm::gguf_row_bytes(v.type, K), v.data, v.out_index});
+      }
     } else {
       TORCH_CHECK(L.kind == 4 || L.kind == 8, "edgellm decode plan: ", what, ": unknown kind ", L.kind);
       TORCH_CHECK(L.G > 0 && L.G % 32 == 0 && K % L.G == 0, "edgellm decode plan: ", what, ": group ", L.G,
@@ -355,6 +477,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("group_size"), py::arg("out"), "int4_gemm into a preallocated fp32 [M,N] out; returns out");
   m.def("int8_gemm_out", &int8_gemm_out, py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("group_size"),
         py::arg("out"), "int8_gemm into a preallocated fp32 [M,N] out; returns out");
+  m.def("gguf_linear", &gguf_linear, py::arg("x"), py::arg("parts"), py::arg("n_total"),
+        "x fp32 [M,K] @ GGUF parts^T -> fp32 [M, n_total]; parts: [(raw uint8, type, rows, int32 out_index or None)]");
+  m.def("gguf_dequantize", &gguf_dequantize, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
+        py::arg("out") = py::none(), "GGUF blocks -> fp32 [n, k], bit-identical to gguf.quants.dequantize");
+  m.def("gguf_types", &gguf_types, "the GGML type ids this build multiplies natively");
   m.def("isa", &isa, "the instruction set the kernels were compiled for");
   m.def("dequant_out", &dequant_out, py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("group_size"),
         py::arg("bits"), py::arg("buf"),

@@ -29,6 +29,7 @@
 #endif
 
 #include "cpu_decode.h"
+#include "cpu_gguf.h"
 #include "half.h"
 
 namespace edgellm {
@@ -205,7 +206,14 @@ void f32_rows(const float* x, int64_t M, int64_t K, const float* W, int64_t N, f
 
 // out [M, N] = x [M, K] @ W^T (+ bias); the int kernels treat each row on its own too (bit-identical to M = 1).
 void linear(const DecodeLinear& L, const float* x, int64_t M, float* out, int variant) {
-  if (L.kind == DecodeLinear::INT4)
+  if (L.kind == DecodeLinear::GGUF) {
+    const GgufActs acts = gguf_quantize_acts(x, M, L.K);
+    int64_t offset = 0;
+    for (const GgufPart& p : L.parts) {
+      gguf_gemm(acts, p.data, p.type, p.N, L.K, p.out_index ? out : out + offset, L.N, p.out_index);
+      offset += p.N;
+    }
+  } else if (L.kind == DecodeLinear::INT4)
     q4_gemm(x, M, L.K, L.codes, L.scales, L.mins, L.N, L.G, out, variant);
   else if (L.kind == DecodeLinear::INT8)
     q8_gemm(x, M, L.K, reinterpret_cast<const int8_t*>(L.codes), L.scales, L.N, L.G, out, variant);
@@ -220,6 +228,17 @@ void embed(const DecodeModel& m, int64_t tok, float* h) {
   const int64_t K = E.K;
   if (E.kind == DecodeLinear::F32) {
     std::memcpy(h, E.w + tok * K, sizeof(float) * K);
+    return;
+  }
+  if (E.kind == DecodeLinear::GGUF) {  // the plan keeps embedding parts in row order (no out_index)
+    int64_t r = tok;
+    for (const GgufPart& p : E.parts) {
+      if (r < p.N) {
+        gguf_dequantize_rows(p.data + r * p.row_bytes, p.type, 1, K, h);
+        return;
+      }
+      r -= p.N;
+    }
     return;
   }
   const int64_t ng = K / E.G;

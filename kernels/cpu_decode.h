@@ -6,9 +6,19 @@
 
 namespace edgellm {
 
+// One GGUF tensor of a GGUF linear (cpu_gguf.h): its raw blocks, read in place; its rows go to out_index[n], or
+// (out_index null) to the rows after the previous parts'.
+struct GgufPart {
+  int type = 0;
+  int64_t N = 0, row_bytes = 0;
+  const uint8_t* data = nullptr;
+  const int32_t* out_index = nullptr;
+};
+
 struct DecodeLinear {
-  enum Kind { F32 = 0, INT4 = 4, INT8 = 8 };
+  enum Kind { F32 = 0, GGUF = 1, INT4 = 4, INT8 = 8 };
   int kind = F32;
+  std::vector<GgufPart> parts;      // GGUF: x quantized once, every part multiplied against it
   int64_t N = 0, K = 0, G = 0;
   const float* w = nullptr;         // F32: [N, K]
   const uint8_t* codes = nullptr;   // INT4: uint8 [N, K/2]; INT8: int8 [N, K]
@@ -42,7 +52,7 @@ struct DecodeLayer {
 struct DecodeModel {
   int64_t dim = 0, n_heads = 0, n_kv_heads = 0, head_dim = 0, hidden = 0, vocab = 0, max_seq_len = 0;
   float eps = 1e-5f, attn_scale = 1.0f;
-  DecodeLinear embedding;  // rows: F32 [V, dim], or INT8 / INT4 codes + scales (+ mins)
+  DecodeLinear embedding;  // rows: F32 [V, dim], INT8 / INT4 codes + scales (+ mins), or GGUF parts
   std::vector<DecodeLayer> layers;
   const float* norm = nullptr;
   DecodeLinear output;

@@ -6,9 +6,10 @@ matmuls. `fused_decode_step(model, cache)` returns a callable `step(token, pos) 
 the same graph as `edgellm.model.Transformer.forward` for one token in C++ (same int4/int8 kernels, fp32
 everything else), or None where it does not apply; the caller then uses the model as usual.
 
-Applies to: a float32 model on the CPU, a float32 or int8 / int4 KV cache (fp16 scales), every linear an `nn.Linear` (fp32) or a
-`QuantLinear` (int4 / int8, groups of a multiple of 32), the embedding an `nn.Embedding` (fp32) or a
-`QuantEmbedding`. Disabled by EDGELLM_NO_EXT=1 (no extension) or EDGELLM_FUSED_DECODE=0.
+Applies to: a float32 model on the CPU, a float32 or int8 / int4 KV cache (fp16 scales), every linear an `nn.Linear` (fp32), a
+`QuantLinear` (int4 / int8, groups of a multiple of 32) or a module with `gguf_parts` (GGUF blocks multiplied in
+place: parts with `raw` uint8, `type`, `rows`, `out_index` int32 or None), the embedding an `nn.Embedding` (fp32), a
+`QuantEmbedding` or a module with `gguf_parts` (rows in order, no out_index). Disabled by EDGELLM_NO_EXT=1 (no extension) or EDGELLM_FUSED_DECODE=0.
 
 The returned logits tensor is reused: it is valid until the next call. The plan holds references to the
 model's and cache's tensors; build a new one after replacing either (Engine keys it on the cache object).
@@ -29,6 +30,11 @@ def _linear_spec(mod) -> tuple | None:
     if bias is not None and (bias.dtype != torch.float32 or bias.device.type != "cpu"):
         return None
     bias = None if bias is None else bias.contiguous()
+    parts = getattr(mod, "gguf_parts", None)
+    if parts is not None:  # GGUFLinear / GGUF embedding: raw blocks read in place (kernels/cpu_gguf.cpp)
+        if any(p.raw.device.type != "cpu" for p in parts):
+            return None
+        return (1, 0, [(p.raw, int(p.type), int(p.rows), p.out_index) for p in parts], None, None, bias)
     if hasattr(mod, "codes"):  # QuantLinear / QuantEmbedding
         if mod.codes.device.type != "cpu" or mod.group_size % 32 or mod.in_features % 32:
             return None

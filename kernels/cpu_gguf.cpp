@@ -1,0 +1,803 @@
+// GGUF blocks multiplied in place, bit for bit as stored: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32 values) and
+// Q4_K, Q5_K, Q6_K (super-blocks of 256), y = x @ W^T for small M (decode, verification), and W dequantized to
+// fp32 exactly as gguf.quants.dequantize does (embedding rows, the big-prefill GEMM).
+//
+// Block layouts (ggml-common.h; gguf/quants.py has the numpy reference):
+//   Q4_0  d fp16, qs[16]             w = d (q - 8)        q = qs[l] & 15 (value l), qs[l] >> 4 (value l + 16)
+//   Q4_1  d, m fp16, qs[16]          w = d q + m
+//   Q5_0  d, qh u32, qs[16]          w = d (q - 16)       q = nibble | bit l of qh << 4
+//   Q5_1  d, m, qh, qs[16]           w = d q + m
+//   Q8_0  d, qs int8[32]             w = d q
+//   Q4_K  d, dmin fp16, scales[12] (8 x 6-bit scale + 8 x 6-bit min), qs[128]: sub-block j (32 values) = the
+//         low (j even) / high (j odd) nibbles of qs[32 (j/2) ..]; w = (d sc_j) q - (dmin m_j)
+//   Q5_K  as Q4_K, plus qh[32]: bit j of qh[l] is bit 4 of sub-block j's value l
+//   Q6_K  ql[128], qh[64], scales int8[16], d fp16: value 128h + 32j + l = (ql[64h + 32 (j&1) + l] >> 4 (j>>1)
+//         & 15) | ((qh[32h + l] >> 2j) & 3) << 4, minus 32; w = (d sc_(v/16)) q
+//
+// The product (llama.cpp's approach, as cpu_kernels.cpp's int4/int8 kernels): every 32 values of x are rounded to
+// int8 with one fp32 scale d_x = max|x| / 127 (GgufActs, computed once per input and shared by the parts of a
+// fused linear), the weight codes meet them in exact integer dot products, and each 32-value sub-block's int32
+// sum is scaled in fp32: acc += isum * (w_scale * d_x) (+ w_min * d_x sum(q_x)).  Per-32 activation scales
+// rather than llama.cpp's Q8_K (one scale per 256): the same activation blocks then serve the 32-block types and
+// the K-quants alike, and round x no coarser than the existing int kernels do (2^-8 of each 32 values' largest,
+// not of each 256's).  The cost is one fp32 FMA per 32 values and row (the AVX2 kernel does 8 at once per
+// super-block), which the memory-bound decode does not see: benchmarks/gguf_kernels_cpu.py.
+//
+// Offsets: Q4_0 / Q5_0's -8 / -16 and Q6_K's -32 come off the integer sums exactly (8 sum(q_x) per block; 32
+// sum(sc q_x) over each 16 values), so the unsigned codes go straight into maddubs / vpdpbusd.
+//
+// Bit-identity across M: every (weight row, activation row) pair runs the same integer and float operations in
+// the same order whatever the number of activation rows (a tile of T rows only shares the weights' decoding),
+// so the rows of a T-token verification pass equal T one-token passes bit for bit.  The AVX-512 VNNI build uses
+// vpdpbusd where AVX2 uses maddubs + madd: the same integer sums (nothing saturates: |pair sum| <= 2 * 63 * 127),
+// hence the same bits.
+#include "cpu_gguf.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "half.h"
+
+#if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || (defined(__FMA__) && defined(__F16C__)))
+#define EDGELLM_G_AVX2 1
+#include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define EDGELLM_G_VNNI 1
+#endif
+#elif !defined(EDGELLM_FORCE_SCALAR) && (defined(__aarch64__) || defined(_M_ARM64))
+#define EDGELLM_G_NEON 1
+#include <arm_neon.h>
+#endif
+
+namespace edgellm {
+
+void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
+
+namespace {
+
+constexpr int64_t QK = 32;
+
+inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return half_to_float(h);
+}
+
+// A product that the compiler may not fuse with the following add (gguf.quants rounds twice).
+inline float no_contract(float v) {
+#if defined(__GNUC__) || defined(__clang__)
+  __asm__("" : "+x"(v));
+#endif
+  return v;
+}
+
+inline void prefetch(const void* p) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(p, 0, 3);
+#else
+  (void)p;
+#endif
+}
+
+// The stream of rows is prefetched this far ahead (as cpu_kernels.cpp measured for its rows: the hardware
+// prefetcher stops at each 4 KiB page).
+constexpr int64_t PREFETCH_BYTES = 4096;
+
+// ------------------------------------------------------------------------------------------------ formats
+template <int TYPE> struct Fmt;
+template <> struct Fmt<GGUF_Q4_0> { static constexpr int64_t QV = 32, BYTES = 18; static constexpr bool MIN = false; };
+template <> struct Fmt<GGUF_Q4_1> { static constexpr int64_t QV = 32, BYTES = 20; static constexpr bool MIN = true; };
+template <> struct Fmt<GGUF_Q5_0> { static constexpr int64_t QV = 32, BYTES = 22; static constexpr bool MIN = false; };
+template <> struct Fmt<GGUF_Q5_1> { static constexpr int64_t QV = 32, BYTES = 24; static constexpr bool MIN = true; };
+template <> struct Fmt<GGUF_Q8_0> { static constexpr int64_t QV = 32, BYTES = 34; static constexpr bool MIN = false; };
+template <> struct Fmt<GGUF_Q4_K> { static constexpr int64_t QV = 256, BYTES = 144; static constexpr bool MIN = true; };
+template <> struct Fmt<GGUF_Q5_K> { static constexpr int64_t QV = 256, BYTES = 176; static constexpr bool MIN = true; };
+template <> struct Fmt<GGUF_Q6_K> { static constexpr int64_t QV = 256, BYTES = 210; static constexpr bool MIN = false; };
+
+// The 6-bit scales and mins of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4), as bytes: out[0..7] the
+// scales, out[8..15] the mins.
+inline void kquant_scales(const uint8_t* s, uint8_t out[16]) {
+  uint32_t u[4];
+  std::memcpy(u, s, 12);
+  const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  u[3] = ((u[2] >> 4) & k2) | (((u[1] >> 6) & k3) << 4);
+  const uint32_t mins_lo = u[1] & k1;
+  u[1] = (u[2] & k2) | (((u[0] >> 6) & k3) << 4);
+  u[2] = mins_lo;
+  u[0] &= k1;
+  std::memcpy(out, u, 16);
+}
+
+// Sub-block j (32 values) of block b, portably: the codes as int8 (offsets already taken off for Q4_0 / Q5_0 /
+// Q6_K), the fp32 scale (times the int sum), the min (times d_x sum(q_x); 0 where none) and, for Q6_K, the two
+// int scales of its 16-value halves.
+template <int TYPE>
+inline void decode_sub(const uint8_t* b, int j, int8_t w[32], float* fs, float* fm, int sc2[2]) {
+  *fm = 0.0f;
+  if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1) {
+    const uint8_t* qs = b + (TYPE == GGUF_Q4_0 ? 2 : 4);
+    const int off = TYPE == GGUF_Q4_0 ? 8 : 0;
+    for (int l = 0; l < 16; ++l) {
+      w[l] = (int8_t)((qs[l] & 15) - off);
+      w[l + 16] = (int8_t)((qs[l] >> 4) - off);
+    }
+    *fs = f16(b);
+    if (TYPE == GGUF_Q4_1) *fm = f16(b + 2);
+  } else if (TYPE == GGUF_Q5_0 || TYPE == GGUF_Q5_1) {
+    const int o = TYPE == GGUF_Q5_0 ? 2 : 4;
+    uint32_t qh;
+    std::memcpy(&qh, b + o, 4);
+    const uint8_t* qs = b + o + 4;
+    const int off = TYPE == GGUF_Q5_0 ? 16 : 0;
+    for (int l = 0; l < 16; ++l) {
+      w[l] = (int8_t)(((qs[l] & 15) | (((qh >> l) & 1) << 4)) - off);
+      w[l + 16] = (int8_t)(((qs[l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - off);
+    }
+    *fs = f16(b);
+    if (TYPE == GGUF_Q5_1) *fm = f16(b + 2);
+  } else if (TYPE == GGUF_Q8_0) {
+    std::memcpy(w, b + 2, 32);
+    *fs = f16(b);
+  } else if (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
+    uint8_t sm[16];
+    kquant_scales(b + 4, sm);
+    const uint8_t* qs = b + (TYPE == GGUF_Q4_K ? 16 : 48) + 32 * (j / 2);
+    const int shift = (j & 1) * 4;
+    for (int l = 0; l < 32; ++l) {
+      int q = (qs[l] >> shift) & 15;
+      if (TYPE == GGUF_Q5_K) q |= ((b[16 + l] >> j) & 1) << 4;
+      w[l] = (int8_t)q;
+    }
+    *fs = f16(b) * (float)sm[j];
+    *fm = -(f16(b + 2) * (float)sm[8 + j]);
+  } else {  // Q6_K
+    const int h = j / 4, jj = j % 4;
+    const uint8_t* ql = b + 64 * h + 32 * (jj & 1);
+    const uint8_t* qh = b + 128 + 32 * h;
+    const int shift = (jj >> 1) * 4;
+    for (int l = 0; l < 32; ++l)
+      w[l] = (int8_t)((((ql[l] >> shift) & 15) | (((qh[l] >> (2 * jj)) & 3) << 4)) - 32);
+    sc2[0] = (int8_t)b[192 + 2 * j];
+    sc2[1] = (int8_t)b[192 + 2 * j + 1];
+    *fs = f16(b + 208);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ activations
+// Quantize one block of 32 floats into q[0..31]; returns d, stores sum(q) and its two 16-value halves.
+inline float quantize_block32(const float* x, int8_t* q, int32_t* sum, int16_t* s16) {
+#ifdef EDGELLM_G_AVX2
+  const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
+               v3 = _mm256_loadu_ps(x + 24);
+  const __m256 sgn = _mm256_set1_ps(-0.0f);
+  const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sgn, v0), _mm256_andnot_ps(sgn, v1)),
+                                  _mm256_max_ps(_mm256_andnot_ps(sgn, v2), _mm256_andnot_ps(sgn, v3)));
+  __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
+  const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, id)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, id));
+  const __m256i lo = _mm256_add_epi32(i0, i1), hi = _mm256_add_epi32(i2, i3);
+  // [lo lanes 0-3 + 4-7 | hi lanes 0-3 + 4-7] then two horizontal steps: [sum lo, sum hi] in lanes 0 and 1
+  __m128i s = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1)),
+                             _mm_add_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)));
+  s = _mm_hadd_epi32(s, s);
+  const int32_t a = _mm_cvtsi128_si32(s), c = _mm_extract_epi32(s, 1);
+  s16[0] = (int16_t)a;
+  s16[1] = (int16_t)c;
+  *sum = a + c;
+  __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+  p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256((__m256i*)q, p);
+  return amax / 127.0f;
+#else
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int32_t h[2] = {0, 0};
+  for (int i = 0; i < 32; ++i) {
+    const int v = (int)std::nearbyint(x[i] * id);
+    q[i] = (int8_t)v;
+    h[i / 16] += v;
+  }
+  s16[0] = (int16_t)h[0];
+  s16[1] = (int16_t)h[1];
+  *sum = h[0] + h[1];
+  return amax / 127.0f;
+#endif
+}
+
+uint8_t* acts_buffer(size_t bytes) {
+  static thread_local std::vector<uint8_t> buf;
+  if (buf.size() < bytes + 64) buf.resize(bytes + 64);
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+}
+
+// ------------------------------------------------------------------------------------------------ portable
+// One weight row against activation rows m0 .. m0+T-1 (T <= 16), sub-block by sub-block: decode the codes once,
+// one integer dot per activation row, one fp32 FMA (+ one for the min) per 32 values.
+inline int32_t dot32(const int8_t* w, const int8_t* x) {
+#if defined(EDGELLM_G_NEON)
+  int32x4_t acc = vdupq_n_s32(0);
+  for (int h = 0; h < 2; ++h) {
+    const int8x16_t a = vld1q_s8(w + 16 * h), b = vld1q_s8(x + 16 * h);
+#if defined(__ARM_FEATURE_DOTPROD)
+    acc = vdotq_s32(acc, a, b);
+#else
+    int16x8_t p = vmull_s8(vget_low_s8(a), vget_low_s8(b));  // |w x| <= 128 * 127: two fit int16
+    p = vmlal_s8(p, vget_high_s8(a), vget_high_s8(b));
+    acc = vpadalq_s16(acc, p);
+#endif
+  }
+  return vaddvq_s32(acc);
+#else
+  int32_t s = 0;
+  for (int l = 0; l < 32; ++l) s += (int32_t)w[l] * x[l];
+  return s;
+#endif
+}
+
+inline int32_t dot16(const int8_t* w, const int8_t* x) {
+  int32_t s = 0;
+  for (int l = 0; l < 16; ++l) s += (int32_t)w[l] * x[l];
+  return s;
+}
+
+template <int TYPE>
+void row_portable(const GgufActs& a, int64_t m0, int64_t T, const uint8_t* row, float* y, int64_t ldy, int64_t col) {
+  using F = Fmt<TYPE>;
+  const int64_t K = a.K, nblk = K / F::QV;
+  constexpr int SUBS = (int)(F::QV / QK);
+  float acc[16];
+  for (int64_t t = 0; t < T; ++t) acc[t] = 0.0f;
+  alignas(16) int8_t w[32];
+  for (int64_t bi = 0; bi < nblk; ++bi) {
+    const uint8_t* b = row + bi * F::BYTES;
+    for (int j = 0; j < SUBS; ++j) {
+      float fs, fm;
+      int sc2[2] = {0, 0};
+      decode_sub<TYPE>(b, j, w, &fs, &fm, sc2);
+      const int64_t blk = bi * SUBS + j;  // 32-value block of x
+      for (int64_t t = 0; t < T; ++t) {
+        const int64_t m = m0 + t;
+        const int8_t* xq = a.q + m * K + blk * QK;
+        const int32_t isum =
+            TYPE == GGUF_Q6_K ? sc2[0] * dot16(w, xq) + sc2[1] * dot16(w + 16, xq + 16) : dot32(w, xq);
+        acc[t] += (float)isum * (fs * a.d[m * a.nb + blk]);
+        if (F::MIN) acc[t] += fm * a.s[m * a.nb + blk];
+      }
+    }
+  }
+  for (int64_t t = 0; t < T; ++t) y[(m0 + t) * ldy + col] = acc[t];
+}
+
+#ifdef EDGELLM_G_AVX2
+// ================================================================================================ AVX2 / VNNI
+// A super-block of 256 values (or 8 blocks of 32) at a time: the 8 sub-blocks' codes as u8 vectors in x's order,
+// one integer dot per sub-block and activation row, the 8 sums reduced into one int32 vector (lane j = sub-block
+// j), then one convert and one FMA with [w_scale_j * d_x_j] for all 8 (and one for the mins).
+
+inline __m256i dot_u8s8(__m256i u, __m256i x) {  // int32 lanes, 4 products each (exact)
+#ifdef EDGELLM_G_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+
+// lane j = the sum of p[j]'s 8 lanes
+inline __m256i reduce8(const __m256i p[8]) {
+  const __m256i h01 = _mm256_hadd_epi32(p[0], p[1]), h23 = _mm256_hadd_epi32(p[2], p[3]);
+  const __m256i h45 = _mm256_hadd_epi32(p[4], p[5]), h67 = _mm256_hadd_epi32(p[6], p[7]);
+  const __m256i a = _mm256_hadd_epi32(h01, h23), b = _mm256_hadd_epi32(h45, h67);  // [lows 0-3 | highs 0-3]
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+// The same for int16 pair sums (maddubs of codes <= 31): two levels of hadd_epi16 stay in int16 (8 products,
+// |.| <= 8 * 31 * 127 = 31496), then madd with ones widens to int32 (16 products) before the last level.  Four
+// fewer instructions per 8 sub-blocks than widening each one first, and the same integers.
+inline __m256i reduce8_i16(const __m256i p[8]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i h01 = _mm256_hadd_epi16(p[0], p[1]), h23 = _mm256_hadd_epi16(p[2], p[3]);
+  const __m256i h45 = _mm256_hadd_epi16(p[4], p[5]), h67 = _mm256_hadd_epi16(p[6], p[7]);
+  const __m256i a = _mm256_madd_epi16(_mm256_hadd_epi16(h01, h23), ones);  // [lows 0-3 | highs 0-3], int32
+  const __m256i b = _mm256_madd_epi16(_mm256_hadd_epi16(h45, h67), ones);
+  return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20), _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float hsum_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline __m256i nibbles32(const uint8_t* qs) {  // 16 bytes -> values 0..15 (low nibbles) | 16..31 (high)
+  // one broadcast load, the upper copy shifted by 4 (bits crossing bytes are masked off)
+  const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)qs));
+  return _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4)), _mm256_set1_epi8(0x0F));
+}
+
+// The first 4 bytes of 8 blocks (d, or d | m << 16) as one vector of dwords (dword loads inserted from memory:
+// fewer instructions than assembling fp16 in general registers, and no store-forwarding stall)
+inline int32_t ld32(const uint8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline __m256i heads8(const uint8_t* p, int64_t stride) {
+  __m128i a = _mm_cvtsi32_si128(ld32(p)), b = _mm_cvtsi32_si128(ld32(p + 4 * stride));
+  a = _mm_insert_epi32(a, ld32(p + stride), 1);
+  b = _mm_insert_epi32(b, ld32(p + 5 * stride), 1);
+  a = _mm_insert_epi32(a, ld32(p + 2 * stride), 2);
+  b = _mm_insert_epi32(b, ld32(p + 6 * stride), 2);
+  a = _mm_insert_epi32(a, ld32(p + 3 * stride), 3);
+  b = _mm_insert_epi32(b, ld32(p + 7 * stride), 3);
+  return _mm256_set_m128i(b, a);
+}
+
+// fp16 halves of 8 dwords as fp32: the low (high = false) or high halves
+template <bool HIGH>
+inline __m256 halves_of(__m256i dw) {
+  const __m256i pick = HIGH ? _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1)
+                            : _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                               0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i h = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(dw, pick), 0x08);  // qwords 0, 2 -> low lane
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+}
+
+inline __m256i bits32(const uint8_t* qh) {  // 32 bits -> byte l = 0x10 where bit l is set
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+  const __m256i shuf = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), shuf);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+// The codes of 32-value block b of a 32-block type as u8 in x's order (Q8_0: its int8 codes).
+template <int TYPE>
+inline __m256i codes32(const uint8_t* b) {
+  if (TYPE == GGUF_Q4_0) return nibbles32(b + 2);
+  if (TYPE == GGUF_Q4_1) return nibbles32(b + 4);
+  if (TYPE == GGUF_Q5_0) return _mm256_or_si256(nibbles32(b + 6), bits32(b + 2));
+  if (TYPE == GGUF_Q5_1) return _mm256_or_si256(nibbles32(b + 8), bits32(b + 4));
+  return _mm256_loadu_si256((const __m256i*)(b + 2));  // Q8_0
+}
+
+// One decoded super-block (or chunk of 8 blocks): codes, per-sub-block scales and mins, Q6_K's int16 scales.
+struct Chunk {
+  __m256i u[8];
+  __m256 fs, fm;
+  __m256i sc16[8];  // Q6_K: [sc_2j x8 | sc_2j+1 x8]
+  __m256i scall;    // Q6_K: the 16 scales as int16
+};
+
+template <int TYPE>
+inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
+  using F = Fmt<TYPE>;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1) {  // u[2k] / u[2k+1]: low / high nibbles of blocks 2k | 2k+1
+    const uint8_t* b0 = row + c * 8 * F::BYTES;
+    constexpr int64_t QS = TYPE == GGUF_Q4_0 ? 2 : 4;
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t* b = b0 + 2 * k * F::BYTES + QS;
+      const __m256i v = _mm256_loadu2_m128i((const __m128i*)(b + F::BYTES), (const __m128i*)b);
+      ch.u[2 * k] = _mm256_and_si256(v, m4);
+      ch.u[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    const __m256i heads = heads8(b0, F::BYTES);
+    ch.fs = halves_of<false>(heads);
+    if (F::MIN) ch.fm = halves_of<true>(heads);
+    return;
+  }
+  if (F::QV == 32) {
+    const uint8_t* b0 = row + c * 8 * F::BYTES;
+    for (int j = 0; j < 8; ++j) ch.u[j] = codes32<TYPE>(b0 + j * F::BYTES);
+    const __m256i heads = heads8(b0, F::BYTES);
+    ch.fs = halves_of<false>(heads);
+    if (F::MIN) ch.fm = halves_of<true>(heads);
+    return;
+  }
+  const uint8_t* b = row + c * F::BYTES;
+  if (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
+    alignas(16) uint8_t sm[16];
+    kquant_scales(b + 4, sm);
+    const __m128i s8 = _mm_load_si128((const __m128i*)sm);
+    ch.fs = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s8)));
+    // -(dmin m_j): the kernels add fm * d_x sum(q_x)
+    const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(s8, 8))));
+    ch.fm = _mm256_xor_ps(dm, _mm256_set1_ps(-0.0f));
+    const uint8_t* qs = b + (TYPE == GGUF_Q4_K ? 16 : 48);
+    __m256i qh = _mm256_setzero_si256();
+    if (TYPE == GGUF_Q5_K) qh = _mm256_loadu_si256((const __m256i*)(b + 16));
+    const __m256i b4 = _mm256_set1_epi8(0x10);
+    for (int k = 0; k < 4; ++k) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * k));
+      ch.u[2 * k] = _mm256_and_si256(v, m4);
+      ch.u[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      if (TYPE == GGUF_Q5_K) {  // bit i of each qh byte to bit 4 (16-bit shifts: the bits crossing bytes miss bit 4)
+        const int i0 = 2 * k, i1 = 2 * k + 1;
+        const __m256i h0 = i0 < 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - i0)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(i0 - 4));
+        const __m256i h1 = i1 < 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - i1)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(i1 - 4));
+        ch.u[i0] = _mm256_or_si256(ch.u[i0], _mm256_and_si256(h0, b4));
+        ch.u[i1] = _mm256_or_si256(ch.u[i1], _mm256_and_si256(h1, b4));
+      }
+    }
+    return;
+  }
+  // Q6_K
+  ch.fs = _mm256_set1_ps(f16(b + 208));
+  const __m128i sc = _mm_loadu_si128((const __m128i*)(b + 192));
+  ch.scall = _mm256_cvtepi8_epi16(sc);
+  const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int j = 0; j < 8; ++j)
+    ch.sc16[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_add_epi8(pick, _mm_set1_epi8((char)(2 * j)))));
+  const __m256i m3 = _mm256_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i l0 = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
+    const __m256i l1 = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+    // bits 2jj, 2jj+1 of each qh byte to bits 4, 5 (16-bit shifts: what crosses bytes misses bits 4-5)
+    ch.u[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m3));
+    ch.u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m3));
+    ch.u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m3));
+    ch.u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                      _mm256_and_si256(_mm256_srli_epi16(qh, 2), m3));
+  }
+}
+
+// The 8 sub-block integer sums of one chunk against activation row m (offsets taken off).
+template <int TYPE>
+inline __m256i chunk_isums(const Chunk& ch, const GgufActs& a, int64_t m, int64_t c) {
+  if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1) {  // cpu_kernels.cpp's int4 reduction over paired blocks
+    const int8_t* xp = a.q2 + m * a.K + c * 256;
+    __m256i s4[4];
+    for (int k = 0; k < 4; ++k) {
+      const __m256i x0 = _mm256_load_si256((const __m256i*)(xp + 64 * k));
+      const __m256i x1 = _mm256_load_si256((const __m256i*)(xp + 64 * k + 32));
+#ifdef EDGELLM_G_VNNI  // int32 lanes [blk 2k: 4 sums of 8 products | blk 2k+1: 4]
+      s4[k] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ch.u[2 * k], x0), ch.u[2 * k + 1], x1);
+#else  // int16 lanes of 4 products (|.| <= 4 * 15 * 127)
+      s4[k] = _mm256_add_epi16(_mm256_maddubs_epi16(ch.u[2 * k], x0), _mm256_maddubs_epi16(ch.u[2 * k + 1], x1));
+#endif
+    }
+#ifdef EDGELLM_G_VNNI
+    __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s4[0], s4[1]), _mm256_hadd_epi32(s4[2], s4[3]));
+#else  // two levels in int16 (16 products, |.| <= 30480), widened by madd: [blk 0, 2, 4, 6 | 1, 3, 5, 7]
+    __m256i h = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(s4[0], s4[1]), _mm256_hadd_epi16(s4[2], s4[3])),
+                                  _mm256_set1_epi16(1));
+#endif
+    h = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (TYPE == GGUF_Q4_0)
+      h = _mm256_sub_epi32(h, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sum32 + m * a.nb + c * 8)), 3));
+    return h;
+  }
+  const int8_t* xq = a.q + m * a.K + c * 256;
+  __m256i p[8];
+  for (int j = 0; j < 8; ++j) {
+    const __m256i x = _mm256_load_si256((const __m256i*)(xq + 32 * j));
+    if (TYPE == GGUF_Q8_0) {
+      p[j] = dot_u8s8(_mm256_sign_epi8(ch.u[j], ch.u[j]), _mm256_sign_epi8(x, ch.u[j]));
+    } else if (TYPE == GGUF_Q6_K) {  // per-16 int scales: madd with [sc_a x8 | sc_b x8]
+      p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(ch.u[j], x), ch.sc16[j]);
+    } else {
+#ifdef EDGELLM_G_VNNI
+      p[j] = dot_u8s8(ch.u[j], x);
+#else
+      p[j] = _mm256_maddubs_epi16(ch.u[j], x);  // codes <= 31: int16 pair sums, widened in reduce8_i16
+#endif
+    }
+  }
+#ifdef EDGELLM_G_VNNI
+  __m256i isum = reduce8(p);
+#else
+  __m256i isum = TYPE == GGUF_Q8_0 || TYPE == GGUF_Q6_K ? reduce8(p) : reduce8_i16(p);
+#endif
+  const int64_t o = m * a.nb + c * 8;
+  if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q5_0)
+    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sum32 + o)),
+                                                    TYPE == GGUF_Q4_0 ? 3 : 4));
+  if (TYPE == GGUF_Q6_K) {  // 32 sum(sc q_x) per 16 values, paired per sub-block by madd
+    const __m256i s16 = _mm256_loadu_si256((const __m256i*)(a.sum16 + 2 * o));
+    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(ch.scall, s16), 5));
+  }
+  return isum;
+}
+
+template <int TYPE, int T>
+void row_avx2(const GgufActs& a, int64_t m0, const uint8_t* row, float* y, int64_t ldy, int64_t col) {
+  using F = Fmt<TYPE>;
+  const int64_t nb = a.nb, nchunk = nb / 8;
+  __m256 acc[T];
+  float tail[T];
+  for (int t = 0; t < T; ++t) { acc[t] = _mm256_setzero_ps(); tail[t] = 0.0f; }
+  Chunk ch;
+  for (int64_t c = 0; c < nchunk; ++c) {
+    decode_chunk<TYPE>(row, c, ch);
+    for (int t = 0; t < T; ++t) {
+      const int64_t m = m0 + t, o = m * nb + c * 8;
+      const __m256i isum = chunk_isums<TYPE>(ch, a, m, c);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ch.fs, _mm256_loadu_ps(a.d + o)), acc[t]);
+      if (F::MIN) acc[t] = _mm256_fmadd_ps(ch.fm, _mm256_loadu_ps(a.s + o), acc[t]);
+    }
+  }
+  if (F::QV == 32) {  // blocks after the last full chunk of 8 (K % 256 != 0), one at a time
+    for (int64_t bi = nchunk * 8; bi < nb; ++bi) {
+      const uint8_t* b = row + bi * F::BYTES;
+      const __m256i u = codes32<TYPE>(b);
+      const float dw = f16(b), mw = F::MIN ? f16(b + 2) : 0.0f;
+      for (int t = 0; t < T; ++t) {
+        const int64_t m = m0 + t, o = m * nb + bi;
+        const __m256i x = _mm256_load_si256((const __m256i*)(a.q + m * a.K + bi * QK));
+        int32_t isum = TYPE == GGUF_Q8_0 ? hsum_i32(dot_u8s8(_mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u)))
+                                         : hsum_i32(dot_u8s8(u, x));
+        if (TYPE == GGUF_Q4_0) isum -= 8 * a.sum32[o];
+        if (TYPE == GGUF_Q5_0) isum -= 16 * a.sum32[o];
+        tail[t] += (float)isum * (dw * a.d[o]);
+        if (F::MIN) tail[t] += mw * a.s[o];
+      }
+    }
+  }
+  for (int t = 0; t < T; ++t) y[(m0 + t) * ldy + col] = hsum_ps(acc[t]) + tail[t];
+}
+#endif  // EDGELLM_G_AVX2
+
+// Activation rows per pass over a weight row: the rows after the first tile re-read it from L1, not memory.
+constexpr int64_t TILE = 4;
+
+template <int TYPE>
+void rows_range(const GgufActs& a, const uint8_t* blocks, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                const int32_t* out_index) {
+  const int64_t rb = a.K / Fmt<TYPE>::QV * Fmt<TYPE>::BYTES;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = blocks + n * rb;
+    if (n + 1 < n1)
+      for (int64_t o = 0; o < rb; o += 64) prefetch(row + PREFETCH_BYTES + o);
+    const int64_t col = out_index ? out_index[n] : n;
+#ifdef EDGELLM_G_AVX2
+    int64_t m = 0;
+    for (; m + TILE <= a.M; m += TILE) row_avx2<TYPE, TILE>(a, m, row, y, ldy, col);
+    switch (a.M - m) {
+      case 3: row_avx2<TYPE, 3>(a, m, row, y, ldy, col); break;
+      case 2: row_avx2<TYPE, 2>(a, m, row, y, ldy, col); break;
+      case 1: row_avx2<TYPE, 1>(a, m, row, y, ldy, col); break;
+      default: break;
+    }
+#else
+    for (int64_t m = 0; m < a.M; m += 16) row_portable<TYPE>(a, m, std::min<int64_t>(16, a.M - m), row, y, ldy, col);
+#endif
+  }
+}
+
+// ------------------------------------------------------------------------------------------------ dequantize
+// gguf.quants' float operations, in its order: (q - off) * d | d * q + m | (d sc) * q - (dmin m) | (d sc) * q,
+// each product rounded on its own (no FMA).
+#ifdef EDGELLM_G_AVX2
+// 8 codes (u8, or int8 for Q8_0) -> fp32 with gguf.quants' operations: (q - off) * d, d * q + m, d * q - dm.
+template <int TYPE>
+inline __m256 dequant8(__m128i q8, __m256 d, __m256 m) {
+  const __m256 q = _mm256_cvtepi32_ps(TYPE == GGUF_Q8_0 ? _mm256_cvtepi8_epi32(q8) : _mm256_cvtepu8_epi32(q8));
+  if (TYPE == GGUF_Q4_0) return _mm256_mul_ps(_mm256_sub_ps(q, _mm256_set1_ps(8.0f)), d);
+  if (TYPE == GGUF_Q5_0) return _mm256_mul_ps(_mm256_sub_ps(q, _mm256_set1_ps(16.0f)), d);
+  if (TYPE == GGUF_Q6_K) return _mm256_mul_ps(d, _mm256_sub_ps(q, _mm256_set1_ps(32.0f)));
+  if (TYPE == GGUF_Q8_0) return _mm256_mul_ps(q, d);
+  __m256 p = _mm256_mul_ps(d, q);
+#if defined(__GNUC__) || defined(__clang__)
+  __asm__("" : "+x"(p));  // two roundings, as numpy: no FMA
+#endif
+  return TYPE == GGUF_Q4_1 || TYPE == GGUF_Q5_1 ? _mm256_add_ps(p, m) : _mm256_sub_ps(p, m);
+}
+
+// 32 values of sub-block (or block) j from its u8 codes in x's order [0..15 | 16..31].
+template <int TYPE>
+inline void dequant32(__m256i u, __m256 d0, __m256 d1, __m256 m, float* o) {
+  const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+  _mm256_storeu_ps(o, dequant8<TYPE>(lo, d0, m));
+  _mm256_storeu_ps(o + 8, dequant8<TYPE>(_mm_srli_si128(lo, 8), d0, m));
+  _mm256_storeu_ps(o + 16, dequant8<TYPE>(hi, d1, m));
+  _mm256_storeu_ps(o + 24, dequant8<TYPE>(_mm_srli_si128(hi, 8), d1, m));
+}
+
+// The full chunks of a row through the kernels' decoding (decode_chunk); returns the values written.
+template <int TYPE>
+int64_t dequant_chunks(const uint8_t* row, int64_t K, float* out) {
+  using F = Fmt<TYPE>;
+  alignas(32) float fs[8], fm[8];
+  Chunk ch;
+  const int64_t nchunk = K / 256;
+  for (int64_t c = 0; c < nchunk; ++c) {
+    decode_chunk<TYPE>(row, c, ch);
+    _mm256_store_ps(fs, ch.fs);
+    if (F::MIN) _mm256_store_ps(fm, TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K ? _mm256_xor_ps(ch.fm, _mm256_set1_ps(-0.0f)) : ch.fm);
+    float* o = out + c * 256;
+    for (int j = 0; j < 8; ++j) {
+      __m256i u = ch.u[j];
+      if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1) {  // paired: u[2k] = values 0..15 of blocks 2k | 2k+1
+        const __m256i a = ch.u[j & ~1], b = ch.u[j | 1];
+        u = (j & 1) ? _mm256_permute2x128_si256(a, b, 0x31) : _mm256_permute2x128_si256(a, b, 0x20);
+      }
+      __m256 d0 = _mm256_set1_ps(fs[j]), d1 = d0;
+      if (TYPE == GGUF_Q6_K) {
+        const uint8_t* sc = row + c * F::BYTES + 192 + 2 * j;
+        d0 = _mm256_set1_ps(fs[j] * (float)(int8_t)sc[0]);
+        d1 = _mm256_set1_ps(fs[j] * (float)(int8_t)sc[1]);
+      }
+      dequant32<TYPE>(u, d0, d1, _mm256_set1_ps(F::MIN ? fm[j] : 0.0f), o + 32 * j);
+    }
+  }
+  return nchunk * 256;
+}
+#endif
+
+template <int TYPE>
+void dequant_row(const uint8_t* row, int64_t K, float* out) {
+  using F = Fmt<TYPE>;
+  constexpr int SUBS = (int)(F::QV / QK);
+  alignas(16) int8_t w[32];
+  int64_t done = 0;
+#ifdef EDGELLM_G_AVX2
+  done = dequant_chunks<TYPE>(row, K, out);
+#endif
+  for (int64_t bi = done / F::QV; bi < K / F::QV; ++bi) {
+    const uint8_t* b = row + bi * F::BYTES;
+    for (int j = 0; j < SUBS; ++j) {
+      float fs, fm;
+      int sc2[2];
+      decode_sub<TYPE>(b, j, w, &fs, &fm, sc2);
+      float* o = out + (bi * SUBS + j) * QK;
+      if (TYPE == GGUF_Q6_K) {
+        const float d0 = fs * (float)sc2[0], d1 = fs * (float)sc2[1];
+        for (int l = 0; l < 16; ++l) o[l] = d0 * (float)w[l];
+        for (int l = 16; l < 32; ++l) o[l] = d1 * (float)w[l];
+      } else if (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
+        const float dm = -fm;  // dmin * m_j, rounded once
+#ifdef EDGELLM_G_AVX2
+        const __m256 vd = _mm256_set1_ps(fs), vm = _mm256_set1_ps(dm);
+        for (int l = 0; l < 32; l += 8) {
+          __m256 p = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + l)))));
+          __asm__("" : "+x"(p));
+          _mm256_storeu_ps(o + l, _mm256_sub_ps(p, vm));
+        }
+#else
+        for (int l = 0; l < 32; ++l) o[l] = no_contract(fs * (float)w[l]) - dm;
+#endif
+      } else if (F::MIN) {  // Q4_1, Q5_1
+#ifdef EDGELLM_G_AVX2
+        const __m256 vd = _mm256_set1_ps(fs), vm = _mm256_set1_ps(fm);
+        for (int l = 0; l < 32; l += 8) {
+          __m256 p = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(w + l)))));
+          __asm__("" : "+x"(p));
+          _mm256_storeu_ps(o + l, _mm256_add_ps(p, vm));
+        }
+#else
+        for (int l = 0; l < 32; ++l) o[l] = no_contract(fs * (float)w[l]) + fm;
+#endif
+      } else {
+        for (int l = 0; l < 32; ++l) o[l] = fs * (float)w[l];
+      }
+    }
+  }
+}
+
+template <template <int> class Op, class... Args>
+void dispatch(int type, Args&&... args) {
+  switch (type) {
+    case GGUF_Q4_0: Op<GGUF_Q4_0>::run(args...); break;
+    case GGUF_Q4_1: Op<GGUF_Q4_1>::run(args...); break;
+    case GGUF_Q5_0: Op<GGUF_Q5_0>::run(args...); break;
+    case GGUF_Q5_1: Op<GGUF_Q5_1>::run(args...); break;
+    case GGUF_Q8_0: Op<GGUF_Q8_0>::run(args...); break;
+    case GGUF_Q4_K: Op<GGUF_Q4_K>::run(args...); break;
+    case GGUF_Q5_K: Op<GGUF_Q5_K>::run(args...); break;
+    case GGUF_Q6_K: Op<GGUF_Q6_K>::run(args...); break;
+    default: break;
+  }
+}
+
+template <int TYPE> struct GemmOp {
+  static void run(const GgufActs& a, const uint8_t* blocks, int64_t N, float* y, int64_t ldy, const int32_t* idx) {
+    // each thread's share above ~32K weights x activation rows: below that, waking threads costs more
+    const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, a.K * std::min<int64_t>(a.M, 4)));
+    parallel_run(0, N, grain, [&](int64_t n0, int64_t n1) { rows_range<TYPE>(a, blocks, n0, n1, y, ldy, idx); });
+  }
+};
+
+template <int TYPE> struct DequantOp {
+  static void run(const uint8_t* blocks, int64_t N, int64_t K, float* out) {
+    const int64_t rb = K / Fmt<TYPE>::QV * Fmt<TYPE>::BYTES;
+    parallel_run(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) dequant_row<TYPE>(blocks + n * rb, K, out + n * K);
+    });
+  }
+};
+
+}  // namespace
+
+bool gguf_supported(int type) { return gguf_block_values(type) != 0; }
+
+int64_t gguf_block_values(int type) {
+  switch (type) {
+    case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q5_0: case GGUF_Q5_1: case GGUF_Q8_0: return 32;
+    case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: return 256;
+    default: return 0;
+  }
+}
+
+int64_t gguf_block_bytes(int type) {
+  switch (type) {
+    case GGUF_Q4_0: return Fmt<GGUF_Q4_0>::BYTES;
+    case GGUF_Q4_1: return Fmt<GGUF_Q4_1>::BYTES;
+    case GGUF_Q5_0: return Fmt<GGUF_Q5_0>::BYTES;
+    case GGUF_Q5_1: return Fmt<GGUF_Q5_1>::BYTES;
+    case GGUF_Q8_0: return Fmt<GGUF_Q8_0>::BYTES;
+    case GGUF_Q4_K: return Fmt<GGUF_Q4_K>::BYTES;
+    case GGUF_Q5_K: return Fmt<GGUF_Q5_K>::BYTES;
+    case GGUF_Q6_K: return Fmt<GGUF_Q6_K>::BYTES;
+    default: return 0;
+  }
+}
+
+GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K) {
+  GgufActs a;
+  a.M = M;
+  a.K = K;
+  a.nb = K / QK;
+  const size_t per = (size_t)(M * a.nb);
+  // q [M, K] (K % 32 == 0: every row 32-byte aligned), then d, s, sum32 (4 bytes each), sum16 (2 x 2 bytes)
+  uint8_t* base = acts_buffer(per * 64 + per * 16 + 64);
+  int8_t* q = reinterpret_cast<int8_t*>(base);
+  float* d = reinterpret_cast<float*>(base + per * 32);
+  float* s = d + per;
+  int32_t* s32 = reinterpret_cast<int32_t*>(s + per);
+  int16_t* s16 = reinterpret_cast<int16_t*>(s32 + per);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const int64_t o = m * a.nb + b;
+      d[o] = quantize_block32(x + m * K + b * QK, q + m * K + b * QK, &s32[o], &s16[2 * o]);
+      s[o] = d[o] * (float)s32[o];
+    }
+#ifdef EDGELLM_G_AVX2
+  int8_t* q2 = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(s16 + 2 * per) + 63) & ~uintptr_t(63));
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < a.nb; ++b) {
+      int8_t* dst = q2 + m * K + (b >> 1) * 64 + (b & 1) * 16;
+      std::memcpy(dst, q + m * K + b * QK, 16);
+      std::memcpy(dst + 32, q + m * K + b * QK + 16, 16);
+    }
+  a.q2 = q2;
+#endif
+  a.q = q;
+  a.d = d;
+  a.s = s;
+  a.sum32 = s32;
+  a.sum16 = s16;
+  return a;
+}
+
+void gguf_gemm(const GgufActs& acts, const uint8_t* blocks, int type, int64_t N, int64_t K, float* y, int64_t ldy,
+               const int32_t* out_index) {
+  if (N <= 0 || acts.M <= 0 || K != acts.K || !gguf_supported(type) || K % gguf_block_values(type) != 0) return;
+  dispatch<GemmOp>(type, acts, blocks, N, y, ldy, out_index);
+}
+
+void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K, float* out) {
+  if (N <= 0 || !gguf_supported(type) || K % gguf_block_values(type) != 0) return;
+  dispatch<DequantOp>(type, blocks, N, K, out);
+}
+
+}  // namespace edgellm

@@ -1,0 +1,44 @@
+// GGUF weights multiplied as stored (cpu_gguf.cpp): the blocks of a GGUF tensor, memory-mapped, read in place.
+#pragma once
+
+#include <cstdint>
+
+namespace edgellm {
+
+// GGML type ids (gguf.GGMLQuantizationType) of the types multiplied natively.
+enum GgufType { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8,
+                GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14 };
+
+bool gguf_supported(int type);
+int64_t gguf_block_values(int type);  // 32 or 256 (0: unsupported type)
+int64_t gguf_block_bytes(int type);
+inline int64_t gguf_row_bytes(int type, int64_t K) { return K / gguf_block_values(type) * gguf_block_bytes(type); }
+
+// The activations of one input, quantized once and shared by every part of a fused linear: per row m and 32-block
+// b of x [M, K], int8 q = round_half_even(x * 127 / amax), d = amax / 127, s = d * sum(q) (the weights' mins /
+// offsets meet it), and the int sums of q per 16 values (Q6_K's -32 offset, per 16-value scale).  K % 32 == 0.
+// The arrays live in a per-thread buffer: valid until the same thread quantizes again.
+struct GgufActs {
+  int64_t M = 0, K = 0, nb = 0;
+  const int8_t* q = nullptr;     // [M, K]
+  const float* d = nullptr;      // [M, nb]
+  const float* s = nullptr;      // [M, nb]
+  const int32_t* sum32 = nullptr;  // [M, nb]
+  const int16_t* sum16 = nullptr;  // [M, 2 * nb]
+  // AVX2 builds: q again, blocks paired as cpu_kernels.cpp's int4 kernel reads them (the 64 bytes of blocks 2p,
+  // 2p + 1 = [2p: x0..15 | 2p+1: x0..15 | 2p: x16..31 | 2p+1: x16..31]), so that one 32-byte load of Q4_0 / Q4_1
+  // codes serves two blocks; null elsewhere
+  const int8_t* q2 = nullptr;    // [M, K]
+};
+GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K);
+
+// y[m * ldy + col(n)] = sum_k x[m, k] W[n, k] for the N rows of one GGUF tensor (rows contiguous, gguf_row_bytes
+// each), col(n) = out_index ? out_index[n] : n.  A row's result is bit-identical whatever M is.  Rows split over
+// threads.
+void gguf_gemm(const GgufActs& acts, const uint8_t* blocks, int type, int64_t N, int64_t K, float* y, int64_t ldy,
+               const int32_t* out_index);
+
+// W [N, K] fp32, bit-identical to gguf.quants.dequantize.
+void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K, float* out);
+
+}  // namespace edgellm
