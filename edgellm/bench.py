@@ -489,7 +489,7 @@ def table_lines(rows: list[dict]) -> list[list[str]]:
     for r in rows:
         common = [r["model"], _mib(r["weight_bytes"]) if r.get("weight_bytes") else "—",
                   _params(r["params"]) if r.get("params") else "—", r["backend"], str(r["threads"]),
-                  r["weights"], r["kv"], r["draft"]]
+                  _weights_cell(r), r["kv"], r["draft"]]
         if r.get("error"):
             line = common + [f"{r['test_pp']}+{r['test_tg']}", f"n/a [{error_ids[r['error']]}]", "", "", ""]
             out.append(line + ([""] if with_draft else []) + (["", ""] if with_llama else []))
@@ -783,6 +783,13 @@ def bench_engine(run: BenchRun, row_args: argparse.Namespace, loaded, info: dict
     return rows
 
 
+def _weights_cell(row: dict) -> str:
+    """`auto` says what it ran as: auto=Q4_K+Q6_K."""
+    if row["weights"] != "auto" or not row.get("runs_as"):
+        return row["weights"]
+    return "auto=" + "+".join(part.split("×")[0] for part in row["runs_as"].split(", "))
+
+
 def emit(doc: dict, args: argparse.Namespace) -> None:
     """The plot, the notes (stderr), the JSON file, and the table (stdout)."""
     rows, notes = doc["rows"], doc["notes"]
@@ -811,7 +818,7 @@ def _model_info(loaded, device: torch.device, threads: int) -> dict:
             "file_bytes": loaded.file_bytes, "tensor_types": loaded.tensor_types,
             "params": loaded.config.num_parameters(), "backend": device.type.upper(), "device": str(device),
             "dtype": str(model.dtype).replace("torch.", ""), "threads": threads, "load_s": loaded.load_seconds,
-            "weight_bytes": total, "weight_bytes_read_per_token": read}
+            "weight_bytes": total, "weight_bytes_read_per_token": read, "runs_as": loaded.runs_as_text()}
 
 
 def _model_info_unloaded(args, device: torch.device, threads: int) -> dict:
@@ -823,7 +830,8 @@ def _model_info_unloaded(args, device: torch.device, threads: int) -> dict:
         path = args.model or "(bundled)"
     return {"model": Path(path).name, "model_path": path, "model_format": None, "file_bytes": None, "tensor_types": None,
             "params": None, "backend": device.type.upper(), "device": str(device), "dtype": args.dtype,
-            "threads": threads, "load_s": None, "weight_bytes": None, "weight_bytes_read_per_token": None}
+            "threads": threads, "load_s": None, "weight_bytes": None, "weight_bytes_read_per_token": None,
+            "runs_as": None}
 
 
 def _add_physics(row: dict, engine, bandwidth_gbs: float) -> None:

@@ -6,9 +6,9 @@ with no second copy. Where the source rows are stored in another order than ours
 for RoPE), `out_index` says which output column each stored row feeds: the rows are never moved.
 
 How the product is computed:
-  CPU with the C++ kernels: tokens up to `KERNEL_MAX_ROWS` (decode, verification, short prompts) run the
-      int8-activation kernels on the blocks (kernels/cpu_gguf.cpp); longer prompts dequantize this layer into
-      a float buffer for the call and use the float GEMM.
+  CPU with the C++ kernels: up to a measured number of rows per type (decode, verification, short prompts:
+      kernels/gguf_ops.py) the int8-activation kernels run on the blocks (kernels/cpu_gguf.cpp); longer prompts
+      dequantize this layer into a float buffer for the call and use the float GEMM.
   Anywhere else (CUDA, MPS, CPU without the extension): this layer's blocks are dequantized on the device for
       the call (quant/gguf_tensor.py, bit for bit gguf.quants) and multiplied in the compute dtype: one layer's
       float weight exists at a time, never the whole model's.
@@ -23,14 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import matmul as K
+from ..kernels.gguf_ops import use_kernel
 from .gguf_tensor import dequantize_blocks, gguf_type, row_bytes
 from .linear import _move_packed
 
-__all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "KERNEL_MAX_ROWS", "raw_tensor"]
-
-# Above this many rows a prompt is dequantized into a float GEMM (the CPU kernels' own measured crossover for
-# int4 prefill with int8 activations and an fp32 GEMM: kernels/matmul.py PREFILL_KERNEL_MAX_M).
-KERNEL_MAX_ROWS = 512
+__all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "raw_tensor", "install_gguf", "weight_formats"]
 
 
 @dataclass
@@ -133,7 +130,7 @@ class GGUFLinear(_GGUFWeight):
         self.register_buffer("bias", bias)
 
     def _kernel(self, x2: torch.Tensor):
-        if x2.device.type != "cpu" or x2.shape[0] > KERNEL_MAX_ROWS:
+        if x2.device.type != "cpu" or not all(use_kernel(t, x2.shape[0]) for t in self.part_types):
             return None
         ext = K.cpu_extension()
         if ext is None or not hasattr(ext, "gguf_linear"):

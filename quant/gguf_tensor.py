@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.gguf_ops import GGUF_NATIVE_TYPES
+
 __all__ = ["GGUFType", "GGUF_TYPES", "NATIVE_TYPES", "gguf_type", "dequantize_blocks", "row_bytes"]
 
 
@@ -33,8 +35,10 @@ GGUF_TYPES = {t.id: t for t in (
     GGUFType(7, "Q5_1", 32, 24), GGUFType(8, "Q8_0", 32, 34), GGUFType(12, "Q4_K", 256, 144),
     GGUFType(13, "Q5_K", 256, 176), GGUFType(14, "Q6_K", 256, 210),
 )}
-# the quantized types edgellm multiplies as stored; others (Q2_K, Q3_K, IQ*) are dequantized at load
-NATIVE_TYPES = frozenset(t.name for t in GGUF_TYPES.values())
+# the quantized types edgellm multiplies as stored (the C++ kernels' list; this module dequantizes each of
+# them on other devices); others (Q2_K, Q3_K, IQ*) are dequantized at load
+NATIVE_TYPES = frozenset(GGUF_NATIVE_TYPES)
+assert NATIVE_TYPES == {t.name for t in GGUF_TYPES.values()}
 
 
 def gguf_type(type_id: int) -> GGUFType:

@@ -60,7 +60,8 @@ def test_json_schema_and_consistency(tiny_llama, tmp_path, monkeypatch, capsys):
     for r in rows:
         assert ROW_FIELDS <= set(r)
         assert r["error"] is None, r["error"]
-        assert r["weights"] == "fp" and r["kv"] == "fp" and r["draft"] == "none"
+        assert r["weights"] == "auto" and r["kv"] == "fp" and r["draft"] == "none"
+        assert r["runs_as"] == "f32×10"  # a float GGUF stays float: 2 layers × 4 linears, the embedding, the head
         assert r["backend"] == "CPU" and r["threads"] == 2 and r["params"] > 0
         s = r["stats"]
         for k in POSITIVE_STATS:

@@ -162,3 +162,21 @@ def test_info_says_what_each_tensor_runs_as(quant_files):
 
     row = json.loads(out.stdout)["weights run as"]
     assert "Q4_K×" in row and "Q6_K×" in row and "Q5_K×" in row and "--weights auto" in row
+
+
+@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2"])
+def test_fused_cpu_step_runs_gguf_models(quant_files, name):
+    """The one-call-per-token C++ step takes a model of GGUF parts (mixed with repacked Q4_x/Q8_0 linears)
+    and gives the eager model's logits."""
+    from edgellm.kernels.cpu_decode import fused_decode_step
+
+    model = load_model(quant_files[name]).model
+    fused_cache = KVCache(model.config, model.rope_len, model.dtype, model.device)
+    eager_cache = KVCache(model.config, model.rope_len, model.dtype, model.device)
+    step = fused_decode_step(model, fused_cache)
+    assert step is not None
+    with torch.no_grad():
+        for pos, tok in enumerate([5, 17, 33, 101, 7, 250]):
+            fused = step(torch.tensor([[tok]]), pos)
+            eager = model(torch.tensor([[tok]]), eager_cache, pos)[0, -1]
+            torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
