@@ -122,7 +122,8 @@ def dequantize_blocks(raw: torch.Tensor, type_id: int, shape: tuple[int, int],
         # per 128-value half: low nibbles of its 64 ql bytes, then their high nibbles; 2 more bits each from
         # its 32 qh bytes, shifted by 0/2/4/6 for the half's four runs of 32
         low = _nibbles(ql.reshape(nb, 2, 64), 64).reshape(nb, 2, 4, 32)
-        high = (qh.reshape(nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], device=b.device, dtype=torch.uint8)
+        # shifts made on the device (no host copy: a CUDA graph can capture this)
+        high = (qh.reshape(nb, 2, 1, 32) >> torch.arange(0, 8, 2, device=b.device, dtype=torch.uint8)
                 .reshape(1, 1, 4, 1)) & 3
         q = ((low | (high << 4)).to(torch.int8) - 32).reshape(nb, 16, 16).float()
         w = dl * q
