@@ -102,6 +102,9 @@ def fused_decode_step(model, cache) -> FusedDecodeStep | None:
         cfg = model.config
         if model.device.type != "cpu" or model.dtype != torch.float32:
             return None
+        if (cfg.qk_norm or cfg.post_norms or cfg.hidden_act != "silu" or cfg.embed_scale != 1.0 or cfg.attn_softcap
+                or cfg.final_softcap or any(cfg.layer_windows) or cfg.rotary_dim != cfg.head_dim):
+            return None  # the families the C++ step does not describe yet
         kv = [_kv_specs(s, cache) for s in cache.layers]
         if any(s is None for s in kv):
             return None
