@@ -269,7 +269,7 @@ def build_self_draft(target: torch.nn.Module, bits: int = 4, group_size: int = 3
     if not 1 <= n <= cfg.n_layers:
         raise EdgeLLMError(f"self-draft: {n} layers asked, the model has {cfg.n_layers}")
     with torch.device("meta"):
-        draft = Transformer(dataclasses.replace(cfg, n_layers=n))
+        draft = Transformer(dataclasses.replace(cfg, n_layers=n, layer_windows=cfg.layer_windows[:n]))
     draft.tok_embeddings = target.tok_embeddings
     draft.norm = target.norm
     q = dict(bits=bits, group_size=group_size, symmetric=symmetric, search=search)

@@ -65,6 +65,9 @@ def test_self_draft_speculation_greedy_identical(tiny_models, family):
                     prompt)
     assert spec.tokens == plain.tokens
     assert spec.stats.draft_accepted > 0
+    short = generate(Engine(loaded.model, loaded.tokenizer, 96, draft=SelfDraftProposer(loaded.model, n_layers=1)),
+                     prompt)  # the first layer only (Gemma 3: a sliding one, with the local RoPE table)
+    assert short.tokens == plain.tokens
 
 
 def test_edgellm_format_round_trip(tiny_models, tmp_path):
