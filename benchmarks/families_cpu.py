@@ -164,7 +164,7 @@ def main() -> None:
     from benchmarks.run_record import write_run
 
     rows = []
-    for size in args.sizes.split(","):
+    for size in [s for s in args.sizes.split(",") if s]:
         for fam in args.families.split(","):
             tiny = size == "tiny"
             torch.set_num_threads(1 if tiny else args.threads)
