@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .kernels.attention import (FloatKV, Int4KV, Int8KV, KVStore, attention, cpu_flash_prefill, write_kv,
-                                write_kv_at)
+from .kernels.attention import (FloatKV, Int4KV, Int8KV, KVStore, attention, cpu_flash_prefill, masked_attention,
+                                write_kv, write_kv_at)
 
 KV_FORMATS = ("fp", "int8", "int4")
 # Scales and mins in fp16: a quarter of an int4 token's bytes at head dim 64 instead of half of them.
@@ -183,9 +183,18 @@ class KVCache:
         else:
             write_kv(self.layers[layer], k, v, start)
 
-    def attend(self, layer: int, q: torch.Tensor, start: int | DevicePosition, scale: float) -> torch.Tensor:
-        """q [1, Hq, T, D] at positions [start, start+T), causal against the cache → [1, Hq, T, D]."""
+    def attend(self, layer: int, q: torch.Tensor, start: int | DevicePosition, scale: float, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
+        """q [1, Hq, T, D] at positions [start, start+T), causal against the cache → [1, Hq, T, D]. `window` > 0:
+        each row sees only its last `window` positions; `softcap` > 0: scores soft-capped (Gemma, Phi-3)."""
         store = self.layers[layer]
+        if window or softcap:
+            qr = q if self.rotation is None else self._rotate_query(q, layer)
+            if isinstance(start, DevicePosition):
+                out = masked_attention(qr, store, start.bound, 0, scale, window, softcap, lengths=start.lengths)
+            else:
+                out = masked_attention(qr, store, start + q.shape[2], start, scale, window, softcap)
+            return out if self.rotation is None else self._unrotate(out, layer)
         if isinstance(start, DevicePosition):  # inside a CUDA graph: the Triton kernel reads the lengths
             qr = q if self.rotation is None else self._rotate_query(q, layer)
             out = _graph_attention(qr, store, start.bound, scale, start.lengths)

@@ -118,9 +118,9 @@ def kv_calibration(model) -> KVCalibration | None:
             kv[layer] = k.float(), v.float()
             super().write(layer, k, v, start)
 
-        def attend(self, layer, q, start, scale):
+        def attend(self, layer, q, start, scale, **kw):
             q_energy[layer] = q[0].float().pow(2).mean(1).view(cfg.n_kv_heads, group, -1).mean(1)  # [Hkv, D]
-            return super().attend(layer, q, start, scale)
+            return super().attend(layer, q, start, scale, **kw)
 
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     q_energy: dict[int, torch.Tensor] = {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import re
 import time
@@ -20,7 +21,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .config import GGUF_ARCHITECTURES, ModelConfig
+from .config import GEMMA, GGUF_ARCHITECTURES, SLIDING_PATTERN, ModelConfig
 from .errors import EdgeLLMError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .gguf_file import FLOAT_VIEWS, GGUFFile
 from .model import Transformer
@@ -196,6 +197,7 @@ def gguf_config(src: GGUFSource) -> ModelConfig:
     if arch_name not in GGUF_ARCHITECTURES:
         raise UnsupportedModelError(f"{src.path}: GGUF architecture {arch_name!r} is not supported "
                                     f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
+    arch = GGUF_ARCHITECTURES[arch_name]
 
     def key(k: str, default: Any = None) -> Any:
         return src.field(f"{arch_name}.{k}", default)
@@ -211,7 +213,10 @@ def gguf_config(src: GGUFSource) -> ModelConfig:
     if "token_embd.weight" not in src.tensors:
         raise ModelFormatError(f"{src.path}: GGUF has no token_embd.weight tensor")
     vocab = key("vocab_size") or src.raw("token_embd.weight")[2][0]
-    head_dim = key("attention.key_length") or key("rope.dimension_count") or dim // n_heads
+    if arch == "phi3":  # rope.dimension_count is the rotary part of the head there (Phi-4-mini: 3/4)
+        head_dim = key("attention.key_length") or dim // n_heads
+    else:
+        head_dim = key("attention.key_length") or key("rope.dimension_count") or dim // n_heads
     rope_scaling = None
     scaling_type = key("rope.scaling.type")
     if scaling_type in ("linear", "yarn"):
@@ -223,8 +228,18 @@ def gguf_config(src: GGUFSource) -> ModelConfig:
     extra = {}
     if "rope_freqs.weight" in src.tensors:  # llama3-style scaling is stored as per-frequency factors
         extra["rope_freqs"] = src.get("rope_freqs.weight").double().tolist()
+    if "rope_factors_long.weight" in src.tensors:  # Phi-3's LongRoPE (convert_hf_to_gguf's Phi3MiniModel)
+        rope_scaling = {"rope_type": "longrope",
+                        "long_factor": src.get("rope_factors_long.weight").double().tolist(),
+                        "short_factor": src.get("rope_factors_short.weight").double().tolist(),
+                        "original_max_position_embeddings": int(key("rope.scaling.original_context_length")
+                                                                or key("context_length", 4096))}
+        if key("rope.scaling.attn_factor") is not None:
+            rope_scaling["attention_factor"] = float(key("rope.scaling.attn_factor"))
+    family = _gguf_family(arch, key, dim, n_heads, n_layers, int(head_dim))
+    rot = key("rope.dimension_count")
     return ModelConfig(
-        arch=GGUF_ARCHITECTURES[arch_name],
+        arch=arch,
         vocab_size=int(vocab),
         dim=dim,
         n_layers=n_layers,
@@ -233,13 +248,46 @@ def gguf_config(src: GGUFSource) -> ModelConfig:
         intermediate_size=ffn,
         head_dim=int(head_dim),
         norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(key("rope.freq_base", 10000.0)),
+        rope_theta=float(key("rope.freq_base", 1e6 if arch == "gemma3" else 10000.0)),
         rope_scaling=rope_scaling,
         max_position_embeddings=int(key("context_length", 4096)),
         tie_embeddings="output.weight" not in src.tensors,
         attention_bias="blk.0.attn_q.bias" in src.tensors,
+        rotary_dim=int(rot) if arch == "phi3" and rot and int(rot) < int(head_dim) else 0,
         extra=extra,
+        **family,
     )
+
+
+def _gguf_family(arch: str, key: Callable[..., Any], dim: int, n_heads: int, n_layers: int,
+                 head_dim: int) -> dict[str, Any]:
+    """The family switches from GGUF metadata, with llama.cpp's defaults where its converter stores nothing:
+    Gemma's window pattern (every 2nd / 6th layer global), Gemma 3's local RoPE base (10000), and the query
+    scale (llama.cpp: dim / heads for the 27B models, the head dim otherwise; the GGUF has no key for it)."""
+    if arch == "qwen3":
+        return {"qk_norm": True}
+    if arch == "phi3":
+        window = int(key("attention.sliding_window") or 0)
+        ctx = int(key("context_length", 4096))
+        return {"layer_windows": [window] * n_layers} if 0 < window < ctx else {}
+    if arch not in GEMMA:
+        return {}
+    window = int(key("attention.sliding_window") or 0)
+    pattern = key("attention.sliding_window_pattern", SLIDING_PATTERN[arch])
+    if isinstance(pattern, list):  # one flag per layer (true: sliding)
+        sliding = [bool(x) for x in pattern]
+    else:
+        sliding = [bool((i + 1) % int(pattern)) for i in range(n_layers)]
+    scale = key("attention.scale")
+    big = n_layers == (46 if arch == "gemma2" else 62)  # the 27B models
+    family = dict(post_norms=True, hidden_act="gelu_tanh", embed_scale=math.sqrt(dim),
+                  query_scale=float(scale) ** -2 if scale else float(dim // n_heads if big else head_dim),
+                  attn_softcap=float(key("attn_logit_softcapping") or 0.0),
+                  final_softcap=float(key("final_logit_softcapping") or 0.0),
+                  layer_windows=[window if s else 0 for s in sliding] if window else [])
+    if arch == "gemma3":
+        family.update(qk_norm=True, rope_local_theta=float(key("rope.freq_base_swa", 10000.0)))
+    return family
 
 
 # ------------------------------------------------------------------------------------------------
@@ -253,13 +301,45 @@ HF_NAMES = {
     "down": "model.layers.{i}.mlp.down_proj.weight",
     "attn_norm": "model.layers.{i}.input_layernorm.weight",
     "ffn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "q_norm": "model.layers.{i}.self_attn.q_norm.weight", "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+    # Phi-3: fused in the checkpoint, in our own fused layout ([q; k; v] and [gate; up] rows)
+    "qkv": "model.layers.{i}.self_attn.qkv_proj.weight", "gate_up": "model.layers.{i}.mlp.gate_up_proj.weight",
 }
+# Gemma normalises before and after attention and the MLP: its post_attention_layernorm is an output norm
+HF_GEMMA_NAMES = {
+    "ffn_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "post_ffn_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
+# Where a multimodal checkpoint (Gemma 3 4B+) keeps its language model's "model.*" tensors
+HF_TEXT_PREFIXES = ("language_model.model.", "model.language_model.")
 GGUF_NAMES = {
     "embed": "token_embd.weight", "norm": "output_norm.weight", "output": "output.weight",
     "q": "blk.{i}.attn_q", "k": "blk.{i}.attn_k", "v": "blk.{i}.attn_v", "o": "blk.{i}.attn_output.weight",
     "gate": "blk.{i}.ffn_gate.weight", "up": "blk.{i}.ffn_up.weight", "down": "blk.{i}.ffn_down.weight",
     "attn_norm": "blk.{i}.attn_norm.weight", "ffn_norm": "blk.{i}.ffn_norm.weight",
+    "q_norm": "blk.{i}.attn_q_norm.weight", "k_norm": "blk.{i}.attn_k_norm.weight",
+    "post_attn_norm": "blk.{i}.post_attention_norm.weight", "post_ffn_norm": "blk.{i}.post_ffw_norm.weight",
+    # Phi-3: llama.cpp keeps the fused tensors (ffn_up holds [gate; up], as its SwiGLU splits it)
+    "qkv": "blk.{i}.attn_qkv.weight", "gate_up": "blk.{i}.ffn_up.weight",
 }
+
+
+def source_names(cfg: ModelConfig, fmt: str, available: set[str] | None = None) -> dict[str, str]:
+    """The source's tensor names for this family: GGUF_NAMES, or HF_NAMES with Gemma's norms and, for a
+    multimodal checkpoint, its language model's prefix."""
+    if fmt == "gguf":
+        return dict(GGUF_NAMES)
+    names = dict(HF_NAMES)
+    if cfg.arch in GEMMA:
+        names.update(HF_GEMMA_NAMES)
+    if available is not None and names["embed"] not in available:
+        prefix = next((p for p in HF_TEXT_PREFIXES if p + "embed_tokens.weight" in available), None)
+        if prefix:
+            names = {k: prefix + v[len("model."):] if v.startswith("model.") else v for k, v in names.items()}
+            names["output"] = next((n for n in ("language_model.lm_head.weight", "lm_head.weight")
+                                    if n in available), names["output"])
+    return names
 
 
 def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -280,29 +360,44 @@ class WeightPlan:
 
     parts: dict[str, list[str]] = field(default_factory=dict)  # our name → source names to concatenate
     permute: dict[str, int] = field(default_factory=dict)  # source name → n_heads to un-permute with
+    add_one: set[str] = field(default_factory=set)  # source names stored as w where the model computes (1 + w)
 
 
-def weight_plan(cfg: ModelConfig, names: dict[str, str], gguf_layout: bool) -> WeightPlan:
+def weight_plan(cfg: ModelConfig, names: dict[str, str], gguf_layout: bool,
+                available: set[str] | None = None) -> WeightPlan:
+    """`available`: the source's tensor names, where the layout depends on what it holds (Phi-3 fused or not)."""
     plan = WeightPlan()
     plan.parts["tok_embeddings.weight"] = [names["embed"]]
     plan.parts["norm.weight"] = [names["norm"]]
     if not cfg.tie_embeddings:
         plan.parts["output.weight"] = [names["output"]]
+    fused = cfg.arch == "phi3" and (available is None or names["qkv"].format(i=0) in available)
     for i in range(cfg.n_layers):
         q, k, v = (names[x].format(i=i) for x in "qkv")
         pre = f"layers.{i}."
-        plan.parts[pre + "attention.wqkv.weight"] = [q + ".weight", k + ".weight", v + ".weight"]
+        if fused:
+            plan.parts[pre + "attention.wqkv.weight"] = [names["qkv"].format(i=i)]
+            plan.parts[pre + "feed_forward.w13.weight"] = [names["gate_up"].format(i=i)]
+        else:
+            plan.parts[pre + "attention.wqkv.weight"] = [q + ".weight", k + ".weight", v + ".weight"]
+            plan.parts[pre + "feed_forward.w13.weight"] = [names["gate"].format(i=i), names["up"].format(i=i)]
         if cfg.attention_bias:
             plan.parts[pre + "attention.wqkv.bias"] = [q + ".bias", k + ".bias", v + ".bias"]
         plan.parts[pre + "attention.wo.weight"] = [names["o"].format(i=i)]
-        plan.parts[pre + "feed_forward.w13.weight"] = [names["gate"].format(i=i), names["up"].format(i=i)]
         plan.parts[pre + "feed_forward.w2.weight"] = [names["down"].format(i=i)]
-        plan.parts[pre + "attention_norm.weight"] = [names["attn_norm"].format(i=i)]
-        plan.parts[pre + "ffn_norm.weight"] = [names["ffn_norm"].format(i=i)]
-        if gguf_layout and cfg.arch != "qwen2":  # llama.cpp permutes Q/K for llama-arch models only
+        norms = {"attention_norm": "attn_norm", "ffn_norm": "ffn_norm"}
+        if cfg.qk_norm:
+            norms.update({"attention.q_norm": "q_norm", "attention.k_norm": "k_norm"})
+        if cfg.post_norms:
+            norms.update({"post_attention_norm": "post_attn_norm", "post_ffn_norm": "post_ffn_norm"})
+        for ours, theirs in norms.items():
+            plan.parts[pre + ours + ".weight"] = [names[theirs].format(i=i)]
+        if gguf_layout and cfg.arch in ("llama", "mistral"):  # llama.cpp permutes Q/K for llama-arch models only
             for suffix in (".weight", ".bias"):
                 plan.permute[q + suffix] = cfg.n_heads
                 plan.permute[k + suffix] = cfg.n_kv_heads
+    if cfg.arch in GEMMA and not gguf_layout:  # llama.cpp's converter adds the 1 at conversion, we at load
+        plan.add_one = {p for ours, parts in plan.parts.items() if ours.endswith("norm.weight") for p in parts}
     return plan
 
 
@@ -396,8 +491,8 @@ def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch
     a float copy of the whole model never exists; `importance` weights their scale search per input
     channel (quant/calibrate.py). With `as_stored` (a GGUF source), quantized matrices keep their blocks
     (`gguf_as_stored`): int8/int4 tensors, or GGUF parts used in place from the memory-mapped file."""
-    plan = weight_plan(cfg, GGUF_NAMES if fmt == "gguf" else HF_NAMES, gguf_layout=fmt == "gguf")
     available = set(src.names())
+    plan = weight_plan(cfg, source_names(cfg, fmt, available), gguf_layout=fmt == "gguf", available=available)
     state: dict[str, torch.Tensor] = {}
     qtensors: dict[str, Any] = {}
     gguf_parts: dict[str, list] = {}
@@ -426,7 +521,9 @@ def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch
                 continue
         pieces = []
         for name in parts:
-            t = src.get(name).to(torch.float32 if qfmt else dtype)
+            t = src.get(name).to(torch.float32 if qfmt or name in plan.add_one else dtype)
+            if name in plan.add_one:
+                t = t + 1.0
             if name in plan.permute:
                 t = unpermute_rope_rows(t, plan.permute[name])
             pieces.append(t)

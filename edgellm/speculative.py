@@ -274,13 +274,18 @@ def build_self_draft(target: torch.nn.Module, bits: int = 4, group_size: int = 3
     if not 1 <= n <= cfg.n_layers:
         raise EdgeLLMError(f"self-draft: {n} layers asked, the model has {cfg.n_layers}")
     with torch.device("meta"):
-        draft = Transformer(dataclasses.replace(cfg, n_layers=n))
+        draft = Transformer(dataclasses.replace(cfg, n_layers=n, layer_windows=cfg.layer_windows[:n]))
     draft.tok_embeddings = target.tok_embeddings
     draft.norm = target.norm
     q = dict(bits=bits, group_size=group_size, symmetric=symmetric, search=search)
     for i in range(n):
         src, dst = target.layers[i], draft.layers[i]
-        dst.attention_norm, dst.ffn_norm = src.attention_norm, src.ffn_norm
+        for norm in ("attention_norm", "ffn_norm", "post_attention_norm", "post_ffn_norm"):  # (post: Gemma)
+            if hasattr(src, norm):
+                setattr(dst, norm, getattr(src, norm))
+        for norm in ("q_norm", "k_norm"):  # Qwen3, Gemma 3
+            if hasattr(src.attention, norm):
+                setattr(dst.attention, norm, getattr(src.attention, norm))
         dst.attention.wqkv = _quant_copy(src.attention.wqkv, **q)
         dst.attention.wo = _quant_copy(src.attention.wo, **q)
         dst.feed_forward.w13 = _quant_copy(src.feed_forward.w13, **q)
@@ -288,6 +293,9 @@ def build_self_draft(target: torch.nn.Module, bits: int = 4, group_size: int = 3
     draft.output = _quant_copy(target.output, **{**q, "bits": max(bits, head_bits)})
     draft.register_buffer("rope_cos", target.rope_cos, persistent=False)
     draft.register_buffer("rope_sin_signed", target.rope_sin_signed, persistent=False)
+    if hasattr(target, "rope_cos_local"):  # Gemma 3's sliding layers
+        draft.register_buffer("rope_cos_local", target.rope_cos_local, persistent=False)
+        draft.register_buffer("rope_sin_local", target.rope_sin_local, persistent=False)
     draft.rope_len = target.rope_len
     left = [name for name, t in list(draft.named_parameters()) + list(draft.named_buffers()) if t.is_meta]
     if left:

@@ -538,6 +538,44 @@ def _mask(s: torch.Tensor, a: int, b: int, pos0: int, t_rows: int) -> None:
     s.view(n_kv, R // t_rows, t_rows, L).masked_fill_(hide, _NEG)
 
 
+def masked_attention(q: torch.Tensor, store: KVStore, kv_len: int, q_start: int, scale: float, window: int = 0,
+                     softcap: float = 0.0, lengths: torch.Tensor | None = None,
+                     q_block: int = DEFAULT_Q_BLOCK) -> torch.Tensor:
+    """attention() for the layers it does not describe: a sliding window (row at position p sees keys
+    (p - window, p]; 0: all) and soft-capped scores (s -> c·tanh(s / c) before the softmax; 0: off), as Gemma 2/3
+    and Phi-3 attend. q [1, Hq, T, D] at positions [q_start, q_start+T) → [1, Hq, T, D] in q's dtype.
+
+    Plain masked softmax over the keys a block of `q_block` rows can see (a window's worth in decode), dequantized
+    per call: the eager model's path for these layers (the fused CPU step has its own). `lengths` (int32 [kv_len,
+    q_start] on the device, a DevicePosition's): the rows' positions are read on the device and kv_len is a host
+    bound, so a CUDA graph can capture the call (one token; keys [0, kv_len) masked, none sliced off)."""
+    _, n_q_heads, T, D = q.shape
+    n_kv = check_attention_args(q, store, kv_len)
+    g = n_q_heads // n_kv
+    out = torch.empty(n_kv, g, T, D, dtype=torch.float32, device=q.device)
+    qf = q[0].float().reshape(n_kv, g, T, D) * scale
+    for r0 in range(0, T, q_block):
+        r1 = min(T, r0 + q_block)
+        if lengths is None:
+            hi = min(kv_len, q_start + r1)
+            lo = max(0, q_start + r0 - window + 1) if window else 0
+            rows = torch.arange(q_start + r0, q_start + r1, device=q.device)
+        else:
+            lo, hi = 0, kv_len
+            rows = lengths[1].long() + torch.arange(r0, r1, device=q.device)
+        k, v = dequantize_kv(store, lo, hi)
+        s = torch.matmul(qf[:, :, r0:r1], k[:, None].transpose(-1, -2).float())  # [Hkv, g, t, L]
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        keys = torch.arange(lo, hi, device=q.device)
+        hide = keys[None, :] > rows[:, None]
+        if window:
+            hide |= keys[None, :] <= rows[:, None] - window
+        s = s.masked_fill(hide, -math.inf)
+        out[:, :, r0:r1] = torch.matmul(torch.softmax(s, dim=-1), v[:, None].float())
+    return out.reshape(1, n_q_heads, T, D).to(q.dtype)
+
+
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_len: int, q_start: int,
                         scale: float) -> torch.Tensor:
     """Plain float64 softmax(QK^T)V with the causal mask against the cache, K/V repeated per query

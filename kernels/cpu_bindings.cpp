@@ -369,11 +369,13 @@ struct DecodePlan {
 
   // dims: dim, n_heads, n_kv_heads, head_dim, hidden, vocab, max_seq_len; layers: (qkv, o, w13, w2, attn_norm,
   // ffn_norm, k cache, v cache) each; kv_rot: [D, D] fp32 for a quantized cache, else None; kv_center
-  // [layers, 2, Hkv, D] and kv_key_scale [layers, Hkv, D]: its calibration (edgellm/kv_calibration.py), or None
+  // [layers, 2, Hkv, D] and kv_key_scale [layers, Hkv, D]: its calibration (edgellm/kv_calibration.py), or None;
+  // family: None (Llama's graph), or (rotary_dim, act, embed_scale, attn_softcap, final_softcap, rope_cos_local,
+  // rope_sin_local, per-layer (q_norm, k_norm, post_attn_norm, post_ffn_norm, window, local_rope)) (see cpu_decode.h)
   DecodePlan(const std::vector<int64_t>& dims, double eps, double attn_scale, const py::tuple& embedding,
              const py::list& layers, const py::handle& norm, const py::tuple& output, const py::handle& rope_cos,
              const py::handle& rope_sin, const py::handle& kv_rot, const py::handle& kv_center,
-             const py::handle& kv_key_scale) {
+             const py::handle& kv_key_scale, const py::handle& family) {
     TORCH_CHECK(dims.size() == 7, "edgellm decode plan: dims has 7 entries");
     auto& M = m;
     M.dim = dims[0]; M.n_heads = dims[1]; M.n_kv_heads = dims[2]; M.head_dim = dims[3]; M.hidden = dims[4];
@@ -383,6 +385,20 @@ struct DecodePlan {
     TORCH_CHECK(M.n_kv_heads > 0 && M.n_heads % M.n_kv_heads == 0 && M.head_dim % 2 == 0 && M.head_dim <= 1024 &&
                     M.n_heads / M.n_kv_heads <= 64, "edgellm decode plan: unsupported head layout");
     const int64_t D = M.head_dim, S = M.max_seq_len, qkv_n = (M.n_heads + 2 * M.n_kv_heads) * D;
+    M.rotary_dim = D;
+    py::tuple fam;
+    if (!family.is_none()) {
+      fam = family.cast<py::tuple>();
+      TORCH_CHECK(fam.size() == 8, "edgellm decode plan: family has 8 fields");
+      M.rotary_dim = fam[0].cast<int64_t>();
+      M.act = fam[1].cast<int>();
+      M.embed_scale = (float)fam[2].cast<double>();
+      M.attn_softcap = (float)fam[3].cast<double>();
+      M.final_softcap = (float)fam[4].cast<double>();
+      TORCH_CHECK(M.rotary_dim > 0 && M.rotary_dim <= D && M.rotary_dim % 2 == 0 && (M.act == 0 || M.act == 1),
+                  "edgellm decode plan: rotary dim ", M.rotary_dim, " / activation ", M.act);
+    }
+    const int64_t R = M.rotary_dim;
     M.embedding = linear(embedding, M.vocab, M.dim, "embedding");
     for (const py::handle& item : layers) {
       const py::tuple t = item.cast<py::tuple>();
@@ -404,9 +420,30 @@ struct DecodePlan {
     M.output = linear(output, M.vocab, M.dim, "output");
     const at::Tensor& c = hold(py::cast<at::Tensor>(rope_cos), at::kFloat, "rope_cos");
     const at::Tensor& s = hold(py::cast<at::Tensor>(rope_sin), at::kFloat, "rope_sin");
-    TORCH_CHECK(c.numel() >= S * D && s.numel() == c.numel(), "edgellm decode plan: rope tables shorter than the cache");
+    TORCH_CHECK(c.numel() >= S * R && s.numel() == c.numel(), "edgellm decode plan: rope tables shorter than the cache");
     M.rope_cos = c.data_ptr<float>();
     M.rope_sin = s.data_ptr<float>();
+    if (!family.is_none()) {
+      M.rope_cos_local = f32(fam[5], c.numel(), "rope_cos_local");
+      M.rope_sin_local = f32(fam[6], c.numel(), "rope_sin_local");
+      const py::list extras = fam[7].cast<py::list>();
+      TORCH_CHECK((int64_t)extras.size() == n_layers, "edgellm decode plan: family extras for ", extras.size(),
+                  " layers, the model has ", n_layers);
+      for (int64_t i = 0; i < n_layers; ++i) {
+        const py::tuple e = extras[i].cast<py::tuple>();
+        TORCH_CHECK(e.size() == 6, "edgellm decode plan: a layer's family extras have 6 fields");
+        edgellm::DecodeLayer& L = M.layers[i];
+        L.q_norm = f32(e[0], D, "q_norm");
+        L.k_norm = f32(e[1], D, "k_norm");
+        TORCH_CHECK((L.q_norm == nullptr) == (L.k_norm == nullptr), "edgellm decode plan: q and k norms go together");
+        L.post_attn_norm = f32(e[2], M.dim, "post_attention_norm");
+        L.post_ffn_norm = f32(e[3], M.dim, "post_ffn_norm");
+        L.window = e[4].cast<int64_t>();
+        L.local_rope = e[5].cast<bool>();
+        TORCH_CHECK(L.window >= 0 && (!L.local_rope || M.rope_cos_local), "edgellm decode plan: layer ", i,
+                    ": window ", L.window, " / local RoPE without its table");
+      }
+    }
     M.kv_rot = f32(kv_rot, D * D, "kv rotation");
     M.kv_center = f32(kv_center, (int64_t)M.layers.size() * 2 * M.n_kv_heads * D, "kv centres");
     TORCH_CHECK(M.kv_center == nullptr || M.kv_rot != nullptr, "edgellm decode plan: KV centres without a quantized cache");
@@ -489,10 +526,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodePlan>(m, "DecodePlan", "the fused CPU decode step of one model + KV cache (see cpu_decode.py)")
       .def(py::init<const std::vector<int64_t>&, double, double, const py::tuple&, const py::list&, const py::handle&,
                     const py::tuple&, const py::handle&, const py::handle&, const py::handle&, const py::handle&,
-                    const py::handle&>(),
+                    const py::handle&, const py::handle&>(),
            py::arg("dims"), py::arg("eps"), py::arg("attn_scale"), py::arg("embedding"), py::arg("layers"),
            py::arg("norm"), py::arg("output"), py::arg("rope_cos"), py::arg("rope_sin"), py::arg("kv_rot") = py::none(),
-           py::arg("kv_center") = py::none(), py::arg("kv_key_scale") = py::none())
+           py::arg("kv_center") = py::none(), py::arg("kv_key_scale") = py::none(), py::arg("family") = py::none())
       .def("step", &DecodePlan::step, py::arg("token"), py::arg("pos"), py::arg("logits"), py::arg("variant"),
            "logits [vocab] of token (int64 [1] or [1, 1]) at position pos; writes its K/V into the cache")
       .def("step_many", &DecodePlan::step_many, py::arg("tokens"), py::arg("pos"), py::arg("logits"),

@@ -6,6 +6,9 @@
 // (T = 1) on a float32 model with a float32 KV cache:
 //   h = embed(token); per layer: h += Wo · attn(rope(Wqkv · rmsnorm(h))); h += W2 · (silu(g) * u), [g|u] =
 //   W13 · rmsnorm(h); logits = Wout · rmsnorm(h)
+// and the families' switches around it (DecodeModel / DecodeLayer): embeddings scaled, q/k heads normalised before
+// RoPE, RoPE over part of the head or from a layer's own table, attention over a sliding window with soft-capped
+// scores, the attention and MLP outputs normalised before the residual add (Gemma), GELU for SiLU, capped logits.
 // with the matmuls through cpu_kernels.cpp's int4/int8 kernels (or an fp32 GEMV for float weights), and
 // attention over the cache [Hkv, S, D] as flash-decoding partials (key tiles in parallel, one LSE combine).
 //
@@ -116,6 +119,49 @@ void rmsnorm(const float* x, const float* w, float eps, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = w[i] * (x[i] * inv);
 }
 
+#ifdef EDGELLM_DEC_AVX2
+// tanh(x) = sign(x) (1 - e) / (1 + e), e = exp(-2|x|) <= 1 (no overflow): |abs err| ~1e-7.
+inline __m256 tanh256(__m256 x) {
+  const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
+  const __m256 e = exp256(_mm256_mul_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), x), _mm256_set1_ps(-2.0f)));
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_or_ps(sign, _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e)));
+}
+#endif
+
+// s[i] = c tanh(s[i] / c) for i in [0, n) (Gemma 2's soft-capped scores and logits); c <= 0: nothing.
+void softcap(float* s, int64_t n, float c) {
+  if (c <= 0.0f) return;
+  const float inv = 1.0f / c;
+  int64_t i = 0;
+#ifdef EDGELLM_DEC_AVX2
+  const __m256 vc = _mm256_set1_ps(c), vi = _mm256_set1_ps(inv);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(s + i, _mm256_mul_ps(vc, tanh256(_mm256_mul_ps(_mm256_loadu_ps(s + i), vi))));
+#endif
+  for (; i < n; ++i) s[i] = c * std::tanh(s[i] * inv);
+}
+
+// act[i] = gelu_tanh(g[i]) * u[i], gelu_tanh(x) = x/2 (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (GeGLU, Gemma)
+void gelu_mul(const float* g, const float* u, float* out, int64_t n) {
+  const float k0 = 0.7978845608028654f, k1 = 0.044715f;
+  int64_t i = 0;
+#ifdef EDGELLM_DEC_AVX2
+  const __m256 half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = _mm256_loadu_ps(g + i);
+    const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(k0),
+                                       _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(k1), x), _mm256_mul_ps(x, x), x));
+    const __m256 y = _mm256_mul_ps(_mm256_mul_ps(half, x), _mm256_add_ps(one, tanh256(inner)));
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(y, _mm256_loadu_ps(u + i)));
+  }
+#endif
+  for (; i < n; ++i) {
+    const float x = g[i];
+    out[i] = 0.5f * x * (1.0f + std::tanh(k0 * (x + k1 * x * x * x))) * u[i];
+  }
+}
+
 // act[i] = silu(g[i]) * u[i]
 void silu_mul(const float* g, const float* u, float* out, int64_t n) {
   int64_t i = 0;
@@ -130,13 +176,14 @@ void silu_mul(const float* g, const float* u, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
 }
 
-// x [H, D] in place: x*cos + (x2, x1)*sin, sin with its first half negated (model.apply_rope).
-void rope(float* x, int64_t H, int64_t D, const float* cos, const float* sin) {
-  const int64_t half = D / 2;
+// x [H, D] in place: the first R dims of each head x*cos + (x2, x1)*sin, sin with its first half negated
+// (model.apply_rope); dims R.. pass (partial rotary; R = D otherwise).
+void rope(float* x, int64_t H, int64_t D, int64_t R, const float* cos, const float* sin) {
+  const int64_t half = R / 2;
   float tmp[1024];
   for (int64_t h = 0; h < H; ++h) {
     float* v = x + h * D;
-    std::memcpy(tmp, v, sizeof(float) * D);
+    std::memcpy(tmp, v, sizeof(float) * R);
     for (int64_t i = 0; i < half; ++i) {
       v[i] = tmp[i] * cos[i] + tmp[i + half] * sin[i];
       v[i + half] = tmp[i + half] * cos[i + half] + tmp[i] * sin[i + half];
@@ -341,6 +388,8 @@ void plain_tile(const DecodeModel& m, const float* q, const float* kc, const flo
       s[p - a] = dot(qh, K + p * D, D);
       mx = std::max(mx, s[p - a]);
     }
+    softcap(s, b - a, m.attn_softcap);  // (increasing: the max stays the max)
+    softcap(&mx, 1, m.attn_softcap);
     const float l = exp_sum(s, 0, b - a, mx);
     float* o = part + r * (D + 2);
     std::memset(o, 0, sizeof(float) * D);
@@ -358,7 +407,7 @@ void plain_tile(const DecodeModel& m, const float* q, const float* kc, const flo
 // so each row is bit for bit a one-token step's. False (nothing done) where the tokens would split their keys
 // into different numbers of tiles; one token at a time always works.
 bool attention_rows(DecodeModel& m, const float* q, int64_t qstride, const float* kc, const float* vc,
-                    int64_t pos, int64_t T, float* out, int64_t ostride) {
+                    int64_t pos, int64_t T, float* out, int64_t ostride, int64_t window) {
   const int64_t D = m.head_dim, Hkv = m.n_kv_heads, g = m.n_heads / m.n_kv_heads;
 #ifdef EDGELLM_DEC_AVX2
   const bool fast = (D == 64 || D == 128) && g <= 64;
@@ -366,10 +415,11 @@ bool attention_rows(DecodeModel& m, const float* q, int64_t qstride, const float
   const bool fast = false;
 #endif
   const int64_t nt = max_threads();
-  int64_t tile_t[kDecodeMaxRows];
+  int64_t tile_t[kDecodeMaxRows], lo_t[kDecodeMaxRows];  // token t's keys: [lo_t, pos + t] (a window, or all)
   int64_t tiles = 0;
   for (int64_t t = 0; t < T; ++t) {
-    const int64_t n = key_tiles(pos + t + 1, Hkv, D, nt, 32768, tile_t[t]);
+    lo_t[t] = window > 0 ? std::max<int64_t>(0, pos + t + 1 - window) : 0;
+    const int64_t n = key_tiles(pos + t + 1 - lo_t[t], Hkv, D, nt, 32768, tile_t[t]);
     if (t > 0 && n != tiles) return false;
     tiles = n;
   }
@@ -384,7 +434,7 @@ bool attention_rows(DecodeModel& m, const float* q, int64_t qstride, const float
       const int64_t j = k / tiles, i = k % tiles;
       float* sc = scores + k * g * tile_max;
       for (int64_t t = 0; t < T; ++t) {
-        const int64_t n = pos + t + 1, a = i * tile_t[t], b = std::min(n, a + tile_t[t]);
+        const int64_t n = pos + t + 1, a = lo_t[t] + i * tile_t[t], b = std::min(n, a + tile_t[t]);
         float* part = parts + t * part_floats + k * g * (D + 2);
 #ifdef EDGELLM_DEC_AVX2
         if (fast) {
@@ -666,11 +716,20 @@ void tile_values(const DecodeModel& m, int64_t a, int64_t b, float* sc, int64_t 
   }
 }
 
+// softcap() on the g query heads' scores of one tile (n each, rows sstride apart) and their maxima.
+inline void softcap_rows(const DecodeModel& m, float* sc, int64_t sstride, int64_t n, float* mx) {
+  if (m.attn_softcap <= 0.0f) return;
+  const int64_t g = m.n_heads / m.n_kv_heads;
+  for (int64_t r = 0; r < g; ++r) softcap(sc + r * sstride, n, m.attn_softcap);
+  softcap(mx, g, m.attn_softcap);
+}
+
 template <int NV, class Rows>
 void attention_tile(const DecodeModel& m, const float* q, int64_t j, int64_t a, int64_t b, float* sc,
                     int64_t sstride, float* part, const Rows& keys, const Rows& values) {
   float mx[64];
   tile_scores<NV>(m, q, j, a, b, sc, sstride, mx, keys);
+  softcap_rows(m, sc, sstride, b - a, mx);
   tile_values<NV>(m, a, b, sc, sstride, mx, part, values);
 }
 
@@ -966,6 +1025,7 @@ void quantized_tile(const DecodeModel& m, const float* q, const DecodeKV& kc, co
     if (fast_keys && kc.kind == DecodeKV::INT4) quantized_key_scores<DecodeKV::INT4, NV, 3>(m, q, kc, j, a, b, sc, S, mx);
     else if (fast_keys) quantized_key_scores<DecodeKV::INT8, NV, 3>(m, q, kc, j, a, b, sc, S, mx);
     else tile_scores<NV>(m, q, j, a, b, sc, S, mx, rows(kc));
+    softcap_rows(m, sc, S, b - a, mx);
     if (fast_values && vc.kind == DecodeKV::INT4) register_tile_values<DecodeKV::INT4, NV>(m, vc, j, a, b, sc, S, mx, part);
     else if (fast_values) register_tile_values<DecodeKV::INT8, NV>(m, vc, j, a, b, sc, S, mx, part);
     else tile_values<NV>(m, a, b, sc, S, mx, part, rows(vc));
@@ -992,12 +1052,12 @@ void f32_tile(const DecodeModel& m, const float* q, const float* kc, const float
 // context the int4 cache's attention went from 16 ms to ~6 ms a token; it was compute-bound, not memory-bound).
 // On an AVX-512 VNNI build quantized_tile computes the scores from the codes (quantized_key_scores) and
 // dequantizes value rows in registers (register_tile_values): ~3.3 ms at 6k (benchmarks/kv_step_split.py).
-void attention_quantized(const DecodeModel& m, const float* q, const DecodeKV& kc, const DecodeKV& vc, int64_t n,
-                         float* out, float* work) {
+void attention_quantized(const DecodeModel& m, const float* q, const DecodeKV& kc, const DecodeKV& vc, int64_t lo,
+                         int64_t n, float* out, float* work) {
   const int64_t D = m.head_dim, Hkv = m.n_kv_heads, g = m.n_heads / m.n_kv_heads, S = m.max_seq_len;
   const int64_t nt = max_threads();
   int64_t tile;  // dequantizing makes each key dearer than in attention_rows(): split from shorter contexts on
-  const int64_t tiles = key_tiles(n, Hkv, D, nt, 8192, tile);
+  const int64_t tiles = key_tiles(n - lo, Hkv, D, nt, 8192, tile);  // keys [lo, n)
   float* scores = work;
   float* part = work + m.n_heads * S;
 #ifdef EDGELLM_DEC_AVX2
@@ -1008,7 +1068,7 @@ void attention_quantized(const DecodeModel& m, const float* q, const DecodeKV& k
   auto task = [&](int64_t t0, int64_t t1) {
     float row[1024];
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t j = t / tiles, a = (t % tiles) * tile, b = std::min(n, a + tile);
+      const int64_t j = t / tiles, a = lo + (t % tiles) * tile, b = std::min(n, a + tile);
 #ifdef EDGELLM_DEC_AVX2
       if (fast) {
         if (D == 64) quantized_tile<8>(m, q, kc, vc, j, a, b, scores, part + t * g * (D + 2));
@@ -1026,6 +1086,10 @@ void attention_quantized(const DecodeModel& m, const float* q, const DecodeKV& k
           scores[h * S + p] = sc;
           mx[r] = std::max(mx[r], sc);
         }
+      }
+      if (m.attn_softcap > 0.0f) {
+        for (int64_t r = 0; r < g; ++r) softcap(scores + (j * g + r) * S + a, b - a, m.attn_softcap);
+        softcap(mx, g, m.attn_softcap);
       }
       for (int64_t r = 0; r < g; ++r) {
         l[r] = exp_sum(scores + (j * g + r) * S, a, b, mx[r]);
@@ -1084,7 +1148,12 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
   float* tmp = att + T * qsz;   // [T, tw]
   float* act = tmp + T * tw;    // [T, hid]
   float* work = m.work.data();
-  for (int64_t t = 0; t < T; ++t) embed(m, tokens[t], h + t * dim);
+  const int64_t R = m.rotary_dim;
+  for (int64_t t = 0; t < T; ++t) {
+    embed(m, tokens[t], h + t * dim);
+    if (m.embed_scale != 1.0f)
+      for (int64_t i = 0; i < dim; ++i) h[t * dim + i] *= m.embed_scale;
+  }
   for (size_t li = 0; li < m.layers.size(); ++li) {
     const DecodeLayer& L = m.layers[li];
     const float* kcen = m.kv_center ? m.kv_center + li * 2 * kvsz : nullptr;  // [2, Hkv, D] of this layer
@@ -1094,9 +1163,15 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
     clk.lap(m.t_other);
     linear(L.qkv, xn, T, qkv, variant);
     clk.lap(m.t_matmul);
+    const float* cos_table = L.local_rope ? m.rope_cos_local : m.rope_cos;
+    const float* sin_table = L.local_rope ? m.rope_sin_local : m.rope_sin;
     for (int64_t t = 0; t < T; ++t) {
       float* q = qkv + t * qkvw;
-      rope(q, Hq + Hkv, D, m.rope_cos + (pos + t) * D, m.rope_sin + (pos + t) * D);  // Q heads then K heads
+      if (L.q_norm) {  // per head, before RoPE (Qwen3, Gemma 3); in place: each element is read before it is written
+        for (int64_t hh = 0; hh < Hq; ++hh) rmsnorm(q + hh * D, L.q_norm, m.eps, q + hh * D, D);
+        for (int64_t hh = 0; hh < Hkv; ++hh) rmsnorm(q + qsz + hh * D, L.k_norm, m.eps, q + qsz + hh * D, D);
+      }
+      rope(q, Hq + Hkv, D, R, cos_table + (pos + t) * R, sin_table + (pos + t) * R);  // Q heads then K heads
       const float* k = q + qsz;
       const float* v = k + kvsz;
       for (int64_t j = 0; j < Hkv; ++j) {
@@ -1128,11 +1203,12 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
     clk.lap(m.t_other);
     // causal: token t sees positions [0, pos + t]
     const bool fp = L.k.kind == DecodeKV::F32;
-    const bool together = fp && T > 1 && m.attention_rows && attention_rows(m, qkv, qkvw, L.k.f, L.v.f, pos, T, att, qsz);
+    const bool together =
+        fp && T > 1 && m.attention_rows && attention_rows(m, qkv, qkvw, L.k.f, L.v.f, pos, T, att, qsz, L.window);
     for (int64_t t = 0; t < T && !together; ++t) {
       float* o = att + t * qsz;
       if (fp) {
-        attention_rows(m, qkv + t * qkvw, qkvw, L.k.f, L.v.f, pos + t, 1, o, qsz);
+        attention_rows(m, qkv + t * qkvw, qkvw, L.k.f, L.v.f, pos + t, 1, o, qsz, L.window);
         continue;
       }
       float* qr = m.qrot.data();  // q (/ key scales) @ R per head, attention, then the output rotated back (R^T)
@@ -1146,7 +1222,8 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
         }
         rotate(qh, m.kv_rot, qr + h * D, D);
       }
-      attention_quantized(m, qr, L.k, L.v, pos + t + 1, qr + qsz, work);
+      const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos + t + 1 - L.window) : 0;
+      attention_quantized(m, qr, L.k, L.v, lo, pos + t + 1, qr + qsz, work);
       for (int64_t h = 0; h < Hq; ++h) {
         rotate(qr + qsz + h * D, m.kv_rot_t.data(), o + h * D, D);  // back: x @ R^T
         if (kcen) add_inplace(o + h * D, kcen + kvsz + (h / (Hq / Hkv)) * D, D);
@@ -1156,21 +1233,29 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
     linear(L.o, att, T, tmp, variant);
     clk.lap(m.t_matmul);
     for (int64_t t = 0; t < T; ++t) {
+      if (L.post_attn_norm) rmsnorm(tmp + t * dim, L.post_attn_norm, m.eps, tmp + t * dim, dim);
       add_inplace(h + t * dim, tmp + t * dim, dim);
       rmsnorm(h + t * dim, L.ffn_norm, m.eps, xn + t * dim, dim);
     }
     clk.lap(m.t_other);
     linear(L.w13, xn, T, tmp, variant);
     clk.lap(m.t_matmul);
-    for (int64_t t = 0; t < T; ++t) silu_mul(tmp + t * 2 * hid, tmp + t * 2 * hid + hid, act + t * hid, hid);
+    for (int64_t t = 0; t < T; ++t) {
+      if (m.act == 1) gelu_mul(tmp + t * 2 * hid, tmp + t * 2 * hid + hid, act + t * hid, hid);
+      else silu_mul(tmp + t * 2 * hid, tmp + t * 2 * hid + hid, act + t * hid, hid);
+    }
     clk.lap(m.t_other);
     linear(L.w2, act, T, xn, variant);
     clk.lap(m.t_matmul);
-    for (int64_t t = 0; t < T; ++t) add_inplace(h + t * dim, xn + t * dim, dim);
+    for (int64_t t = 0; t < T; ++t) {
+      if (L.post_ffn_norm) rmsnorm(xn + t * dim, L.post_ffn_norm, m.eps, xn + t * dim, dim);
+      add_inplace(h + t * dim, xn + t * dim, dim);
+    }
   }
   for (int64_t t = 0; t < T; ++t) rmsnorm(h + t * dim, m.norm, m.eps, xn + t * dim, dim);
   clk.lap(m.t_other);
   linear(m.output, xn, T, logits, variant);
+  softcap(logits, T * m.vocab, m.final_softcap);  // Gemma 2
   clk.lap(m.t_matmul);
 }
 

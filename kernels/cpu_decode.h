@@ -47,6 +47,13 @@ struct DecodeLayer {
   const float* attn_norm = nullptr;
   const float* ffn_norm = nullptr;
   DecodeKV k, v;
+  // The families' extras (edgellm/config.py); null / 0 where a family has none.
+  const float* q_norm = nullptr;          // [D]: RMSNorm of each q head before RoPE (Qwen3, Gemma 3)
+  const float* k_norm = nullptr;          // [D]: the same for each k head
+  const float* post_attn_norm = nullptr;  // [dim]: the attention output normalised before the residual add (Gemma)
+  const float* post_ffn_norm = nullptr;   // [dim]: the MLP output likewise
+  int64_t window = 0;                     // > 0: each token attends to its last `window` positions only
+  bool local_rope = false;                // RoPE from DecodeModel::rope_cos_local / rope_sin_local (Gemma 3)
 };
 
 struct DecodeModel {
@@ -56,8 +63,15 @@ struct DecodeModel {
   std::vector<DecodeLayer> layers;
   const float* norm = nullptr;
   DecodeLinear output;
-  const float* rope_cos = nullptr;  // [>= S, D]
-  const float* rope_sin = nullptr;  // [>= S, D], first half negated
+  const float* rope_cos = nullptr;  // [>= S, R]
+  const float* rope_sin = nullptr;  // [>= S, R], first half negated
+  const float* rope_cos_local = nullptr;  // the sliding-window layers' own tables (Gemma 3), or null
+  const float* rope_sin_local = nullptr;
+  int64_t rotary_dim = 0;           // R: RoPE turns the first R dims of each head, the rest pass (Phi-4-mini)
+  int act = 0;                      // the gated MLP's activation: 0 SiLU, 1 GELU (tanh approximation, Gemma)
+  float embed_scale = 1.0f;         // embeddings times this (Gemma: sqrt(dim))
+  float attn_softcap = 0.0f;        // > 0: scores -> c tanh(scores / c) before the softmax (Gemma 2)
+  float final_softcap = 0.0f;       // > 0: the same on the logits
   const float* kv_rot = nullptr;    // [D, D] orthonormal (a quantized cache: K, V, q times it), or null
   const float* kv_center = nullptr; // [layers, 2, Hkv, D]: K / V centres subtracted before the rotation
                                     // (edgellm/kv_calibration.py; V's added back to the output), or null

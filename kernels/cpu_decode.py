@@ -9,7 +9,9 @@ everything else), or None where it does not apply; the caller then uses the mode
 Applies to: a float32 model on the CPU, a float32 or int8 / int4 KV cache (fp16 scales), every linear an `nn.Linear` (fp32), a
 `QuantLinear` (int4 / int8, groups of a multiple of 32) or a module with `gguf_parts` (GGUF blocks multiplied in
 place: parts with `raw` uint8, `type`, `rows`, `out_index` int32 or None), the embedding an `nn.Embedding` (fp32), a
-`QuantEmbedding` or a module with `gguf_parts` (rows in order, no out_index). Disabled by EDGELLM_NO_EXT=1 (no extension) or EDGELLM_FUSED_DECODE=0.
+`QuantEmbedding` or a module with `gguf_parts` (rows in order, no out_index); every family edgellm.config describes
+(the plan's `family` extras: q/k norms, Gemma's post norms, GeGLU, embedding scale, soft caps, per-layer windows and
+RoPE tables, partial rotary). Disabled by EDGELLM_NO_EXT=1 (no extension) or EDGELLM_FUSED_DECODE=0.
 
 The returned logits tensor is reused: it is valid until the next call. The plan holds references to the
 model's and cache's tensors; build a new one after replacing either (Engine keys it on the cache object).
@@ -67,6 +69,38 @@ def _kv_specs(store, cache) -> tuple | None:
         return ((4, gk, store.k, store.k_scale, store.k_min, store.k_sink),
                 (4, gv, store.v, store.v_scale, store.v_min, store.v_sink))
     return None
+
+
+def _rope_table(t: torch.Tensor, S: int) -> torch.Tensor:
+    """A RoPE table [T, 1, R] as the plan reads it: [S, R] fp32, padded past T (the C++ side indexes the tables up
+    to the cache length; positions past the model's context are never read)."""
+    t = t.reshape(t.shape[0], -1).contiguous()
+    if t.shape[0] < S:
+        t = torch.cat((t, torch.zeros(S - t.shape[0], t.shape[1])))
+    return t
+
+
+def _family(model, S: int) -> tuple | None:
+    """The family extras of the plan (cpu_bindings.cpp's DecodePlan `family`), or None for Llama's graph."""
+    cfg = model.config
+    if not (cfg.qk_norm or cfg.post_norms or cfg.hidden_act != "silu" or cfg.embed_scale != 1.0 or cfg.attn_softcap
+            or cfg.final_softcap or any(cfg.layer_windows) or cfg.rotary_dim != cfg.head_dim):
+        return None
+    if cfg.hidden_act not in ("silu", "gelu_tanh"):
+        raise ValueError(f"activation {cfg.hidden_act}")
+    local = hasattr(model, "rope_cos_local")
+    layers = []
+    for blk in model.layers:
+        a = blk.attention
+        norms = [getattr(a, "q_norm", None), getattr(a, "k_norm", None), getattr(blk, "post_attention_norm", None),
+                 getattr(blk, "post_ffn_norm", None)]
+        if any(n is not None and n.eps != model.norm.eps for n in norms):
+            raise ValueError("norms with other epsilons")
+        layers.append((*[None if n is None else n.weight.detach().contiguous() for n in norms], int(a.window),
+                       bool(a.local_rope)))
+    return (cfg.rotary_dim, 1 if cfg.hidden_act == "gelu_tanh" else 0, float(cfg.embed_scale), float(cfg.attn_softcap),
+            float(cfg.final_softcap), _rope_table(model.rope_cos_local, S) if local else None,
+            _rope_table(model.rope_sin_local, S) if local else None, layers)
 
 
 class FusedDecodeStep:
@@ -134,12 +168,8 @@ def fused_decode_step(model, cache) -> FusedDecodeStep | None:
         if len(eps) != 1 or model.norm.eps not in eps:
             return None
         S, D = cache.max_seq_len, cfg.head_dim
-        cos = model.rope_cos.reshape(-1, D).contiguous()
-        sin = model.rope_sin_signed.reshape(-1, D).contiguous()
+        cos, sin = _rope_table(model.rope_cos, S), _rope_table(model.rope_sin_signed, S)
         limit = min(S, model.rope_len)
-        if cos.shape[0] < S:  # the C++ side indexes the tables up to the cache length: pad (never read)
-            pad = torch.zeros(S - cos.shape[0], D)
-            cos, sin = torch.cat((cos, pad)), torch.cat((sin, pad))
         dims = [cfg.dim, cfg.n_heads, cfg.n_kv_heads, D, cfg.intermediate_size, cfg.vocab_size, S]
         if rot is not None:
             cache.prepare(model)  # its calibration, before the first write (edgellm/kv_calibration.py)
@@ -149,7 +179,8 @@ def fused_decode_step(model, cache) -> FusedDecodeStep | None:
                               model.norm.weight.detach().contiguous(), out_spec, cos, sin,
                               None if rot is None else rot.contiguous(),
                               None if centers is None else centers.reshape(cfg.n_layers, 2, -1).contiguous(),
-                              None if key_scales is None else key_scales.reshape(cfg.n_layers, -1).contiguous())
+                              None if key_scales is None else key_scales.reshape(cfg.n_layers, -1).contiguous(),
+                              _family(model, S))
     except (AttributeError, RuntimeError, TypeError, ValueError):
         return None  # a model this plan does not describe: the eager path serves it
     return FusedDecodeStep(plan, cache, cfg.vocab_size, limit)

@@ -333,6 +333,9 @@ def export_gguf(loaded, out: Path, progress: Callable[[str], None] | None = None
                                     f"quantize with --group-size 32")
     if tok.meta.get("model") not in ("gpt2", "llama"):
         raise QuantizationError("GGUF export: this tokenizer cannot be described in GGUF metadata")
+    if cfg.arch not in ("llama", "mistral", "qwen2"):
+        raise QuantizationError(f"GGUF export writes the llama and qwen2 architectures; this model is {cfg.arch}: "
+                                f"use --format edgellm")
     arch = "qwen2" if cfg.arch == "qwen2" else "llama"
     permute = arch == "llama"
 

@@ -19,7 +19,7 @@ from edgellm.decode_step import CudaGraphDecodeStep, compiled_decode_step
 from edgellm.generate import Engine
 from edgellm.kernels.matmul import has_cpu_kernel
 from edgellm.loading import load_model
-from tests.fixtures.tiny import VARIANTS, make_hf_model
+from tests.fixtures.tiny import FAMILIES, VARIANTS, make_hf_model
 
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
 STEPS = [81, 120, 64, 33, 11, 200, 9, 140]
@@ -28,7 +28,9 @@ STEPS = [81, 120, 64, 33, 11, 200, 9, 140]
 def hf_logits(folder, ids):
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # eager: transformers' SDPA path has no soft-capping (Gemma 2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                              attn_implementation="eager").eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0]
 
@@ -247,6 +249,77 @@ def test_fused_quantized_attention_long_context(tmp_path, monkeypatch, kv, head_
         torch.set_num_threads(threads)
 
 
+# The families beside Llama's graph with 64-wide heads (what the AVX2 attention tiles take) and a 560-token window
+WIDE = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024)
+WIDE_FAMILIES = {
+    "qwen3": dict(head_dim=64),
+    "gemma2": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=560),
+    "gemma3": dict(head_dim=64, query_pre_attn_scalar=64, sliding_window=560),
+    "phi4_partial": dict(sliding_window=560, original_max_position_embeddings=2048,
+                         rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(16)],
+                                       "long_factor": [1.0 + 0.5 * i for i in range(16)]}),
+}
+
+
+@needs_ext
+@pytest.mark.parametrize("kv", ["fp", "int8", "int4"])
+@pytest.mark.parametrize("family", list(WIDE_FAMILIES))
+def test_fused_family_step_long_context(tmp_path, family, kv):
+    """Each family's fused step past 700 cached positions on two threads (keys split into tiles; the sliding
+    layers read only their last 560, tiles starting mid-cache): equal to the eager model over the same cache
+    contents; and on the float cache a 7-token verification pass bit for bit seven one-token steps."""
+    import copy
+
+    folder = make_hf_model(tmp_path / family, family, seed=7, **WIDE, **WIDE_FAMILIES[family])
+    loaded = load_model(folder, max_seq_len=1024)
+    model = loaded.model
+    prompt = torch.randint(0, model.config.vocab_size, (700,), generator=torch.Generator().manual_seed(2)).tolist()
+    tokens = [5, 17, 3, 29, 11, 8, 2]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        cache = KVCache(model.config, 1024, torch.float32, "cpu", kv_format=kv)
+        model(torch.tensor([prompt]), cache, 0)
+        engine = Engine(model, loaded.tokenizer, cache=cache)
+        assert engine.compiled_step() is not None
+        twin = copy.deepcopy(cache)
+        for i, t in enumerate(tokens[:3]):
+            fused = engine.step(torch.tensor([[t]])).clone()
+            eager = model(torch.tensor([[t]]), twin, len(prompt) + i)[0, -1]
+            torch.testing.assert_close(fused, eager, atol=1e-4, rtol=1e-4)
+            twin = copy.deepcopy(cache)  # the next step reads identical contents again
+        if kv == "fp":
+            a, b = (Engine(model, loaded.tokenizer, cache=KVCache(model.config, 1024, torch.float32, "cpu"))
+                    for _ in range(2))
+            a.prefill(prompt)
+            one = [a.step(torch.tensor([[t]])).clone() for t in tokens]
+            b.prefill(prompt)
+            rows = b.compiled_step().many(torch.tensor(tokens), len(prompt))
+            for got, want in zip(rows, one):
+                assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_ext
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_family_greedy_identical_to_eager(tiny_models, family):
+    """Greedy generation through the fused step gives the eager model's tokens (and both transformers' logits:
+    test_fused_cpu_step_matches_transformers)."""
+    from edgellm.generate import Done, GenerationSettings
+
+    loaded = load_model(tiny_models[family][0], max_seq_len=64)
+    out = []
+    for mode in ("auto", "off"):
+        engine = Engine(loaded.model, loaded.tokenizer)
+        engine.compile_mode = mode
+        assert (engine.compiled_step() is not None) == (mode == "auto")
+        events = list(engine.generate(PROMPT, GenerationSettings(max_tokens=24, ignore_eos=True)))
+        assert isinstance(events[-1], Done)
+        out.append(events[-1].tokens)
+    assert out[0] == out[1] and len(out[0]) == 24
+
+
 def test_unsupported_cache_falls_back_to_eager(tiny_models):
     """A KV cache with fp32 scales is not what the fused CPU step reads: the engine uses the model, same answer."""
     from edgellm.kernels.attention import Int8KV
@@ -290,6 +363,21 @@ def test_device_position_forward_matches_eager(wide_models, variant, kv):
     loaded = load_model(wide_models[variant], max_seq_len=64, device=device)
     ref = eager_logits(loaded.model, kv)
     for got, want in zip(device_pos_logits(loaded.model, kv, bound=64), ref):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kv", ["fp", "int8"])
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "phi4_partial"])
+def test_device_position_forward_matches_eager_families(tiny_models, family, kv):
+    """The same for the families' windowed / soft-capped layers, which attend through masked_attention with the
+    positions read on the device (the other layers through the Triton kernel), local RoPE tables included."""
+    pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[cuda]')")
+    if os.environ.get("TRITON_INTERPRET", "0") in ("0", "") and not torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET=0 was asked for and there is no GPU")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    loaded = load_model(tiny_models[family][0], max_seq_len=64, device=device)
+    ref = eager_logits(loaded.model, kv)
+    for got, want in zip(device_pos_logits(loaded.model, kv, bound=32), ref):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 

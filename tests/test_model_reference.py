@@ -12,7 +12,8 @@ TOKENS = [5, 17, 42, 99, 3, 250, 7, 81, 120, 64, 33, 11]
 def hf_logits(folder, ids):
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    # eager: transformers' SDPA path has no soft-capping (Gemma 2); the reference must compute what the model says
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     with torch.no_grad():
         return model(torch.tensor([ids])).logits[0]
@@ -50,3 +51,23 @@ def test_config_flags(tiny_models):
     assert load_model(tiny_models["llama_tied"][0]).config.tie_embeddings
     cfg = load_model(tiny_models["llama3_rope"][0]).config
     assert cfg.rope_scaling["rope_type"] == "llama3"
+
+
+@pytest.mark.parametrize("source", [0, 1], ids=["safetensors", "gguf"])
+def test_family_switches_from_both_sources(tiny_models, source):
+    """The switches each family's logits depend on, read alike from config.json and from GGUF metadata (the
+    logits test above shows they are the right ones; this one that both sources say the same)."""
+    qwen3 = load_model(tiny_models["qwen3"][source]).config
+    assert qwen3.arch == "qwen3" and qwen3.qk_norm and qwen3.head_dim == 24 and not qwen3.attention_bias
+    g2 = load_model(tiny_models["gemma2"][source]).config
+    assert (g2.arch, g2.layer_windows, g2.attn_softcap, g2.final_softcap) == ("gemma2", [4, 0], 5.0, 3.0)
+    assert g2.query_scale == pytest.approx(24.0)  # (GGUF: the scale 24 ** -0.5 as a float32)
+    assert g2.post_norms and g2.hidden_act == "gelu_tanh" and g2.embed_scale == 8.0 and g2.tie_embeddings
+    g3 = load_model(tiny_models["gemma3"][source]).config
+    assert (g3.layer_windows, g3.rope_local_theta, g3.rope_theta, g3.rope_scaling["factor"]) == (
+        [4, 4, 0], 10000.0, 1e6, 2.0)
+    assert g3.qk_norm and not g3.attn_softcap and g3.local_rope(0) and not g3.local_rope(2)
+    phi = load_model(tiny_models["phi3"][source]).config
+    assert phi.rope_scaling["rope_type"] == "longrope" and phi.rope_scaling["original_max_position_embeddings"] == 8
+    phi4 = load_model(tiny_models["phi4_partial"][source]).config
+    assert (phi4.rotary_dim, phi4.head_dim, phi4.layer_windows) == (8, 16, [6, 6])
