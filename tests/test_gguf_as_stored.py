@@ -180,3 +180,38 @@ def test_fused_cpu_step_runs_gguf_models(quant_files, name):
             fused = step(torch.tensor([[tok]]), pos)
             eager = model(torch.tensor([[tok]]), eager_cache, pos)[0, -1]
             torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+
+
+FAMILY_MIX = {"attn_q.weight": "Q5_0", "attn_k.weight": "Q5_1", "attn_v.weight": "Q8_0", "attn_qkv.weight": "Q5_0",
+              "attn_output.weight": "Q4_1", "ffn_gate.weight": "Q5_0", "ffn_up.weight": "Q5_1",
+              "ffn_down.weight": "Q4_0", "token_embd.weight": "Q5_0", "output.weight": "Q8_0"}
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "gemma2", "gemma3", "phi3"])
+def test_every_family_runs_its_gguf_blocks_as_stored(tmp_path, variant):
+    """Each family's GGUF with quantized blocks: as stored on the torch path equals the dequantized float model
+    exactly; the CPU kernels and the fused step serve it."""
+    from edgellm.kernels.cpu_decode import fused_decode_step
+
+    folder = make_hf_model(tmp_path / variant, variant, seed=5)  # the tiny shapes are multiples of 32
+    path = make_gguf(folder, tmp_path / f"{variant}.gguf", quant_types=FAMILY_MIX, seed=9)
+    ids = list(range(3, 30))
+    fp = _logits(load_model(path, weights="fp"), ids)
+    saved = matmul.cpu_extension()
+    matmul.set_cpu_extension(None)
+    try:
+        auto = load_model(path, weights="auto")
+        assert any(isinstance(m, GGUFLinear) for m in auto.model.modules())
+        for a, b in zip(_logits(auto, ids), fp):
+            assert torch.equal(a, b)
+    finally:
+        matmul.set_cpu_extension(saved)
+    model = load_model(path, weights="auto").model
+    cache = KVCache(model.config, model.rope_len, model.dtype, model.device)
+    step = fused_decode_step(model, cache)
+    assert step is not None
+    eager_cache = KVCache(model.config, model.rope_len, model.dtype, model.device)
+    with torch.no_grad():
+        for pos, tok in enumerate(ids[:5]):
+            torch.testing.assert_close(step(torch.tensor([[tok]]), pos),
+                                       model(torch.tensor([[tok]]), eager_cache, pos)[0, -1], rtol=1e-4, atol=1e-4)
