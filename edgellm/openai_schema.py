@@ -118,7 +118,8 @@ def parse(model: type[_Strict], body: Any) -> Any:
     try:
         req = model.model_validate(body)
     except ValidationError as e:
-        err = e.errors()[0]
+        # one error per union member tried: the one that got furthest into the value says the most
+        err = max(e.errors(), key=lambda x: len(x["loc"]))
         # pydantic adds the union member it tried ("str", "list[int]") to the location: not a field
         loc = [str(p) for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p in ("str", "int")))]
         param = ".".join(loc) or None
