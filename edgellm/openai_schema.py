@@ -8,7 +8,6 @@ a known field of the wrong type or out of range is a 400 that names it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -96,21 +95,6 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-@dataclass
-class Defaults:
-    """The server's command-line sampling options: what a request that names no value gets."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    repeat_penalty: float = 1.0
-    seed: int | None = None
-    max_tokens: int | None = None  # None: until EOS or the context is full
-    stop: tuple[str, ...] = ()
-    system: str | None = None
-
-
 def parse(model: type[_Strict], body: Any) -> Any:
     """Validate a decoded JSON body; the first problem becomes a 400 naming the field."""
     if not isinstance(body, dict):
@@ -154,8 +138,10 @@ def _refuse_unsupported(req: SamplingFields) -> None:
             no("prompt", "a batch of prompts")
 
 
-def generation_settings(req: SamplingFields, defaults: Defaults, room: int) -> GenerationSettings:
-    """The engine's settings for a request: its own values, else the server's; at most `room` tokens."""
+def generation_settings(req: SamplingFields, defaults: Any, room: int) -> GenerationSettings:
+    """The engine's settings for a request: its own values, else the server's command-line ones
+    (`defaults`: the chat app's ChatSettings, max_tokens None = until EOS or the context's end);
+    at most `room` tokens."""
     def pick(value: Any, default: Any) -> Any:
         return default if value is None else value
 

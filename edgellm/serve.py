@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable
 
 from .errors import EdgeLLMError
 from .generate import Done, GenerationStats
-from .openai_schema import ApiError, ChatRequest, CompletionRequest, Defaults, generation_settings, parse
+from .openai_schema import ApiError, ChatRequest, CompletionRequest, generation_settings, parse
 from .serve_worker import Job, QueueFull, Scheduler
 
 log = logging.getLogger("uvicorn.error")  # uvicorn's own log: one format, one place
@@ -113,9 +113,12 @@ def sse(obj: Any) -> str:
 class Server:
     """The routes, bound to one engine."""
 
-    def __init__(self, engine: Any, model_id: str, defaults: Defaults, api_key: str | None = None,
-                 max_waiting: int = 8):
+    def __init__(self, engine: Any, model_id: str, defaults: Any, system: str | None = None,
+                 api_key: str | None = None, max_waiting: int = 8):
+        """`defaults`: the sampling settings of requests that set none (tui.session.ChatSettings);
+        `system`: the system prompt of chats that send none."""
         self.engine = engine
+        self.system = system
         self.tokenizer = engine.tokenizer
         self.model_id = model_id
         self.defaults = defaults
@@ -181,7 +184,7 @@ class Server:
     async def chat(self, request):
         req: ChatRequest = parse(ChatRequest, await read_json(request))
         try:
-            ids = self.prompts.ids(req.messages, self.defaults.system)
+            ids = self.prompts.ids(req.messages, self.system)
         except EdgeLLMError as e:  # the chat template refused the messages
             raise ApiError(400, str(e), param="messages") from None
         return await self.answer(request, req, ids, chat=True)
@@ -352,24 +355,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .cli import engine_from_args, load_from_args
+    from .cli import engine_from_args, load_from_args, sampling_from_args
+    from .tui.session import ChatSettings
 
     if args.queue < 0:
         raise EdgeLLMError("--queue must be >= 0")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise EdgeLLMError("-n/--max-tokens must be at least 1")
-    defaults = Defaults(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                        repeat_penalty=args.repeat_penalty, seed=args.seed, max_tokens=args.max_tokens,
-                        stop=tuple(args.stop), system=args.system)
-    from .cli import sampling_from_args
-
-    sampling_from_args(args)  # the defaults are valid sampling settings
+    sampling_from_args(args)  # bad sampling options fail here, before the model loads
+    defaults = ChatSettings.from_args(args)  # what a request that sets no sampling field gets
     loaded = load_from_args(args)
     engine = engine_from_args(args, loaded)
     if args.warmup:
         warm_up(engine)
     model_id = args.alias or loaded.path.name
-    server = Server(engine, model_id, defaults, api_key=args.api_key, max_waiting=args.queue)
+    server = Server(engine, model_id, defaults, system=args.system, api_key=args.api_key, max_waiting=args.queue)
     print(f"edgellm: serving {model_id} at http://{args.host}:{args.port}/v1"
           + (" (API key required)" if args.api_key else ""), flush=True)
     config = uvicorn.Config(server.app(), host=args.host, port=args.port, log_level="info",

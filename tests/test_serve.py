@@ -329,3 +329,30 @@ def test_queue_runs_in_order_and_answers_429_when_full(server):
         t.join(120)
     assert sorted(results, key=results.get) == ["B", "C"]
     assert server.health() == {"status": "ok", "running": 0, "waiting": 0}
+
+
+# ------------------------------------------------------------------------------------------------
+# Speculative decoding behind the API: the same greedy text, draft counts in the timings
+# ------------------------------------------------------------------------------------------------
+def test_draft_counts_in_timings_and_same_greedy_text(bundled):
+    """The app in process (Starlette's TestClient) on the session's model with --draft lookup."""
+    import argparse
+
+    from starlette.testclient import TestClient
+
+    from edgellm.serve import Server
+    from edgellm.tui.session import ChatSettings
+
+    prompt = "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank."
+    plain = edgellm_run(bundled, prompt, "-n", "24")
+    args = argparse.Namespace(kv="fp", draft="lookup", draft_tokens=None, compile="auto")
+    server = Server(cli.engine_from_args(args, bundled), "bundled", ChatSettings(max_tokens=None))
+    with TestClient(server.app()) as http:
+        r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}],
+                                                    "max_tokens": 24})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["content"] == plain["text"]
+    t = body["timings"]
+    assert t["draft"] == "lookup" and t["draft_n"] > 0 and 0 < t["draft_n_accepted"] <= t["draft_n"]
+    assert t["draft_acceptance_rate"] == pytest.approx(t["draft_n_accepted"] / t["draft_n"])
