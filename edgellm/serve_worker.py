@@ -66,11 +66,16 @@ class Scheduler:
         return job
 
     def cancel(self, job: Job) -> None:
-        """The client is gone: drop the job if it waits, stop it at the next token if it runs."""
+        """The client is gone (call from the event loop): drop the job if it waits, stop it at the next
+        token if it runs."""
         job.stop.set()
         with self._cond:
-            if job in self._jobs:
+            waiting = job in self._jobs
+            if waiting:
                 self._jobs.remove(job)
+        if waiting:  # it will never run: end its event stream here
+            job.finished = True
+            job.events.put_nowait(_END)
 
     async def events(self, job: Job) -> AsyncIterator[Token | Done]:
         """The job's Token events then its Done; the engine's exception if it failed."""
@@ -87,12 +92,14 @@ class Scheduler:
             return {"running": int(self._running is not None), "waiting": len(self._jobs)}
 
     def close(self) -> None:
+        """Stop the running job, drop the waiting ones, end the worker thread (call from the event loop)."""
         with self._cond:
             self._closed = True
-            for job in [self._running, *self._jobs]:
-                if job is not None:
-                    job.stop.set()
+            if self._running is not None:
+                self._running.stop.set()
             self._cond.notify()
+        for job in list(self._jobs):
+            self.cancel(job)
 
     # -- the worker thread -----------------------------------------------------------------------
     def _loop(self) -> None:

@@ -316,6 +316,11 @@ def test_queue_runs_in_order_and_answers_429_when_full(server):
     with streaming(server, LONG_ANSWER) as lines:
         next(lines)
         server.wait_for(lambda h: h["running"] == 1, "A runs")
+        # a waiting client that gives up leaves the queue at once
+        with pytest.raises(httpx.ReadTimeout):
+            server.post(CHAT, {"messages": [{"role": "user", "content": "hi"}]}, timeout=httpx.Timeout(60, read=0.5))
+        server.wait_for(lambda h: h["waiting"] == 0, "the impatient request left the queue")
+        assert server.health()["running"] == 1
         threads = []
         for name, waiting in (("B", 1), ("C", 2)):
             threads.append(threading.Thread(target=ask, args=(name,)))
