@@ -239,10 +239,9 @@ class Server:
             self.scheduler.cancel(job)  # a no-op once the job has finished
         if done is None or done.stats.finish_reason == "stopped":
             return JSONResponse({}, status_code=499)  # nobody is listening
-        if chat:
-            self.prompts.remember(done)
         reason = FINISH[done.stats.finish_reason]
         if chat:
+            self.prompts.remember(done)
             choice = {"index": 0, "message": {"role": "assistant", "content": done.text}, "logprobs": None,
                       "finish_reason": reason}
         else:
@@ -310,10 +309,7 @@ def log_answer(job: Job, done: Done) -> None:
 
 async def read_json(request) -> Any:
     """The body as JSON: too large → 413, not JSON → 400."""
-    size = int(request.headers.get("content-length") or 0)
-    if size > MAX_BODY:
-        raise ApiError(413, f"the request body is larger than {MAX_BODY // 2**20} MiB")
-    body = bytearray()
+    body = bytearray()  # read in parts, so a huge body is refused before it is all in memory
     async for part in request.stream():
         body += part
         if len(body) > MAX_BODY:
@@ -363,6 +359,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_tokens is not None and args.max_tokens < 1:
         raise EdgeLLMError("-n/--max-tokens must be at least 1")
     sampling_from_args(args)  # bad sampling options fail here, before the model loads
+    check_port(args.host, args.port)
     defaults = ChatSettings.from_args(args)  # what a request that sets no sampling field gets
     loaded = load_from_args(args)
     engine = engine_from_args(args, loaded)
@@ -376,6 +373,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
                             timeout_graceful_shutdown=3)
     uvicorn.Server(config).run()
     return 0
+
+
+def check_port(host: str, port: int) -> None:
+    """Fail in one line before the model loads if the address cannot be bound (uvicorn would exit
+    after the load, with its own message)."""
+    import socket
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind((host, port))
+        except (OSError, OverflowError) as e:
+            raise EdgeLLMError(f"cannot listen on {host}:{port}: {getattr(e, 'strerror', None) or e}") from None
 
 
 def warm_up(engine: Any) -> None:

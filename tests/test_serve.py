@@ -209,6 +209,16 @@ def test_models_health_and_auth(server):
     assert r.status_code == 200
 
 
+def test_port_in_use_is_one_line_before_the_model_loads(capsys):
+    with socket.socket() as taken, mock.patch.object(cli, "EXTENSIONS", []), \
+            mock.patch.object(cli, "load_from_args", side_effect=AssertionError("loaded")):
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        assert cli.main(["serve", "--port", str(taken.getsockname()[1])]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("edgellm: error: cannot listen on 127.0.0.1:") and "in use" in err
+
+
 def test_default_bind_is_localhost():
     with mock.patch.object(cli, "EXTENSIONS", []):
         cli._load_extensions()
@@ -260,6 +270,8 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(server):
     long = server.post(CHAT, {"messages": [{"role": "user", "content": LONG}]}).json()["error"]
     assert long["code"] == "context_length_exceeded" and "context holds 2048" in long["message"]
     assert httpx.put(f"{server.url}/health", timeout=10).status_code == 405
+    huge = server.post(CHAT, b" " * (32 * 2**20 + 1))  # past the 32 MiB cap: refused, not parsed
+    assert huge.status_code == 413 and "larger than 32 MiB" in huge.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError):  # the official client sees a 400 too
         server.client().chat.completions.create(model="any", messages=[{"role": "user", "content": LONG}])
     assert server.log_lines("Traceback") == []  # no 500 among them
