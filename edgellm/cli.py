@@ -321,7 +321,7 @@ EXTENSIONS: list[Callable] = []
 def _load_extensions() -> None:
     import importlib
 
-    for name in ("edgellm.tui.cli", "edgellm.bench", "edgellm.quant.cli", "edgellm.perplexity"):
+    for name in ("edgellm.tui.cli", "edgellm.bench", "edgellm.quant.cli", "edgellm.perplexity", "edgellm.serve_cli"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
