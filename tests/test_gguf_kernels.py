@@ -469,3 +469,13 @@ def test_fused_gguf_many_rows_equal_one_token_steps(ext, tmp_path, recipe):
     rows += list(step.many(torch.tensor(STEPS[5:]), len(PROMPT) + 5))
     for got, want in zip(rows, one):
         assert torch.equal(got, want)
+
+
+def test_kernel_row_thresholds():
+    """kernels/gguf_ops.py: the K-quants take the kernel up to their measured row counts, the rest up to 16."""
+    from edgellm.kernels.gguf_ops import GGUF_KERNEL_MAX_ROWS, GGUF_NATIVE_TYPES, use_kernel
+
+    assert GGUF_NATIVE_TYPES == {t.name: int(t) for t in TYPES}
+    for name, rows in GGUF_KERNEL_MAX_ROWS.items():
+        assert use_kernel(GGUF_NATIVE_TYPES[name], rows) and not use_kernel(GGUF_NATIVE_TYPES[name], rows + 1)
+    assert use_kernel(int(Q.Q4_0), 16) and not use_kernel(int(Q.Q4_0), 17)
