@@ -71,6 +71,12 @@ class FileLayout:
     metadata: dict[str, KV] = field(default_factory=dict)
 
 
+def _error(path: Path, message: str, cls: type = ModelFormatError) -> Exception:
+    """The error for `path`, on one printable line however the file's names and keys are spelled."""
+    text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+    return cls(f"{path}: {text if len(text) <= 300 else text[:300] + '...'}")
+
+
 # ------------------------------------------------------------------------------------------------
 # GGUF
 # ------------------------------------------------------------------------------------------------
@@ -81,7 +87,7 @@ class _Reader:
         self.buf, self.path, self.endian, self.pos, self.size = buf, path, endian, 0, len(buf)
 
     def fail(self, message: str) -> ModelFormatError:
-        return ModelFormatError(f"{self.path}: {message}")
+        return _error(self.path, f"{message}")
 
     def take(self, n: int, what: str) -> int:
         if n > self.size - self.pos:
@@ -125,14 +131,14 @@ def _open_bytes(path: Path) -> tuple[Any, int]:
     """(a read-only map of the file or b"" when it is empty, size); OS errors become ModelFormatError."""
     try:
         if not path.is_file():
-            raise ModelFormatError(f"{path}: not a regular file")
+            raise _error(path, f"not a regular file")
         with open(path, "rb") as f:
             size = path.stat().st_size
             if size == 0:
                 return b"", 0
             return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), size
     except OSError as e:
-        raise ModelFormatError(f"{path}: cannot read ({e.strerror or e})") from e
+        raise _error(path, f"cannot read ({e.strerror or e})") from e
 
 
 def check_gguf_file(path: str | Path) -> FileLayout:
@@ -142,7 +148,7 @@ def check_gguf_file(path: str | Path) -> FileLayout:
     path = Path(path)
     buf, size = _open_bytes(path)
     if size == 0:
-        raise ModelFormatError(f"{path}: empty file")
+        raise _error(path, f"empty file")
     try:
         return _parse_gguf(buf, path)
     finally:
@@ -152,9 +158,9 @@ def check_gguf_file(path: str | Path) -> FileLayout:
 
 def _parse_gguf(buf: Any, path: Path) -> FileLayout:
     if buf[:4] != b"GGUF":
-        raise ModelFormatError(f"{path}: not a GGUF file (bad magic)")
+        raise _error(path, f"not a GGUF file (bad magic)")
     if len(buf) < 24:
-        raise ModelFormatError(f"{path}: truncated GGUF header ({len(buf)} bytes)")
+        raise _error(path, f"truncated GGUF header ({len(buf)} bytes)")
     version = struct.unpack_from("<I", buf, 4)[0]
     endian = "<"
     if version & 0xFFFF == 0:  # written on a big-endian machine (as gguf.GGUFReader detects it)
@@ -226,23 +232,23 @@ def _gguf_tensors(layout: FileLayout, infos: list, data_start: int, alignment: i
     path = layout.path
     for name, dims, ggml_type, offset in infos:
         if name in layout.tensors:
-            raise ModelFormatError(f"{path}: duplicate tensor {name}")
+            raise _error(path, f"duplicate tensor {name}")
         try:
             qtype = GGMLQuantizationType(ggml_type)
             block, type_size = GGML_QUANT_SIZES[qtype]
         except (ValueError, KeyError):
-            raise UnsupportedModelError(f"{path}: tensor {name} has unknown GGML type {ggml_type}") from None
+            raise _error(path, f"tensor {name} has unknown GGML type {ggml_type}", UnsupportedModelError) from None
         if any(d == 0 or d >= 1 << 62 for d in dims):
-            raise ModelFormatError(f"{path}: tensor {name} has impossible dimensions {dims}")
+            raise _error(path, f"tensor {name} has impossible dimensions {dims}")
         if dims[0] % block:
-            raise ModelFormatError(f"{path}: tensor {name} of type {qtype.name} has a row of {dims[0]} values, "
+            raise _error(path, f"tensor {name} of type {qtype.name} has a row of {dims[0]} values, "
                                    f"not a multiple of its block of {block}")
         n_bytes = math.prod(dims) // block * type_size
         if offset % alignment:
-            raise ModelFormatError(f"{path}: tensor {name} data offset {offset} is not aligned to {alignment}")
+            raise _error(path, f"tensor {name} data offset {offset} is not aligned to {alignment}")
         start = data_start + offset
         if start + n_bytes > size:
-            raise ModelFormatError(f"{path}: tensor {name} ({n_bytes} bytes at {start}) ends past the end of the "
+            raise _error(path, f"tensor {name} ({n_bytes} bytes at {start}) ends past the end of the "
                                    f"file ({size} bytes): truncated, or an offset or shape that lies")
         layout.tensors[name] = TensorInfo(tuple(reversed(dims)), qtype.name, path, start, start + n_bytes)
     _no_overlaps(layout)
@@ -252,7 +258,7 @@ def _no_overlaps(layout: FileLayout) -> None:
     spans = sorted((t.start, t.end, name) for name, t in layout.tensors.items())
     for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
         if start < end:
-            raise ModelFormatError(f"{layout.path}: tensors {a} and {b} overlap in the file")
+            raise _error(layout.path, f"tensors {a} and {b} overlap in the file")
 
 
 # The metadata edgellm reads, with the type it must have: a wrong type is refused here, by name, rather
@@ -299,16 +305,16 @@ def _check_gguf_metadata(layout: FileLayout) -> None:
             want_text = f"a {want}"
         if not ok:
             found = TYPE_NAMES[kv.type] + (f" of {TYPE_NAMES[kv.item_type]}" if kv.type == ARRAY else "")
-            raise ModelFormatError(f"{path}: metadata {key} should be {want_text}, found {found}")
+            raise _error(path, f"metadata {key} should be {want_text}, found {found}")
     tokens = meta.get("tokenizer.ggml.tokens")
     n_tokens = tokens.count if tokens else 0
     for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
         if key in meta and meta[key].count != n_tokens:
-            raise ModelFormatError(f"{path}: {key} has {meta[key].count} entries for {n_tokens} tokens")
+            raise _error(path, f"{key} has {meta[key].count} entries for {n_tokens} tokens")
     for name in TOKEN_ID_KEYS:
         kv = meta.get(f"tokenizer.ggml.{name}_token_id")
         if kv is not None and not 0 <= kv.value < n_tokens:
-            raise ModelFormatError(f"{path}: tokenizer.ggml.{name}_token_id {kv.value} is not one of the "
+            raise _error(path, f"tokenizer.ggml.{name}_token_id {kv.value} is not one of the "
                                    f"{n_tokens} tokens")
 
 
@@ -327,26 +333,26 @@ def check_safetensors_file(path: str | Path) -> FileLayout:
     buf, size = _open_bytes(path)
     try:
         if size < 8:
-            raise ModelFormatError(f"{path}: not a safetensors file ({size} bytes, the header length alone is 8)")
+            raise _error(path, f"not a safetensors file ({size} bytes, the header length alone is 8)")
         n = struct.unpack_from("<Q", buf, 0)[0]
         if n > min(size - 8, SAFETENSORS_MAX_HEADER):
-            raise ModelFormatError(f"{path}: safetensors header claims {n} bytes in a file of {size}: truncated "
+            raise _error(path, f"safetensors header claims {n} bytes in a file of {size}: truncated "
                                    f"or not a safetensors file")
         try:
             header = json.loads(bytes(buf[8:8 + n]).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ModelFormatError(f"{path}: safetensors header is not valid JSON ({str(e)[:120]})") from None
+            raise _error(path, f"safetensors header is not valid JSON ({str(e)[:120]})") from None
     finally:
         if isinstance(buf, mmap.mmap):
             buf.close()
     if not isinstance(header, dict):
-        raise ModelFormatError(f"{path}: safetensors header is not a JSON object")
+        raise _error(path, f"safetensors header is not a JSON object")
     data_size = size - 8 - n
     layout = FileLayout(path)
     for name, entry in header.items():
         if name == "__metadata__":
             if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
-                raise ModelFormatError(f"{path}: safetensors __metadata__ must map strings to strings")
+                raise _error(path, f"safetensors __metadata__ must map strings to strings")
             continue
         layout.tensors[name] = _safetensors_entry(path, name, entry, data_size, 8 + n)
     _no_overlaps(layout)
@@ -355,7 +361,7 @@ def check_safetensors_file(path: str | Path) -> FileLayout:
 
 def _safetensors_entry(path: Path, name: str, entry: Any, data_size: int, data_start: int) -> TensorInfo:
     def bad(what: str) -> ModelFormatError:
-        return ModelFormatError(f"{path}: tensor {name}: {what}")
+        return _error(path, f"tensor {name}: {what}")
 
     if not isinstance(entry, dict):
         raise bad("header entry is not an object")
@@ -363,7 +369,7 @@ def _safetensors_entry(path: Path, name: str, entry: Any, data_size: int, data_s
     if not isinstance(dtype, str):
         raise bad(f"dtype {dtype!r} is not a string")
     if dtype not in SAFETENSORS_SIZES:
-        raise UnsupportedModelError(f"{path}: tensor {name} has dtype {dtype}, which edgellm does not read")
+        raise _error(path, f"tensor {name} has dtype {dtype}, which edgellm does not read", UnsupportedModelError)
     if not isinstance(shape, list) or len(shape) > 8 or not all(_is_int(d) and d >= 0 for d in shape):
         raise bad(f"shape {str(shape)[:80]} is not a list of non-negative integers")
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
@@ -401,17 +407,17 @@ def hf_config(raw: Any, path: Path):
     from .config import ModelConfig
 
     if not isinstance(raw, dict):
-        raise ModelFormatError(f"{path}: not a JSON object")
+        raise _error(path, f"not a JSON object")
     for key in HF_REQUIRED:
         if key not in raw:
-            raise ModelFormatError(f"{path}: lacks {key}")
+            raise _error(path, f"lacks {key}")
     for key, types in HF_TYPES.items():
         if key in raw and (not isinstance(raw[key], types) or (bool not in types and isinstance(raw[key], bool))):
-            raise ModelFormatError(f"{path}: {key} should be {' or '.join(_type_word(t) for t in types)}, "
+            raise _error(path, f"{key} should be {' or '.join(_type_word(t) for t in types)}, "
                                    f"found {_type_word(type(raw[key]))} {str(raw[key])[:40]}")
     for key in ("bos_token_id", "eos_token_id"):
         if isinstance(raw.get(key), list) and not all(_is_int(i) for i in raw[key]):
-            raise ModelFormatError(f"{path}: {key} should be an integer or a list of integers")
+            raise _error(path, f"{key} should be an integer or a list of integers")
     return checked_config(lambda: ModelConfig.from_hf(raw, source=str(path)), path)
 
 
@@ -432,7 +438,7 @@ def checked_config(build, path: Path):
             raise
         raise type(e)(f"{path}: {e}") from e
     except (KeyError, TypeError, ValueError, ZeroDivisionError, AttributeError, OverflowError) as e:
-        raise ModelFormatError(f"{path}: cannot read the model's configuration ({type(e).__name__}: "
+        raise _error(path, f"cannot read the model's configuration ({type(e).__name__}: "
                                f"{str(e)[:120]})") from e
     check_config(cfg, path)
     return cfg
@@ -441,7 +447,7 @@ def checked_config(build, path: Path):
 def check_config(cfg: Any, path: Path) -> None:
     """Sizes positive and bounded, numbers finite, RoPE settings that define a rotation."""
     def bad(what: str) -> ModelFormatError:
-        return ModelFormatError(f"{path}: {what}")
+        return _error(path, f"{what}")
 
     for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size", "head_dim"):
         value = getattr(cfg, name)
@@ -503,7 +509,7 @@ def check_tensor_shapes(layout: FileLayout, cfg: Any, names: dict[str, str]) -> 
     mis-sized tensor into a reshape or a kernel), and the layer count is one the file can hold."""
     tensors = layout.tensors
     if cfg.n_layers > len(tensors):
-        raise ModelFormatError(f"{layout.path}: the config says {cfg.n_layers} layers; the file has "
+        raise _error(layout.path, f"the config says {cfg.n_layers} layers; the file has "
                                f"{len(tensors)} tensors")
     expect = {names["embed"]: (cfg.vocab_size, cfg.dim), names["output"]: (cfg.vocab_size, cfg.dim),
               names["norm"]: (cfg.dim,), "rope_freqs.weight": (cfg.head_dim // 2,)}
@@ -520,5 +526,18 @@ def check_tensor_shapes(layout: FileLayout, cfg: Any, names: dict[str, str]) -> 
     for name, shape in expect.items():
         t = tensors.get(name)
         if t is not None and tuple(t.shape) != shape:
-            raise ModelFormatError(f"{t.file}: tensor {name} has shape {list(t.shape)}; the model's config "
+            raise _error(t.file, f"tensor {name} has shape {list(t.shape)}; the model's config "
                                    f"implies {list(shape)}")
+
+
+def check_tokenizer(tok: Any, cfg: Any, path: Path) -> None:
+    """Every id the tokenizer can produce indexes the model's embedding: a vocabulary larger than the
+    embedding would send an out-of-range id into the lookup (in the C++ kernels, a read past the table)."""
+    vocab = tok.backend.get_vocab(with_added_tokens=True)
+    top = max(vocab.values(), default=-1)
+    if top >= cfg.vocab_size:
+        token = next(t for t, i in vocab.items() if i == top)
+        raise _error(path, f"the tokenizer has token {token!r} with id {top}, past the model's {cfg.vocab_size} "
+                           f"embeddings")
+    if tok.bos_id is not None and not (_is_int(tok.bos_id) and 0 <= tok.bos_id < cfg.vocab_size):
+        raise _error(path, f"BOS token id {tok.bos_id!r} is not one of the model's {cfg.vocab_size} tokens")

