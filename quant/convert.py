@@ -13,9 +13,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -23,7 +20,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import ModelFormatError, OutputError, QuantizationError
+from ..atomic import AtomicFile, AtomicFolder
+from ..errors import ModelFormatError, QuantizationError
 from .groups import QuantizedTensor, dequantize, from_gguf, quantize, to_gguf
 from .linear import QuantEmbedding, QuantLinear
 
@@ -170,61 +168,6 @@ def install_quantized(model: nn.Module, qtensors: dict[str, QuantizedTensor], st
 
 def quantized_tensors(model: nn.Module) -> dict[str, QuantizedTensor]:
     return {name: m.qtensor() for name, m in model.named_modules() if isinstance(m, (QuantLinear, QuantEmbedding))}
-
-
-# ------------------------------------------------------------------------------------------------
-# Atomic folder output
-# ------------------------------------------------------------------------------------------------
-class AtomicFolder:
-    """Write into `<out>.tmp-XXXX`, rename to `out` on success, delete on any failure."""
-
-    def __init__(self, out: Path):
-        self.out = Path(out)
-
-    def __enter__(self) -> Path:
-        parent = self.out.parent if str(self.out.parent) else Path(".")
-        if not parent.is_dir():
-            raise OutputError(f"{parent}: output folder's parent does not exist")
-        if not os.access(parent, os.W_OK):
-            raise OutputError(f"{parent}: not writable")
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=parent))
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            if self.out.exists():
-                shutil.rmtree(self.out) if self.out.is_dir() else self.out.unlink()
-            os.replace(self.tmp, self.out)
-            return False
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and not isinstance(exc, OutputError):
-            raise OutputError(f"{self.out}: write failed ({exc.strerror or exc}); nothing was written") from exc
-        return False
-
-
-class AtomicFile:
-    """Write to a temp file beside `out`, rename on success, delete on failure."""
-
-    def __init__(self, out: Path):
-        self.out = Path(out)
-
-    def __enter__(self) -> Path:
-        parent = self.out.parent if str(self.out.parent) else Path(".")
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise OutputError(f"{parent}: not a writable folder")
-        fd, name = tempfile.mkstemp(prefix=f".{self.out.name}.tmp-", dir=parent)
-        os.close(fd)
-        self.tmp = Path(name)
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            os.replace(self.tmp, self.out)
-            return False
-        self.tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and not isinstance(exc, OutputError):
-            raise OutputError(f"{self.out}: write failed ({exc.strerror or exc}); nothing was written") from exc
-        return False
 
 
 # ------------------------------------------------------------------------------------------------
