@@ -302,7 +302,7 @@ def _check_gguf_metadata(layout: FileLayout) -> None:
             want_text = f"an array of {want[0]}s"
         else:
             ok = _type_ok(kv.type, want)
-            want_text = f"a {want}"
+            want_text = f"{'an' if want[0] in 'aeiou' else 'a'} {want}"
         if not ok:
             found = TYPE_NAMES[kv.type] + (f" of {TYPE_NAMES[kv.item_type]}" if kv.type == ARRAY else "")
             raise _error(path, f"metadata {key} should be {want_text}, found {found}")

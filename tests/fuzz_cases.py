@@ -577,8 +577,9 @@ def set_memory_limit(extra_bytes: int) -> None:
 
 
 def worker_main(argv: list[str]) -> int:
-    """python -m tests.fuzz_cases SPEC.json OUT.json: run the cases SPEC names (in this process, under the
-    memory limit it gives) and write their outcomes."""
+    """python -m tests.fuzz_cases SPEC.json OUT.jsonl: run the cases SPEC names (skipping the first
+    spec["skip"]) in this process, under the memory limit it gives; one JSON line per outcome, written as
+    it comes, so a crash of the process still leaves the outcomes before it."""
     spec = json.loads(Path(argv[0]).read_text())
     import torch
 
@@ -587,35 +588,56 @@ def worker_main(argv: list[str]) -> int:
 
     sources = {k: (Path(a), Path(b)) for k, (a, b) in spec["sources"].items()}
     bundled = Path(spec["bundled"]) if spec.get("bundled") else None
-    cases = all_cases(sources, spec["seed"], spec["n_random"], bundled)
-    chosen = set(spec["names"]) if spec.get("names") is not None else None
+    cases = sample(all_cases(sources, spec["seed"], spec["n_random"], bundled), spec.get("sample"), spec["seed"])
     if spec.get("memory_limit"):
         set_memory_limit(spec["memory_limit"])
     work = Path(spec["work"])
-    out = []
-    for c in cases:
-        if chosen is not None and c.name not in chosen:
-            continue
-        o = run_case(c, work, spec.get("timeout_s", 60.0), spec.get("generate", True))
-        out.append(o.__dict__)
-        if spec.get("progress"):
-            print(f"{o.result:8s} {o.seconds:6.2f}s {o.name}  {o.detail[:160]}", flush=True)
-    Path(argv[1]).write_text(json.dumps(out, indent=0))
+    with open(argv[1], "a") as out:
+        if not spec.get("skip"):
+            out.write(json.dumps({"total": len(cases)}) + "\n")
+        for i, c in enumerate(cases):
+            if i < spec.get("skip", 0):
+                continue
+            out.write(json.dumps({"next": c.name}) + "\n")  # who to blame if the process dies now
+            out.flush()
+            o = run_case(c, work, spec.get("timeout_s", 60.0), spec.get("generate", True))
+            out.write(json.dumps(o.__dict__) + "\n")
+            out.flush()
+            if spec.get("progress"):
+                print(f"{i + 1}/{len(cases)} {o.result:8s} {o.seconds:6.2f}s {o.name}  {o.detail[:160]}", flush=True)
     shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
-def run_worker(spec: dict, out_json: Path, timeout_s: float) -> tuple[list[Outcome], subprocess.CompletedProcess]:
-    """Run a worker in a child process; a crash of the child (a signal, e.g. in the C++ extension) comes
-    back as its return code."""
-    spec_path = out_json.with_suffix(".spec.json")
-    spec_path.write_text(json.dumps(spec))
+def run_worker(spec: dict, out_path: Path, timeout_s: float) -> tuple[list[Outcome], subprocess.CompletedProcess]:
+    """Run the cases in child processes. A child that dies (a signal from the C++ extension, the memory
+    limit's kill) costs the case it was on a FAIL, and a new child goes on after it."""
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "tests.fuzz_cases", str(spec_path), str(out_json)], cwd=root,
-                          capture_output=not spec.get("progress"), text=True, timeout=timeout_s,
-                          env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
-    rows = json.loads(out_json.read_text()) if out_json.is_file() else []
-    return [Outcome(**r) for r in rows], proc
+    out_path.unlink(missing_ok=True)
+    spec_path = out_path.with_suffix(".spec.json")
+    outcomes: list[Outcome] = []
+    total, skip, deadline = None, 0, time.monotonic() + timeout_s
+    while True:
+        spec_path.write_text(json.dumps({**spec, "skip": skip}))
+        proc = subprocess.run([sys.executable, "-m", "tests.fuzz_cases", str(spec_path), str(out_path)], cwd=root,
+                              capture_output=not spec.get("progress"), text=True,
+                              timeout=max(1.0, deadline - time.monotonic()),
+                              env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"})
+        outcomes, pending = [], None
+        for line in out_path.read_text().splitlines():
+            row = json.loads(line)
+            if "total" in row:
+                total = row["total"]
+            elif "next" in row:
+                pending = row["next"]
+            else:
+                outcomes.append(Outcome(**row))
+                pending = None
+        if proc.returncode == 0 or total is None or pending is None:
+            return outcomes, proc
+        with open(out_path, "a") as f:  # the child died inside a case
+            f.write(json.dumps(Outcome(pending, "FAIL", f"the process died (exit {proc.returncode})", 0.0).__dict__) + "\n")
+        skip = len(outcomes) + 1
 
 
 if __name__ == "__main__":
