@@ -18,8 +18,19 @@ def _parent(out: Path) -> Path:
     return parent
 
 
-def _fail(out: Path, e: OSError) -> OutputError:
-    return OutputError(f"{out}: write failed ({e.strerror or e}); nothing was written")
+def _fail(out: Path, e: BaseException) -> OutputError:
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e).split("I/O error:")[-1].strip()
+    try:  # some writers (numpy's tofile) report a full disk only as a short write
+        if shutil.disk_usage(out.parent).free < 1 << 20 and "space" not in reason:
+            reason += "; the disk is full"
+    except OSError:
+        pass
+    return OutputError(f"{out}: write failed ({reason}); nothing was written")
+
+
+def _is_write_error(e: BaseException) -> bool:
+    """An OSError, or a library's own wrapper of one (safetensors: SafetensorError "I/O error: ...")."""
+    return isinstance(e, OSError) or (type(e).__name__ == "SafetensorError" and "I/O error" in str(e))
 
 
 def _umask_mode(mode: int) -> int:
@@ -72,7 +83,7 @@ class AtomicFile:
             _fsync(self.out.parent, directory=True)
             return False
         self.tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError):
+        if _is_write_error(exc):
             raise _fail(self.out, exc) from exc
         return False
 
@@ -96,7 +107,7 @@ class AtomicFolder:
     def __exit__(self, exc_type, exc, tb) -> bool:
         if exc_type is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
-            if isinstance(exc, OSError):
+            if _is_write_error(exc):
                 raise _fail(self.out, exc) from exc
             return False
         old = None
