@@ -32,11 +32,11 @@ def resources() -> dict:
             "py_threads": threading.active_count()}
 
 
-def sentences(n: int) -> list[str]:
+def sentences(n: int, max_words: int = 52) -> list[str]:
     words = TEXT.read_text().split() if TEXT.is_file() else ("the quick brown fox jumps over the lazy dog " * 50).split()
     out, i = [], 0
     while len(out) < n:
-        k = 12 + (len(out) * 7) % 40
+        k = min(max_words, 12 + (len(out) * 7) % 40)
         out.append(" ".join(words[i:i + k]) + "?")
         i = (i + k) % max(1, len(words) - 60)
     return out
@@ -57,7 +57,7 @@ def many_runs(args, loaded) -> tuple[list[dict], dict]:
     from edgellm.cli import build_parser, engine_from_args, prompt_ids, sampling_from_args
     from edgellm.generate import Done, GenerationSettings
 
-    prompts = sentences(args.runs)
+    prompts = sentences(args.runs, args.max_words)
     rows = []
     t0 = time.perf_counter()
     tokens = 0
@@ -98,7 +98,7 @@ def long_chat(args, loaded) -> tuple[list[dict], dict]:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         history = Path(tmp) / "chat.json"
-        for turn_no, text in enumerate(sentences(100000), 1):
+        for turn_no, text in enumerate(sentences(100000, args.max_words), 1):
             conv.messages.append(Message("user", text))
             turn = session.prepare(conv)
             if turn.error:
@@ -139,6 +139,7 @@ def main() -> int:
     p.add_argument("--chat-ctx", type=int, default=1024, help="the chat's context (small: old turns get dropped)")
     p.add_argument("--chat-answer", type=int, default=64, help="max tokens per answer")
     p.add_argument("--every-turns", type=int, default=5)
+    p.add_argument("--max-words", type=int, default=52, help="longest prompt / user message, in words")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("-m", "--model", default=None, help="default: the bundled SmolLM2-135M-Instruct")
     p.add_argument("--out", default=str(ROOT / "benchmarks/results/long-use.json"))

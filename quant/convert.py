@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from ..atomic import AtomicFile, AtomicFolder
-from ..errors import ModelFormatError, QuantizationError
+from ..errors import EdgeLLMError, ModelFormatError, QuantizationError
 from .groups import QuantizedTensor, dequantize, from_gguf, quantize, to_gguf
 from .linear import QuantEmbedding, QuantLinear
 
@@ -212,21 +212,36 @@ def save_edgellm(loaded, out: Path, settings: QuantSettings) -> Path:
 
 def load_edgellm(folder: Path, dtype: torch.dtype, device: torch.device):
     """(model, tokenizer, config, file_bytes, tensor_types) from an edgellm folder; no requantization."""
-    from safetensors import safe_open
-
-    from ..config import ModelConfig
-    from ..model import Transformer
-    from ..tokenizer import Tokenizer
-
     meta_path = folder / "edgellm.json"
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise ModelFormatError(f"{meta_path}: not valid JSON ({e})") from e
-    if meta.get("format") != "edgellm" or meta.get("version", 0) > FORMAT_VERSION:
+    if (not isinstance(meta, dict) or meta.get("format") != "edgellm" or not isinstance(meta.get("version", 0), int)
+            or meta.get("version", 0) > FORMAT_VERSION):
         raise ModelFormatError(f"{meta_path}: not an edgellm folder of a version this edgellm reads")
-    cfg = ModelConfig.from_dict(meta["config"])
+    try:  # an edgellm folder can come from anyone too: every failure below names the folder's files
+        return _build_edgellm(folder, meta, dtype, device)
+    except EdgeLLMError as e:
+        if str(folder) in str(e):
+            raise
+        raise type(e)(f"{meta_path}: {e}") from e
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, IndexError) as e:
+        raise ModelFormatError(f"{meta_path}: not a valid edgellm folder ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:160] if str(e) else ''})") from e
+
+
+def _build_edgellm(folder: Path, meta: dict, dtype: torch.dtype, device: torch.device):
+    from safetensors import safe_open
+
+    from ..config import ModelConfig
+    from ..file_checks import check_safetensors_file, checked_config
+    from ..model import Transformer
+    from ..tokenizer import Tokenizer
+
+    cfg = checked_config(lambda: ModelConfig.from_dict(meta["config"]), folder / "edgellm.json")
     weights = folder / "model.safetensors"
+    check_safetensors_file(weights)
     try:
         handle = safe_open(str(weights), framework="pt")
         raw = {k: handle.get_tensor(k) for k in handle.keys()}
@@ -241,6 +256,11 @@ def load_edgellm(folder: Path, dtype: torch.dtype, device: torch.device):
     state = {k: (v.to(dtype) if v.is_floating_point() else v).to(device) for k, v in raw.items()}
     with torch.device("meta"):
         model = Transformer(cfg)
+    params = dict(model.named_parameters())
+    for name, qt in qtensors.items():  # the kernels trust these shapes: they must be the model's
+        if name not in params or tuple(params[name].shape) != tuple(qt.shape):
+            want = list(params[name].shape) if name in params else "no such tensor"
+            raise ModelFormatError(f"{weights}: tensor {name} has shape {list(qt.shape)}; the config implies {want}")
     install_quantized(model, qtensors, state, dtype, device)
     model.eval().requires_grad_(False)
     from tokenizers import Tokenizer as Backend

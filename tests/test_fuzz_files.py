@@ -120,3 +120,42 @@ def test_fuzzed_files_through_the_cli(tiny_llama, tmp_path):
         path = cases[name].build(work)
         proc = run_cli("run", "Hi", "-m", str(path), "-n", "2")
         assert_clean_error(proc, str(work))
+
+
+def test_broken_edgellm_folder_is_refused(tiny_llama, tmp_path):
+    """An edgellm-quantized folder can come from anyone too: broken metadata or weights name the folder."""
+    import json
+    import shutil
+
+    from edgellm.errors import EdgeLLMError
+    from edgellm.loading import load_model
+
+    out = tmp_path / "q"
+    proc = run_cli("quantize", str(tiny_llama[0]), "-o", str(out), "--fast", "--weights", "int8")
+    assert proc.returncode == 0, proc.stderr
+    name = next(iter(json.loads((out / "edgellm.json").read_text())["tensors"]))
+    edits = {
+        "shape": lambda m: m["tensors"][name].update(shape=[7, 64]),
+        "shape-transposed": lambda m: m["tensors"][name].update(shape=m["tensors"][name]["shape"][::-1]),
+        "bits": lambda m: m["tensors"][name].update(bits=3),
+        "config-type": lambda m: m["config"].update(dim="64"),
+        "config-missing": lambda m: m["config"].pop("n_layers"),
+        "config-heads": lambda m: m["config"].update(n_heads=0),
+        "no-tokenizer": lambda m: m.pop("tokenizer"),
+        "tensors-list": lambda m: m.update(tensors=[1]),
+        "not-an-object": lambda m: [m],
+    }
+    for label, edit in edits.items():
+        bad = tmp_path / label
+        shutil.copytree(out, bad)
+        meta = json.loads((bad / "edgellm.json").read_text())
+        meta = edit(meta) or meta
+        (bad / "edgellm.json").write_text(json.dumps(meta))
+        with pytest.raises(EdgeLLMError) as e:
+            load_model(bad)
+        assert str(bad) in str(e.value), (label, str(e.value))
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert_clean_error(run_cli("info", "-m", str(cut)), str(cut))
