@@ -121,7 +121,7 @@ def long_chat(args, loaded) -> tuple[list[dict], dict]:
                 break
         saved = load_conversation(history)
         assert len(saved.messages) == len(conv.messages)
-    summary = {"turns": rows[-1]["turn"], "chat_tokens": total, "context": args.chat_ctx,
+    summary = {"turns": rows[-1]["turn"], "chat_tokens": total, "context": engine.max_seq_len,
                "messages_dropped": dropped, "rss_mib_first": rows[0]["rss_mib"], "rss_mib_last": rows[-1]["rss_mib"],
                "rss_mib_growth_per_100_turns": round(slope_per_100(rows, "rss_mib", "turn"), 2),
                "fds_first_last": [rows[0]["fds"], rows[-1]["fds"]],
@@ -136,7 +136,8 @@ def main() -> int:
     p.add_argument("--ctx", type=int, default=1024, help="context of each run's engine")
     p.add_argument("--every", type=int, default=50, help="read resources every N runs")
     p.add_argument("--chat-tokens", type=int, default=10000, help="stop the chat once it holds this many tokens")
-    p.add_argument("--chat-ctx", type=int, default=1024, help="the chat's context (small: old turns get dropped)")
+    p.add_argument("--chat-ctx", type=int, default=1024,
+                   help="the chat's context (small: old turns get dropped); the model is loaded for max(--ctx, this)")
     p.add_argument("--chat-answer", type=int, default=64, help="max tokens per answer")
     p.add_argument("--every-turns", type=int, default=5)
     p.add_argument("--max-words", type=int, default=52, help="longest prompt / user message, in words")
