@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from .atomic import write_text_atomic
 from .errors import EdgeLLMError, ModelNotFoundError, OutputError
 
 WEIGHT_FORMATS = ("auto", "fp", "int8", "int4")
@@ -556,16 +557,6 @@ def footer_lines(doc: dict) -> list[str]:
     if doc.get("note"):
         lines.append(f"note: {doc['note']}")
     return lines
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
-        raise OutputError(f"{path}: cannot write ({e.strerror or e})") from e
 
 
 def draw_plot(path: Path, doc: dict) -> str | None:

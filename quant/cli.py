@@ -29,6 +29,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from ..atomic import check_writable
     from ..device import set_threads
     from ..loading import load_model, open_source, resolve_model
     from .convert import QuantSettings, export_gguf, save_edgellm
@@ -45,6 +46,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
                              embeddings=args.embeddings, search=not args.fast, calibration=args.calibrate)
     if out.exists() and fmt == "edgellm" and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a folder")
+    if out.is_dir() and fmt == "gguf":
+        raise OutputError(f"{out}: is a folder; name the .gguf file to write")
+    check_writable(out)  # before the minutes of quantizing, not after
     console = Console(stderr=True)
     t0 = time.perf_counter()
     path = resolve_model(args.src)

@@ -13,9 +13,6 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -23,7 +20,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..errors import ModelFormatError, OutputError, QuantizationError
+from ..atomic import AtomicFile, AtomicFolder
+from ..errors import EdgeLLMError, ModelFormatError, QuantizationError
 from .groups import QuantizedTensor, dequantize, from_gguf, quantize, to_gguf
 from .linear import QuantEmbedding, QuantLinear
 
@@ -173,61 +171,6 @@ def quantized_tensors(model: nn.Module) -> dict[str, QuantizedTensor]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Atomic folder output
-# ------------------------------------------------------------------------------------------------
-class AtomicFolder:
-    """Write into `<out>.tmp-XXXX`, rename to `out` on success, delete on any failure."""
-
-    def __init__(self, out: Path):
-        self.out = Path(out)
-
-    def __enter__(self) -> Path:
-        parent = self.out.parent if str(self.out.parent) else Path(".")
-        if not parent.is_dir():
-            raise OutputError(f"{parent}: output folder's parent does not exist")
-        if not os.access(parent, os.W_OK):
-            raise OutputError(f"{parent}: not writable")
-        self.tmp = Path(tempfile.mkdtemp(prefix=f".{self.out.name}.tmp-", dir=parent))
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            if self.out.exists():
-                shutil.rmtree(self.out) if self.out.is_dir() else self.out.unlink()
-            os.replace(self.tmp, self.out)
-            return False
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and not isinstance(exc, OutputError):
-            raise OutputError(f"{self.out}: write failed ({exc.strerror or exc}); nothing was written") from exc
-        return False
-
-
-class AtomicFile:
-    """Write to a temp file beside `out`, rename on success, delete on failure."""
-
-    def __init__(self, out: Path):
-        self.out = Path(out)
-
-    def __enter__(self) -> Path:
-        parent = self.out.parent if str(self.out.parent) else Path(".")
-        if not parent.is_dir() or not os.access(parent, os.W_OK):
-            raise OutputError(f"{parent}: not a writable folder")
-        fd, name = tempfile.mkstemp(prefix=f".{self.out.name}.tmp-", dir=parent)
-        os.close(fd)
-        self.tmp = Path(name)
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if exc_type is None:
-            os.replace(self.tmp, self.out)
-            return False
-        self.tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and not isinstance(exc, OutputError):
-            raise OutputError(f"{self.out}: write failed ({exc.strerror or exc}); nothing was written") from exc
-        return False
-
-
-# ------------------------------------------------------------------------------------------------
 # The edgellm folder format
 # ------------------------------------------------------------------------------------------------
 def save_edgellm(loaded, out: Path, settings: QuantSettings) -> Path:
@@ -269,21 +212,36 @@ def save_edgellm(loaded, out: Path, settings: QuantSettings) -> Path:
 
 def load_edgellm(folder: Path, dtype: torch.dtype, device: torch.device):
     """(model, tokenizer, config, file_bytes, tensor_types) from an edgellm folder; no requantization."""
-    from safetensors import safe_open
-
-    from ..config import ModelConfig
-    from ..model import Transformer
-    from ..tokenizer import Tokenizer
-
     meta_path = folder / "edgellm.json"
     try:
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise ModelFormatError(f"{meta_path}: not valid JSON ({e})") from e
-    if meta.get("format") != "edgellm" or meta.get("version", 0) > FORMAT_VERSION:
+    if (not isinstance(meta, dict) or meta.get("format") != "edgellm" or not isinstance(meta.get("version", 0), int)
+            or meta.get("version", 0) > FORMAT_VERSION):
         raise ModelFormatError(f"{meta_path}: not an edgellm folder of a version this edgellm reads")
-    cfg = ModelConfig.from_dict(meta["config"])
+    try:  # an edgellm folder can come from anyone too: every failure below names the folder's files
+        return _build_edgellm(folder, meta, dtype, device)
+    except EdgeLLMError as e:
+        if str(folder) in str(e):
+            raise
+        raise type(e)(f"{meta_path}: {e}") from e
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, IndexError) as e:
+        raise ModelFormatError(f"{meta_path}: not a valid edgellm folder ({type(e).__name__}: "
+                               f"{str(e).splitlines()[0][:160] if str(e) else ''})") from e
+
+
+def _build_edgellm(folder: Path, meta: dict, dtype: torch.dtype, device: torch.device):
+    from safetensors import safe_open
+
+    from ..config import ModelConfig
+    from ..file_checks import check_safetensors_file, checked_config
+    from ..model import Transformer
+    from ..tokenizer import Tokenizer
+
+    cfg = checked_config(lambda: ModelConfig.from_dict(meta["config"]), folder / "edgellm.json")
     weights = folder / "model.safetensors"
+    check_safetensors_file(weights)
     try:
         handle = safe_open(str(weights), framework="pt")
         raw = {k: handle.get_tensor(k) for k in handle.keys()}
@@ -298,6 +256,11 @@ def load_edgellm(folder: Path, dtype: torch.dtype, device: torch.device):
     state = {k: (v.to(dtype) if v.is_floating_point() else v).to(device) for k, v in raw.items()}
     with torch.device("meta"):
         model = Transformer(cfg)
+    params = dict(model.named_parameters())
+    for name, qt in qtensors.items():  # the kernels trust these shapes: they must be the model's
+        if name not in params or tuple(params[name].shape) != tuple(qt.shape):
+            want = list(params[name].shape) if name in params else "no such tensor"
+            raise ModelFormatError(f"{weights}: tensor {name} has shape {list(qt.shape)}; the config implies {want}")
     install_quantized(model, qtensors, state, dtype, device)
     model.eval().requires_grad_(False)
     from tokenizers import Tokenizer as Backend

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edgellm.atomic import write_text_atomic
 from edgellm.errors import EdgeLLMError, OutputError
 
 FORMAT_VERSION = 1
@@ -90,27 +90,15 @@ def latest_history_path() -> Path | None:
 
 
 def save_conversation(conv: Conversation, path: Path) -> None:
-    """Write to a temp file in the same folder, then rename over the old one: a crash or a full disk
-    never leaves a half-written chat behind."""
+    """Write to a temp file in the same folder, then rename over the old one: a crash, a kill or a full
+    disk never leaves a half-written chat behind."""
     conv.updated = time.time()
     data = json.dumps(conv.to_json(), ensure_ascii=False, indent=1)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
     except OSError as e:
         raise OutputError(f"{path}: cannot save the chat ({e.strerror or e})") from e
+    write_text_atomic(path, data)
 
 
 def load_conversation(path: Path) -> Conversation:

@@ -1,0 +1,161 @@
+"""Broken and hostile model files end in one edgellm error naming the file: never a traceback, a hang,
+a crash of the process or gigabytes allocated because a header lied (cases: tests/fuzz_cases.py).
+
+The seeded sample here runs in CI; `benchmarks/fuzz.py` runs every case (results/fuzz.json)."""
+import os
+import struct
+import time
+
+import pytest
+
+from edgellm.errors import ModelFormatError, UnsupportedModelError
+from edgellm.file_checks import check_gguf_file, check_safetensors_file
+from tests.fuzz_cases import all_cases, gguf_map, run_worker
+from tests.test_errors_cli import assert_clean_error, run_cli
+
+SEED = 20261124
+
+
+def sources(tiny_models):
+    return {k: (str(a), str(b)) for k, (a, b) in tiny_models.items()}
+
+
+def assert_all_clean(outcomes, expected):
+    failures = [f"{o.name}: {o.detail}" for o in outcomes if o.result == "FAIL"]
+    assert not failures, f"{len(failures)} of {len(outcomes)} cases failed:\n" + "\n".join(failures[:30])
+    assert len(outcomes) == expected  # the worker ran every case (it did not die part way)
+
+
+def test_fuzzed_files_fail_cleanly(tiny_models, tmp_path):
+    """A seeded sample of every kind of case over the five tiny models, in a child process with its
+    address space capped at 2 GiB above what it maps at start and a 20 s alarm per case."""
+    spec = {"sources": sources(tiny_models), "seed": SEED, "n_random": 20, "work": str(tmp_path / "work"),
+            "memory_limit": 2 << 30, "timeout_s": 20, "sample": 400}
+    outcomes, proc = run_worker(spec, tmp_path / "out.json", timeout_s=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_all_clean(outcomes, 400)
+    kinds = {o.name.split(":")[0] for o in outcomes}
+    assert kinds >= {"gguf", "safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"}
+    assert sum(o.result == "refused" for o in outcomes) > 200  # most cases are real damage, refused
+
+
+@pytest.mark.slow
+def test_fuzzed_bundled_header_fails_cleanly(bundled_path, tmp_path):
+    """The bundled 98 MB GGUF (a real llama.cpp file, 49k-token vocab): lying counts, lengths, types and
+    offsets, each refused by the header check in well under a second."""
+    spec = {"sources": {}, "bundled": str(bundled_path), "seed": SEED, "n_random": 0,
+            "work": str(tmp_path / "work"), "memory_limit": 2 << 30, "timeout_s": 60, "bundled_count": 24,
+            "generate": False}
+    outcomes, proc = run_worker(spec, tmp_path / "out.json", timeout_s=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_all_clean(outcomes, 24)
+    assert all(o.result == "refused" for o in outcomes)
+    assert max(o.seconds for o in outcomes) < 10
+
+
+def test_lying_lengths_are_refused_before_any_loop(tiny_llama, tmp_path):
+    """gguf.GGUFReader would loop over a lying array length item by item; the check refuses it at once."""
+    data = tiny_llama[1].read_bytes()
+    m = gguf_map(tiny_llama[1])
+    tokens = next(kv for kv in m.kvs if kv.key == "tokenizer.ggml.tokens")
+    f = tmp_path / "lie.gguf"
+    for at, value, needle in [(tokens.type_at + 8, 1 << 60, "claims"), (tokens.type_at + 8, tokens.count + 1, "past the end"),
+                              (16, (1 << 64) - 1, "metadata count"), (8, 1 << 40, "tensor count")]:
+        f.write_bytes(data[:at] + struct.pack("<Q", value) + data[at + 8:])
+        t0 = time.perf_counter()
+        with pytest.raises(ModelFormatError, match=needle) as e:
+            check_gguf_file(f)
+        assert time.perf_counter() - t0 < 2
+        assert str(f) in str(e.value)
+
+
+def test_tensor_checks_name_the_problem(tiny_llama, tmp_path):
+    data = tiny_llama[1].read_bytes()
+    m = gguf_map(tiny_llama[1])
+    t0, t1 = m.tensors[0], m.tensors[1]
+    f = tmp_path / "bad.gguf"
+    cases = [((t0.type_at, struct.pack("<I", 100)), UnsupportedModelError, "unknown GGML type 100"),
+             ((t0.offset_at, struct.pack("<Q", t0.offset + 1)), ModelFormatError, "not aligned"),
+             ((t1.offset_at, struct.pack("<Q", t0.offset)), ModelFormatError, "overlap"),
+             ((t0.dims_at, struct.pack("<Q", 1 << 40)), ModelFormatError, "past the end of the file"),
+             ((t0.dims_at - 4, struct.pack("<I", 7)), ModelFormatError, "7 dimensions")]
+    for (at, b), err, needle in cases:
+        f.write_bytes(data[:at] + b + data[at + len(b):])
+        with pytest.raises(err, match=needle):
+            check_gguf_file(f)
+
+
+def test_metadata_of_the_wrong_type_is_named(tiny_llama, tmp_path):
+    from tests.fuzz_cases import enc_kv, rebuilt
+
+    data = tiny_llama[1].read_bytes()
+    m = gguf_map(tiny_llama[1])
+    i = next(i for i, kv in enumerate(m.kvs) if kv.key == "llama.embedding_length")
+    f = tmp_path / "typed.gguf"
+    f.write_bytes(rebuilt(data, m, kv_bytes={i: enc_kv("llama.embedding_length", 8, "sixty-four")}))
+    with pytest.raises(ModelFormatError, match="llama.embedding_length should be an integer, found string"):
+        check_gguf_file(f)
+
+
+def test_safetensors_header_length_checked_against_the_file(tiny_llama, tmp_path):
+    data = (tiny_llama[0] / "model.safetensors").read_bytes()
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(struct.pack("<Q", (1 << 64) - 1) + data[8:])
+    with pytest.raises(ModelFormatError, match="header claims"):
+        check_safetensors_file(f)
+    assert check_safetensors_file(tiny_llama[0] / "model.safetensors").tensors  # the good file passes
+
+
+@pytest.mark.slow
+def test_fuzzed_files_through_the_cli(tiny_llama, tmp_path):
+    """A sample through the real command line: one line on stderr naming the file, exit 2, no traceback."""
+    wanted = ["gguf:llama_gqa.gguf:n_kv=18446744073709551615", "gguf:llama_gqa.gguf:kv[tokenizer.ggml.tokens].array_len=4294967296",
+              "safetensors:header_len=18446744073709551615", "config.json:hidden_size=string",
+              "tokenizer_config.json:chat_template=list", "gguf:llama_gqa.gguf:kv[tokenizer.ggml.merges]:=['zz qq', 'a']"]
+    cases = {c.name: c for c in all_cases({"llama_gqa": tiny_llama}, SEED, 0) if c.name in wanted}
+    assert sorted(cases) == sorted(wanted)
+    for name in wanted:
+        work = tmp_path / str(len(os.listdir(tmp_path)))
+        work.mkdir()
+        path = cases[name].build(work)
+        proc = run_cli("run", "Hi", "-m", str(path), "-n", "2")
+        assert_clean_error(proc, str(work))
+
+
+def test_broken_edgellm_folder_is_refused(tiny_llama, tmp_path):
+    """An edgellm-quantized folder can come from anyone too: broken metadata or weights name the folder."""
+    import json
+    import shutil
+
+    from edgellm.errors import EdgeLLMError
+    from edgellm.loading import load_model
+
+    out = tmp_path / "q"
+    proc = run_cli("quantize", str(tiny_llama[0]), "-o", str(out), "--fast", "--weights", "int8")
+    assert proc.returncode == 0, proc.stderr
+    name = next(iter(json.loads((out / "edgellm.json").read_text())["tensors"]))
+    edits = {
+        "shape": lambda m: m["tensors"][name].update(shape=[7, 64]),
+        "shape-transposed": lambda m: m["tensors"][name].update(shape=m["tensors"][name]["shape"][::-1]),
+        "bits": lambda m: m["tensors"][name].update(bits=3),
+        "config-type": lambda m: m["config"].update(dim="64"),
+        "config-missing": lambda m: m["config"].pop("n_layers"),
+        "config-heads": lambda m: m["config"].update(n_heads=0),
+        "no-tokenizer": lambda m: m.pop("tokenizer"),
+        "tensors-list": lambda m: m.update(tensors=[1]),
+        "not-an-object": lambda m: [m],
+    }
+    for label, edit in edits.items():
+        bad = tmp_path / label
+        shutil.copytree(out, bad)
+        meta = json.loads((bad / "edgellm.json").read_text())
+        meta = edit(meta) or meta
+        (bad / "edgellm.json").write_text(json.dumps(meta))
+        with pytest.raises(EdgeLLMError) as e:
+            load_model(bad)
+        assert str(bad) in str(e.value), (label, str(e.value))
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert_clean_error(run_cli("info", "-m", str(cut)), str(cut))
