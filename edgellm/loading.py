@@ -603,18 +603,22 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
                                                    as_stored=weights == "auto")
     with torch.device("meta"):
         model = Transformer(cfg)
-    if gguf_parts:
-        from .quant.gguf_linear import install_gguf
+    try:
+        if gguf_parts:
+            from .quant.gguf_linear import install_gguf
 
-        install_gguf(model, gguf_parts, state, dtype, device)
-    if qtensors or gguf_parts:
-        from .quant.convert import install_quantized
+            install_gguf(model, gguf_parts, state, dtype, device)
+        if qtensors or gguf_parts:
+            from .quant.convert import install_quantized
 
-        install_quantized(model, qtensors, state, dtype, device)
-    else:
-        model.load_state_dict(state, strict=not cfg.tie_embeddings, assign=True)
-        if cfg.tie_embeddings:
-            model.output.weight = model.tok_embeddings.weight
+            install_quantized(model, qtensors, state, dtype, device)
+        else:
+            model.load_state_dict(state, strict=not cfg.tie_embeddings, assign=True)
+            if cfg.tie_embeddings:
+                model.output.weight = model.tok_embeddings.weight
+    except (RuntimeError, ValueError) as e:  # a tensor whose shape the config does not describe
+        raise ModelFormatError(f"{path}: the tensors do not fit the model the config describes "
+                               f"({_first_line(e)})") from e
     model.eval().requires_grad_(False)
     _setup_context(model, cfg, max_seq_len)
     tokenizer = load_tokenizer(path if path.is_dir() else src)
