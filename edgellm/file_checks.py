@@ -520,7 +520,9 @@ def check_tensor_shapes(layout: FileLayout, cfg: Any, names: dict[str, str]) -> 
             stem = names[x].format(i=i)
             expect[stem + ".weight"], expect[stem + ".bias"] = (rows, dim), (rows,)
         expect[names["o"].format(i=i)] = (dim, q)
-        expect[names["gate"].format(i=i)] = expect[names["up"].format(i=i)] = (ffn, dim)
+        gate, up = names["gate"].format(i=i), names["up"].format(i=i)
+        expect[gate] = (ffn, dim)
+        expect[up] = (ffn, dim) if gate in tensors else (2 * ffn, dim)  # Phi-3's GGUF: gate and up fused in ffn_up
         expect[names["down"].format(i=i)] = (dim, ffn)
         expect[names["attn_norm"].format(i=i)] = expect[names["ffn_norm"].format(i=i)] = (dim,)
     for name, shape in expect.items():

@@ -282,7 +282,7 @@ def test_bad_argument_from_the_shell():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "edgellm: error: --weights: unknown value 'int3' (choose from fp, int8, int4)"]
+        "edgellm: error: --weights: unknown value 'int3' (choose from auto, fp, int8, int4)"]
 
 
 def test_percentile_and_spread():

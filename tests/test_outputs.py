@@ -94,6 +94,8 @@ def test_real_full_tmpfs(tiny_llama, tmp_path):
 
 INTERRUPT = """
 import os, signal, sys
+# Ctrl-C raises KeyboardInterrupt even where the test runner was started with SIGINT ignored (a background job)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 {patch}
 from edgellm.cli import main
 sys.exit(main(sys.argv[1:]))

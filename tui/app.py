@@ -535,7 +535,8 @@ class ChatApp(App):
         self.device_name = str(getattr(model, "device", "cpu"))
         self.dtype_name = _dtype_name(getattr(model, "dtype", None))
         if self.weights_name == "auto" and getattr(loaded, "runs_as", None):  # say what "as stored" turned out to be
-            self.weights_name = "+".join(sorted(loaded.runs_as, key=lambda k: -loaded.runs_as[k]))
+            kinds = sorted(loaded.runs_as, key=lambda k: -loaded.runs_as[k])
+            self.weights_name = "fp" if all(k in ("f32", "f16", "bf16") for k in kinds) else "+".join(kinds)
         settings = ChatSettings.from_args(self.args)
         self.session = ChatSession(engine, loaded.tokenizer, settings)
         name = Path(str(loaded.path)).name
