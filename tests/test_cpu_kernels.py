@@ -485,41 +485,58 @@ def _cross() -> tuple[str | None, str | None]:
     return shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def standalone_builds(tmp_path_factory):
-    """Start the standalone compiles at once, in the background: they overlap the extension build (whose
-    pybind half keeps one core busy for most of its time) instead of adding to the file's runtime."""
-    import subprocess
-
-    folder = tmp_path_factory.mktemp("standalone")
-    src = folder / "check.cpp"
-    src.write_text(HARNESS)
+def standalone_plan() -> dict[str, tuple[str, list[str], list[str]]]:
+    """{build: (compiler, ISA flags, runner prefix)} for every standalone build this machine can make and run:
+    the portable one, AVX2 and AVX-512 VNNI where the CPU has them, NEON under qemu where a cross toolchain is."""
     plan = {}
     cxx = _cxx()
     if cxx:
         plan["scalar"] = (cxx, ["-DEDGELLM_FORCE_SCALAR"], [])
         flags = cpu_ext._cpu_flags()
         if {"avx2", "fma", "f16c"} <= flags:
-            plan["avx2"] = (cxx, ["-mavx2", "-mfma", "-mf16c"], [])
+            avx2 = ["-mavx2", "-mfma", "-mf16c"]
+            plan["avx2"] = (cxx, avx2, [])
             if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-                plan["avx512vnni"] = (cxx, ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                                            "-mavx512vnni"], [])
+                plan["avx512vnni"] = (cxx, avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"], [])
     cross, qemu = _cross()
     if cross and qemu:
         plan["neon"] = (cross, ["-static"], [qemu])
         plan["neon-dotprod"] = (cross, ["-static", "-march=armv8.2-a+dotprod"], [qemu])
+    return plan
+
+
+def start_builds(folder, prefix: str, command) -> dict:
+    """Start every `standalone_plan` build in the background: {build: (process, executable, runner prefix)};
+    `command(compiler, flags, exe)` is the compile line."""
+    import subprocess
+
     jobs = {}
-    for name, (compiler, flags, runner) in plan.items():
-        exe = folder / f"check-{name}"
-        proc = subprocess.Popen([compiler, "-O1", "-std=c++17", "-DEDGELLM_STANDALONE", *flags, str(src),
-                                 str(KERNEL_SOURCE), "-o", str(exe)], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+    for name, (compiler, flags, runner) in standalone_plan().items():
+        exe = folder / f"{prefix}-{name}"
+        proc = subprocess.Popen(command(compiler, flags, exe), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
         jobs[name] = (proc, exe, runner)
-    yield jobs
+    return jobs
+
+
+def stop_builds(jobs: dict) -> None:
     for proc, _, _ in jobs.values():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def standalone_builds(tmp_path_factory):
+    """Start the standalone compiles at once, in the background: they overlap the extension build (whose
+    pybind half keeps one core busy for most of its time) instead of adding to the file's runtime."""
+    folder = tmp_path_factory.mktemp("standalone")
+    src = folder / "check.cpp"
+    src.write_text(HARNESS)
+    jobs = start_builds(folder, "check", lambda cxx, flags, exe: [
+        cxx, "-O1", "-std=c++17", "-DEDGELLM_STANDALONE", *flags, str(src), str(KERNEL_SOURCE), "-o", str(exe)])
+    yield jobs
+    stop_builds(jobs)
 
 
 def _run_standalone(jobs, name: str) -> str:

@@ -20,7 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants
 
 from edgellm.kernels import cpu_ext
-from tests.test_cpu_kernels import _cxx, ext  # noqa: F401  (ext: the extension fixture, shared)
+from tests.test_cpu_kernels import ext, start_builds, stop_builds  # noqa: F401  (ext: the extension fixture, shared)
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
@@ -267,39 +267,14 @@ ISA_CASES = [(t, m, n, k) for t in TYPES for (m, n, k) in ((1, 19, 512), (6, 9, 
 @pytest.fixture(scope="module")
 def isa_builds(tmp_path_factory):
     """Start the standalone compiles at once, in the background."""
-    import shutil
-    import subprocess
-
     folder = tmp_path_factory.mktemp("gguf_isa")
     src = folder / "harness.cpp"
     src.write_text(HARNESS)
-    plan = {}
-    cxx = _cxx()
-    if cxx:
-        plan["scalar"] = (cxx, ["-DEDGELLM_FORCE_SCALAR"], [])
-        flags = cpu_ext._cpu_flags()
-        if {"avx2", "fma", "f16c"} <= flags:
-            avx2 = ["-mavx2", "-mfma", "-mf16c"]
-            plan["avx2"] = (cxx, avx2, [])
-            if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-                plan["avx512vnni"] = (cxx, avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"], [])
-    cross = shutil.which("aarch64-linux-gnu-g++")
-    qemu = shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
-    if cross and qemu:
-        plan["neon"] = (cross, ["-static"], [qemu])
-        plan["neon-dotprod"] = (cross, ["-static", "-march=armv8.2-a+dotprod"], [qemu])
-    jobs = {}
-    for name, (compiler, flags, runner) in plan.items():
-        exe = folder / f"gguf-{name}"
-        proc = subprocess.Popen([compiler, "-O2", "-std=c++17", "-DEDGELLM_STANDALONE", f"-I{KERNELS}", *flags,
-                                 str(src), str(KERNELS / "cpu_gguf.cpp"), str(KERNELS / "cpu_kernels.cpp"),
-                                 "-o", str(exe)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        jobs[name] = (proc, exe, runner)
+    jobs = start_builds(folder, "gguf", lambda cxx, flags, exe: [
+        cxx, "-O2", "-std=c++17", "-DEDGELLM_STANDALONE", f"-I{KERNELS}", *flags, str(src),
+        str(KERNELS / "cpu_gguf.cpp"), str(KERNELS / "cpu_kernels.cpp"), "-o", str(exe)])
     yield folder, jobs
-    for proc, _, _ in jobs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    stop_builds(jobs)
 
 
 def run_isa(folder, jobs, name: str) -> dict:
