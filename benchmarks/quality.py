@@ -216,10 +216,10 @@ def fmt_row(label: str, res: dict, ref_ppl: float) -> dict:
 # ------------------------------------------------------------------------------------------------
 def prepare_f32(work: Path, bundled: Path) -> tuple[Path, str]:
     """Write the bundled GGUF's fp32 weights as an F32 GGUF (once) and check they are bit-identical."""
-    from edgellm.quant.convert import export_gguf
+    from edgellm.gguf_export import export_gguf
 
     f32 = work / "SmolLM2-135M-Instruct.f32.gguf"
-    how = (f"python -c \"from edgellm.loading import load_model; from edgellm.quant.convert import export_gguf; "
+    how = (f"python -c \"from edgellm.loading import load_model; from edgellm.gguf_export import export_gguf; "
            f"export_gguf(load_model(None), __import__('pathlib').Path('{f32}'))\"")
     src = load_model(bundled)
     if not f32.exists():
@@ -233,7 +233,7 @@ def prepare_f32(work: Path, bundled: Path) -> tuple[Path, str]:
 
 def run_weights(args, f32: Path, bundled: Path, fp, ref, ids, ref_ppl, peer: bool) -> list[dict]:
     from edgellm.kernels.matmul import reset_prefill, set_bf16_prefill
-    from edgellm.quant.convert import export_gguf
+    from edgellm.gguf_export import export_gguf
 
     rows = []
     for label, settings in WEIGHT_ROWS:

@@ -1,14 +1,19 @@
-"""Read a GGUF file: metadata and tensor views over one read-only memory map, every length checked.
+"""The GGUF file: one reader that checks every byte of the header once, GGUF's type tables, its Q/K row layout.
 
-Why not `gguf.GGUFReader`: it builds a numpy array per metadata item (a 49k-token vocabulary is ~250k of
-them), which took ~3 s and ~350 MB for the bundled 94 MB file, and it trusts the header's counts and lengths.
-Here metadata is decoded straight into Python values, numeric arrays are views, and every count, length,
-dimension, type and offset is checked against the file before it is used, so a truncated or hostile header
-ends in one ModelFormatError naming the file instead of a huge allocation or an odd exception.
-Tensor data is never read here: `data(name)` is a zero-copy view of the mapped file.
+Model files come from strangers on the hub. `gguf.GGUFReader` believes a file's header (a lying array length
+makes it loop for ever, a lying tensor size makes numpy map past the end, an unknown type raises whatever the
+enum raises) and builds a numpy array per metadata item (~3 s and ~350 MB for the bundled 94 MB file's 49k-token
+vocabulary). So `GGUFFile` walks the header itself, once, the way llama.cpp's gguf.cpp does: every count,
+length, type, dimension and offset is bounded by the file's size before it is used; metadata is decoded
+straight into Python values; the metadata edgellm reads is checked for its type; every tensor's byte range
+must lie in the file, aligned, without overlapping another. Any problem is one ModelFormatError naming the
+file (UnsupportedModelError for a version or tensor type edgellm cannot read), and nothing is allocated
+beyond what the header itself holds. Tensor data is never read here: `data(name)` is a zero-copy view of
+the read-only map. The format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -17,20 +22,74 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ModelFormatError
+from .errors import UnsupportedModelError
+from .file_checks import FileLayout, TensorInfo, file_error, no_overlaps, open_bytes
 
-__all__ = ["GGUFFile", "GGUFTensorInfo"]
+__all__ = ["GGUFFile", "GGUFTensorInfo", "check_gguf_file", "GGUFType", "GGUF_TYPES", "GGUF_FLOAT_TYPES",
+           "FLOAT_VIEWS", "gguf_type", "row_bytes", "permute_rope_rows", "unpermute_rope_rows"]
 
-MAGIC = b"GGUF"
-MAX_DIMS = 4  # GGML_MAX_DIMS
-MAX_NESTING = 4  # arrays of arrays: real files use none
-# value type id → (struct code, size); 8 = string, 9 = array
-SCALARS = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4), 6: ("f", 4), 7: ("?", 1),
-           10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
-NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
-STRING, ARRAY = 8, 9
+# ------------------------------------------------------------------------------------------------
+# Tensor types
+# ------------------------------------------------------------------------------------------------
+# GGUF tensor types that are plain floats (everything else is quantized blocks, or integers)
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
+# types whose data is a typed array (BF16 has no numpy type: a uint16 view of it is made where it is read)
 FLOAT_VIEWS = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
                "I32": np.int32, "I64": np.int64}
+
+
+@dataclass(frozen=True)
+class GGUFType:
+    """One block type: `block_values` weights in `block_bytes` bytes (gguf.GGML_QUANT_SIZES, tested equal)."""
+
+    id: int  # gguf.GGMLQuantizationType value
+    name: str
+    block_values: int
+    block_bytes: int
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * self.block_bytes / self.block_values
+
+
+# The block types edgellm multiplies as stored (kernels/gguf_ops.py GGUF_NATIVE_TYPES names the same ids;
+# quant/gguf_tensor.py dequantizes each of them in torch). Written out rather than built from gguf.constants,
+# which imports the whole gguf package (~0.25 s) into every process that reads a weight.
+GGUF_TYPES = {t.id: t for t in (
+    GGUFType(2, "Q4_0", 32, 18), GGUFType(3, "Q4_1", 32, 20), GGUFType(6, "Q5_0", 32, 22),
+    GGUFType(7, "Q5_1", 32, 24), GGUFType(8, "Q8_0", 32, 34), GGUFType(12, "Q4_K", 256, 144),
+    GGUFType(13, "Q5_K", 256, 176), GGUFType(14, "Q6_K", 256, 210),
+)}
+
+
+def gguf_type(type_id: int) -> GGUFType:
+    return GGUF_TYPES[int(type_id)]
+
+
+def row_bytes(type_id: int, k: int) -> int:
+    """Bytes of one row of `k` weights of a block type."""
+    t = gguf_type(type_id)
+    return k // t.block_values * t.block_bytes
+
+
+# ------------------------------------------------------------------------------------------------
+# The header
+# ------------------------------------------------------------------------------------------------
+GGUF_VERSIONS = (2, 3)  # what gguf.GGUFReader reads
+MAX_KV = 1 << 16  # metadata entries (real files: ~30-60)
+MAX_TENSORS = 1 << 20  # tensor infos (real files: hundreds to a few thousand)
+MAX_ARRAY = 1 << 24  # items in one metadata array (vocabularies: up to ~300k)
+MAX_DIMS = 4  # GGML_MAX_DIMS
+DEFAULT_ALIGNMENT = 32
+# value type → (struct format, size); 8 = string and 9 = array are handled apart
+SCALARS = {0: ("B", 1), 1: ("b", 1), 2: ("H", 2), 3: ("h", 2), 4: ("I", 4), 5: ("i", 4), 6: ("f", 4),
+           7: ("?", 1), 10: ("Q", 8), 11: ("q", 8), 12: ("d", 8)}
+NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+STRING, ARRAY = 8, 9
+INT_TYPES = {0, 1, 2, 3, 4, 5, 10, 11}
+FLOAT_TYPES = {6, 12}
+TYPE_NAMES = {0: "uint8", 1: "int8", 2: "uint16", 3: "int16", 4: "uint32", 5: "int32", 6: "float32", 7: "bool",
+              8: "string", 9: "array", 10: "uint64", 11: "int64", 12: "float64"}
 
 
 @dataclass(frozen=True)
@@ -48,137 +107,173 @@ class GGUFTensorInfo:
         return tuple(reversed(self.dims))
 
 
-class _Cursor:
-    """Little-endian reads from the mapped header with bounds checks (a read past the end is a truncation)."""
+class _Reader:
+    """A little-endian cursor over the mapped file that refuses to step past its end."""
 
-    def __init__(self, buf: mmap.mmap, path: Path):
-        self.buf, self.pos, self.size, self.path = buf, 0, len(buf), path
+    def __init__(self, buf: Any, path: Path):
+        self.buf, self.path, self.pos, self.size = buf, path, 0, len(buf)
 
-    def fail(self, what: str) -> ModelFormatError:
-        return ModelFormatError(f"{self.path}: corrupt GGUF header ({what} at byte {self.pos})")
+    def fail(self, message: str) -> Exception:
+        return file_error(self.path, message)
 
     def take(self, n: int, what: str) -> int:
-        if n < 0 or self.pos + n > self.size:
-            raise ModelFormatError(f"{self.path}: truncated or corrupt GGUF ({what} at byte {self.pos} runs past "
-                                   f"the end of the {self.size}-byte file)")
+        if n > self.size - self.pos:
+            raise self.fail(f"{what} runs past the end of the file at byte {self.pos} "
+                            f"(truncated, or a length that lies)")
         start = self.pos
         self.pos += n
         return start
 
-    def scalar(self, code: str, size: int, what: str):
-        return struct.unpack_from("<" + code, self.buf, self.take(size, what))[0]
+    def scalar(self, vtype: int, what: str) -> Any:
+        fmt, size = SCALARS[vtype]
+        return struct.unpack_from("<" + fmt, self.buf, self.take(size, what))[0]
 
     def u32(self, what: str) -> int:
-        return self.scalar("I", 4, what)
+        return self.scalar(4, what)
 
     def u64(self, what: str) -> int:
-        return self.scalar("Q", 8, what)
+        return self.scalar(10, what)
 
-    def string(self, what: str, errors: str = "replace") -> str:
-        n = self.u64(f"length of {what}")
+    def string(self, what: str) -> str:
+        n = self.u64(f"the length of {what}")
         start = self.take(n, what)
         try:
-            return bytes(self.buf[start:start + n]).decode("utf-8", errors)
-        except UnicodeDecodeError:
-            raise self.fail(f"{what} is not UTF-8") from None
+            return self.buf[start:start + n].decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(f"{what} is not valid UTF-8 (byte {start + e.start})") from None
 
-    def count(self, what: str, min_item_bytes: int) -> int:
-        """A count that must fit in what is left of the file at `min_item_bytes` per item."""
-        n = self.u64(what)
-        if n * min_item_bytes > self.size - self.pos:
-            raise self.fail(f"{what} of {n} does not fit in the file")
-        return n
+    def strings(self, count: int, what: str) -> list[str]:
+        # Vocabularies are arrays of 50k-300k strings: one tight loop, each length bounded before it is read.
+        buf, out = self.buf, []
+        for i in range(count):
+            n = struct.unpack_from("<Q", buf, self.take(8, f"the length of {what}[{i}]"))[0]
+            start = self.take(n, f"{what}[{i}]")
+            try:
+                out.append(buf[start:start + n].decode("utf-8"))
+            except UnicodeDecodeError:
+                raise self.fail(f"{what}[{i}] is not valid UTF-8") from None
+        return out
 
-    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+    def value(self, key: str) -> tuple[Any, int, int | None]:
+        """One metadata value → (Python value, value type, item type of an array)."""
+        vtype = self.u32(f"the type of {key}")
         if vtype in SCALARS:
-            return self.scalar(*SCALARS[vtype], what)
+            return self.scalar(vtype, key), vtype, None
         if vtype == STRING:
-            return self.string(what)
+            return self.string(key), vtype, None
         if vtype != ARRAY:
-            raise self.fail(f"{what} has unknown value type {vtype}")
-        if depth >= MAX_NESTING:
-            raise self.fail(f"{what} nests arrays more than {MAX_NESTING} deep")
-        etype = self.u32(f"element type of {what}")
-        if etype in SCALARS:
-            size = SCALARS[etype][1]
-            n = self.count(f"length of {what}", size)
-            start = self.take(n * size, what)
-            return np.frombuffer(self.buf, dtype=NUMPY[etype], count=n, offset=start).tolist()
-        if etype not in (STRING, ARRAY):
-            raise self.fail(f"{what} has unknown element type {etype}")
-        n = self.count(f"length of {what}", 8 if etype == STRING else 12)
-        if etype == STRING:
-            return [self.string(what) for _ in range(n)]
-        return [self.value(ARRAY, what, depth + 1) for _ in range(n)]
+            raise self.fail(f"metadata {key} has unknown value type {vtype}")
+        item = self.u32(f"the item type of {key}")
+        count = self.u64(f"the length of {key}")
+        if count > MAX_ARRAY:
+            raise self.fail(f"metadata {key} claims {count} items (more than {MAX_ARRAY})")
+        if item in SCALARS:
+            start = self.take(count * SCALARS[item][1], f"array {key} ({count} items)")
+            items = np.frombuffer(self.buf, dtype=NUMPY[item], count=count, offset=start).tolist() if count else []
+            return items, vtype, item
+        if item == STRING:
+            if count * 8 > self.size - self.pos:
+                raise self.fail(f"array {key} ({count} strings) runs past the end of the file")
+            return self.strings(count, key), vtype, item
+        # llama.cpp refuses nested arrays too
+        raise self.fail(f"metadata {key} is an array of {TYPE_NAMES.get(item, f'unknown type {item}')}")
 
 
 class GGUFFile:
-    """`fields` {key: Python value}, `tensors` {name: GGUFTensorInfo}; `data(name)` a zero-copy numpy view."""
+    """`fields` {key: Python value}, `tensors` {name: GGUFTensorInfo}, all checked; `data(name)` a zero-copy
+    numpy view; `layout` the tensors as file_checks.check_tensor_shapes takes them."""
 
     def __init__(self, path: str | Path):
-        import gguf
-
         self.path = Path(path)
-        with open(self.path, "rb") as f:
-            size = f.seek(0, 2)
-            if size == 0:
-                raise ModelFormatError(f"{self.path}: empty file")
-            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        c = _Cursor(self._map, self.path)
-        if bytes(self._map[:4]) != MAGIC:
-            raise ModelFormatError(f"{self.path}: not a GGUF file (bad magic)")
-        c.take(4, "magic")
-        self.version = c.u32("version")
-        if self.version not in (2, 3):
-            raise ModelFormatError(f"{self.path}: GGUF version {self.version} is not supported (2 and 3 are)")
-        n_tensors = c.u64("tensor count")
-        n_kv = c.u64("metadata count")
-        # every metadata item takes at least 8 (key length) + 4 (type) + 1 bytes; every tensor info 8 + 4 + 4 + 8
-        if n_kv * 13 > size or n_tensors * 24 > size:
-            raise c.fail(f"{n_kv} metadata items / {n_tensors} tensors do not fit in a {size}-byte file")
+        buf, self.size = open_bytes(self.path)
+        if self.size == 0:
+            raise file_error(self.path, "empty file")
+        self._map = buf
+        try:
+            self._read_header()
+        except BaseException:
+            buf.close()
+            raise
+
+    def _read_header(self) -> None:
+        buf, path = self._map, self.path
+        if buf[:4] != b"GGUF":
+            raise file_error(path, "not a GGUF file (bad magic)")
+        if len(buf) < 24:
+            raise file_error(path, f"truncated GGUF header ({len(buf)} bytes)")
+        version = struct.unpack_from("<I", buf, 4)[0]
+        if version & 0xFFFF == 0:  # written on a big-endian machine (as gguf.GGUFReader detects it)
+            raise UnsupportedModelError(f"{path}: a big-endian GGUF file (edgellm reads little-endian GGUF)")
+        if version not in GGUF_VERSIONS:
+            raise UnsupportedModelError(f"{path}: GGUF version {version} is not supported (versions 2 and 3 are)")
+        self.version = version
+        r = _Reader(buf, path)
+        r.pos = 8
+        n_tensors, n_kv = r.u64("the tensor count"), r.u64("the metadata count")
+        # Each entry takes bytes: a count the file cannot hold is a lie, refused before any loop.
+        if n_kv > MAX_KV or n_kv * 13 > len(buf):
+            raise r.fail(f"metadata count {n_kv} is impossible for a file of {len(buf)} bytes")
+        if n_tensors > MAX_TENSORS or n_tensors * 24 > len(buf):
+            raise r.fail(f"tensor count {n_tensors} is impossible for a file of {len(buf)} bytes")
         self.fields: dict[str, Any] = {}
+        self.field_types: dict[str, tuple[int, int | None]] = {}  # key → (value type, array item type)
         for i in range(n_kv):
-            key = c.string(f"metadata key {i}", errors="strict")
+            key = r.string(f"metadata key #{i}")
             if key in self.fields:
-                raise c.fail(f"metadata key {key!r} appears twice")
-            self.fields[key] = c.value(c.u32(f"type of {key}"), key)
-        alignment = self.fields.get("general.alignment", 32)
-        if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
-            raise c.fail(f"general.alignment {alignment!r} is not a power of two")
+                raise r.fail(f"duplicate metadata key {key!r}")
+            self.fields[key], *types = r.value(key)
+            self.field_types[key] = tuple(types)
+        alignment = DEFAULT_ALIGNMENT
+        if "general.alignment" in self.fields:
+            value = self.fields["general.alignment"]
+            if self.field_types["general.alignment"][0] != 4 or not value or value & (value - 1):
+                raise r.fail("general.alignment must be a power of two stored as uint32")
+            alignment = value
         infos = []
-        names: set[str] = set()
         for i in range(n_tensors):
-            name = c.string(f"tensor name {i}", errors="strict")
-            if name in names:
-                raise c.fail(f"tensor {name!r} appears twice")
-            names.add(name)
-            n_dims = c.u32(f"dimension count of {name}")
+            name = r.string(f"the name of tensor #{i}")
+            n_dims = r.u32(f"the dimension count of tensor {name}")
             if not 1 <= n_dims <= MAX_DIMS:
-                raise c.fail(f"tensor {name} has {n_dims} dimensions")
-            dims = tuple(c.u64(f"dimension of {name}") for _ in range(n_dims))
-            type_id = c.u32(f"type of {name}")
-            offset = c.u64(f"offset of {name}")
-            infos.append((name, dims, type_id, offset))
-        data_start = -(-c.pos // alignment) * alignment
-        self.tensors: dict[str, GGUFTensorInfo] = {}
-        for name, dims, type_id, offset in infos:
+                raise r.fail(f"tensor {name} has {n_dims} dimensions (1 to {MAX_DIMS} allowed)")
+            dims = [r.u64(f"the dimensions of tensor {name}") for _ in range(n_dims)]
+            ggml_type = r.u32(f"the type of tensor {name}")
+            offset = r.u64(f"the data offset of tensor {name}")
+            infos.append((name, dims, ggml_type, offset))
+        data_start = -(-r.pos // alignment) * alignment
+        self.tensors = self._tensors(infos, data_start, alignment)
+        _check_metadata(path, self.fields, self.field_types)
+
+    def _tensors(self, infos: list, data_start: int, alignment: int) -> dict[str, GGUFTensorInfo]:
+        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        path, size = self.path, self.size
+        tensors: dict[str, GGUFTensorInfo] = {}
+        for name, dims, ggml_type, offset in infos:
+            if name in tensors:
+                raise file_error(path, f"duplicate tensor {name}")
             try:
-                qtype = gguf.GGMLQuantizationType(type_id)
-                block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+                qtype = GGMLQuantizationType(ggml_type)
+                block, type_size = GGML_QUANT_SIZES[qtype]
             except (ValueError, KeyError):
-                raise ModelFormatError(f"{self.path}: tensor {name} has unknown type {type_id}") from None
-            if any(d == 0 for d in dims) or dims[0] % block:
-                raise ModelFormatError(f"{self.path}: tensor {name} has dimensions {list(dims)}, which "
-                                       f"{qtype.name} blocks of {block} cannot hold")
-            n_elements = 1
-            for d in dims:
-                n_elements *= d
-            n_bytes = n_elements // block * block_bytes
+                raise file_error(path, f"tensor {name} has unknown GGML type {ggml_type}",
+                                 UnsupportedModelError) from None
+            if any(d == 0 or d >= 1 << 62 for d in dims):
+                raise file_error(path, f"tensor {name} has impossible dimensions {dims}")
+            if dims[0] % block:
+                raise file_error(path, f"tensor {name} of type {qtype.name} has a row of {dims[0]} values, "
+                                       f"not a multiple of its block of {block}")
+            n_bytes = math.prod(dims) // block * type_size
+            if offset % alignment:
+                raise file_error(path, f"tensor {name} data offset {offset} is not aligned to {alignment}")
             start = data_start + offset
-            if offset % alignment or start + n_bytes > size:
-                raise ModelFormatError(f"{self.path}: truncated or corrupt GGUF (tensor {name}: {n_bytes} bytes at "
-                                       f"offset {offset} do not lie in the {size}-byte file)")
-            self.tensors[name] = GGUFTensorInfo(name, type_id, qtype.name, dims, start, n_bytes)
+            if start + n_bytes > size:
+                raise file_error(path, f"tensor {name} ({n_bytes} bytes at {start}) ends past the end of the "
+                                       f"file ({size} bytes): truncated, or an offset or shape that lies")
+            tensors[name] = GGUFTensorInfo(name, ggml_type, qtype.name, tuple(dims), start, n_bytes)
+        self.layout = FileLayout(path, {t.name: TensorInfo(t.shape, t.type_name, path, t.offset, t.offset + t.n_bytes)
+                                        for t in tensors.values()})
+        no_overlaps(self.layout)
+        return tensors
 
     def data(self, name: str) -> np.ndarray:
         """A read-only view of the tensor: typed [rows, cols] for float/int types, else uint8 [rows, row bytes]
@@ -202,3 +297,92 @@ class GGUFFile:
         start, end = -(-t.offset // page) * page, (t.offset + t.n_bytes) // page * page
         if end > start:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def close(self) -> None:
+        """Unmap the file (no view from data() may be alive)."""
+        self._map.close()
+
+
+def check_gguf_file(path: str | Path) -> FileLayout:
+    """Read and check the whole GGUF header (GGUFFile), keeping nothing mapped: what the file holds, or one
+    ModelFormatError (UnsupportedModelError for a version or tensor type edgellm cannot read) naming it."""
+    f = GGUFFile(path)
+    try:
+        return f.layout
+    finally:
+        f.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# The metadata edgellm reads
+# ------------------------------------------------------------------------------------------------
+# Each with the type it must have: a wrong type is refused here, by name, rather
+# than failing later inside int() or the tokenizer. `{arch}.` keys are checked for the file's architecture.
+INT, FLOAT, STR, BOOL = "integer", "number", "string", "bool"
+ARCH_KEYS = {
+    "context_length": INT, "embedding_length": INT, "block_count": INT, "feed_forward_length": INT,
+    "attention.head_count": INT, "attention.head_count_kv": INT, "attention.key_length": INT,
+    "attention.value_length": INT, "attention.layer_norm_rms_epsilon": FLOAT, "rope.freq_base": FLOAT,
+    "rope.dimension_count": INT, "rope.scaling.type": STR, "rope.scaling.factor": FLOAT,
+    "rope.scaling.original_context_length": INT, "vocab_size": INT,
+}
+GENERAL_KEYS = {
+    "general.architecture": STR, "general.name": STR,
+    "tokenizer.ggml.model": STR, "tokenizer.ggml.pre": STR, "tokenizer.chat_template": STR,
+    "tokenizer.ggml.tokens": [STR], "tokenizer.ggml.merges": [STR], "tokenizer.ggml.scores": [FLOAT],
+    "tokenizer.ggml.token_type": [INT], "tokenizer.ggml.add_bos_token": BOOL, "tokenizer.ggml.add_space_prefix": BOOL,
+    "tokenizer.ggml.bos_token_id": INT, "tokenizer.ggml.eos_token_id": INT, "tokenizer.ggml.eot_token_id": INT,
+    "tokenizer.ggml.unknown_token_id": INT, "tokenizer.ggml.padding_token_id": INT,
+}
+TOKEN_ID_KEYS = ("bos", "eos", "eot", "unknown", "padding")
+
+
+def _type_ok(vtype: int, want: str) -> bool:
+    return {INT: vtype in INT_TYPES, FLOAT: vtype in FLOAT_TYPES | INT_TYPES, STR: vtype == STRING,
+            BOOL: vtype == 7}[want]
+
+def _type_ok(vtype: int | None, want: str) -> bool:
+    return {INT: vtype in INT_TYPES, FLOAT: vtype in FLOAT_TYPES | INT_TYPES, STR: vtype == STRING,
+            BOOL: vtype == 7}[want]
+
+
+def _check_metadata(path: Path, fields: dict[str, Any], types: dict[str, tuple[int, int | None]]) -> None:
+    schema = dict(GENERAL_KEYS)
+    if types.get("general.architecture", (None,))[0] == STRING:
+        schema.update({f"{fields['general.architecture']}.{k}": t for k, t in ARCH_KEYS.items()})
+    for key, want in schema.items():
+        if key not in types:
+            continue
+        vtype, item = types[key]
+        if isinstance(want, list):
+            ok = vtype == ARRAY and _type_ok(item, want[0])
+            want_text = f"an array of {want[0]}s"
+        else:
+            ok = _type_ok(vtype, want)
+            want_text = f"{'an' if want[0] in 'aeiou' else 'a'} {want}"
+        if not ok:
+            found = TYPE_NAMES[vtype] + (f" of {TYPE_NAMES[item]}" if vtype == ARRAY else "")
+            raise file_error(path, f"metadata {key} should be {want_text}, found {found}")
+    n_tokens = len(fields.get("tokenizer.ggml.tokens", ()))
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        if key in fields and len(fields[key]) != n_tokens:
+            raise file_error(path, f"{key} has {len(fields[key])} entries for {n_tokens} tokens")
+    for name in TOKEN_ID_KEYS:
+        value = fields.get(f"tokenizer.ggml.{name}_token_id")
+        if value is not None and not 0 <= value < n_tokens:
+            raise file_error(path, f"tokenizer.ggml.{name}_token_id {value} is not one of the {n_tokens} tokens")
+
+
+# ------------------------------------------------------------------------------------------------
+# The row layout of Q/K in llama-architecture GGUFs (any array with reshape/swapaxes: torch or numpy)
+# ------------------------------------------------------------------------------------------------
+def unpermute_rope_rows(w, n_heads: int):
+    """Undo llama.cpp's convert-time permutation of Q/K rows (interleaved → rotate-half pairs)."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rope_rows(w, n_heads: int):
+    """llama.cpp's permutation (rotate-half → interleaved), for GGUF export."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

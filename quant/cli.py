@@ -31,8 +31,10 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     from ..atomic import check_writable
     from ..device import set_threads
+    from ..gguf_export import export_gguf
     from ..loading import load_model, open_source, resolve_model
-    from .convert import QuantSettings, export_gguf, save_edgellm
+    from ..quantized_format import save_edgellm
+    from .convert import QuantSettings
 
     set_threads(args.threads)
     out = Path(args.output)

@@ -22,9 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..gguf_file import gguf_type, row_bytes
 from ..kernels import matmul as K
 from ..kernels.gguf_ops import use_kernel
-from .gguf_tensor import dequantize_blocks, gguf_type, row_bytes
+from .gguf_tensor import dequantize_blocks
 from .linear import _move_packed
 
 __all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "raw_tensor", "install_gguf", "weight_formats"]

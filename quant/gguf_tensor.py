@@ -1,4 +1,4 @@
-"""GGUF weight blocks as stored: the type table, and dequantization in torch on any device.
+"""GGUF weight blocks as stored: dequantization in torch on any device (the type table: edgellm/gguf_file.py).
 
 A GGUF tensor of shape (N, K) is N rows of K / block_values blocks, each `block_bytes` long. The C++
 kernels (kernels/cpu_gguf.cpp) multiply the blocks in place on the CPU; this module is what every other
@@ -9,45 +9,18 @@ Only torch here (no numpy), so it runs on the device that holds the blocks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from ..gguf_file import GGUF_TYPES, gguf_type
 from ..kernels.gguf_ops import GGUF_NATIVE_TYPES
 
-__all__ = ["GGUFType", "GGUF_TYPES", "NATIVE_TYPES", "gguf_type", "dequantize_blocks", "row_bytes"]
+__all__ = ["NATIVE_TYPES", "dequantize_blocks"]
 
 
-@dataclass(frozen=True)
-class GGUFType:
-    id: int  # gguf.GGMLQuantizationType value
-    name: str
-    block_values: int
-    block_bytes: int
-
-    @property
-    def bits_per_weight(self) -> float:
-        return 8.0 * self.block_bytes / self.block_values
-
-
-GGUF_TYPES = {t.id: t for t in (
-    GGUFType(2, "Q4_0", 32, 18), GGUFType(3, "Q4_1", 32, 20), GGUFType(6, "Q5_0", 32, 22),
-    GGUFType(7, "Q5_1", 32, 24), GGUFType(8, "Q8_0", 32, 34), GGUFType(12, "Q4_K", 256, 144),
-    GGUFType(13, "Q5_K", 256, 176), GGUFType(14, "Q6_K", 256, 210),
-)}
 # the quantized types edgellm multiplies as stored (the C++ kernels' list; this module dequantizes each of
 # them on other devices); others (Q2_K, Q3_K, IQ*) are dequantized at load
 NATIVE_TYPES = frozenset(GGUF_NATIVE_TYPES)
 assert NATIVE_TYPES == {t.name for t in GGUF_TYPES.values()}
-
-
-def gguf_type(type_id: int) -> GGUFType:
-    return GGUF_TYPES[int(type_id)]
-
-
-def row_bytes(type_id: int, k: int) -> int:
-    t = gguf_type(type_id)
-    return k // t.block_values * t.block_bytes
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:

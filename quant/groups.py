@@ -306,6 +306,8 @@ def _quantize_asymmetric(x: torch.Tensor, search: bool, imp: torch.Tensor | None
 # ------------------------------------------------------------------------------------------------
 # type name → (bits, symmetric, bytes per block of 32, float16 fields at the block's start)
 GGUF_BLOCKS = {"Q8_0": (8, True, 34, 1), "Q4_0": (4, True, 18, 1), "Q4_1": (4, False, 20, 2)}
+# the GGUF types that are exactly one of our formats: type name → (bits, symmetric)
+GGUF_EXACT = {name: (bits, sym) for name, (bits, sym, _, _) in GGUF_BLOCKS.items()}
 
 
 def _gguf_type_name(ggml_type: Any) -> str:

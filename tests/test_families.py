@@ -73,7 +73,8 @@ def test_self_draft_speculation_greedy_identical(tiny_models, family):
 def test_edgellm_format_round_trip(tiny_models, tmp_path):
     """A quantized Gemma 3 (q/k norms, post norms, two RoPE tables, tied int8 embeddings) saved in the edgellm
     format and loaded back gives the same logits, without requantizing."""
-    from edgellm.quant.convert import QuantSettings, save_edgellm
+    from edgellm.quant.convert import QuantSettings
+    from edgellm.quantized_format import save_edgellm
 
     direct = load_model(tiny_models["gemma3"][0], weights="int4", max_seq_len=64)
     out = save_edgellm(direct, tmp_path / "g3", QuantSettings(weights="int4"))
@@ -83,7 +84,7 @@ def test_edgellm_format_round_trip(tiny_models, tmp_path):
 
 
 def test_gguf_export_refuses_other_families(tiny_models, tmp_path):
-    from edgellm.quant.convert import export_gguf
+    from edgellm.gguf_export import export_gguf
 
     loaded = load_model(tiny_models["gemma2"][0], weights="int4")
     with pytest.raises(QuantizationError, match="gemma2"):

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from edgellm.errors import ModelFormatError, UnsupportedModelError
-from edgellm.file_checks import check_gguf_file, check_safetensors_file
+from edgellm.file_checks import check_safetensors_file
+from edgellm.gguf_file import check_gguf_file
 from tests.fuzz_cases import all_cases, gguf_map, run_worker
 from tests.test_errors_cli import assert_clean_error, run_cli
 

@@ -18,7 +18,8 @@ from edgellm.cache import KVCache
 from edgellm.kernels import matmul
 from edgellm.loading import load_model
 from edgellm.quant.gguf_linear import GGUFEmbedding, GGUFLinear
-from edgellm.quant.gguf_tensor import GGUF_TYPES, dequantize_blocks
+from edgellm.gguf_file import GGUF_TYPES
+from edgellm.quant.gguf_tensor import dequantize_blocks
 from edgellm.quant.linear import QuantLinear
 from tests.fixtures.tiny import make_gguf, make_hf_model, random_blocks
 

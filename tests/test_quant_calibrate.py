@@ -9,7 +9,7 @@ import torch
 
 from edgellm.errors import EdgeLLMError
 from edgellm.loading import load_model
-from edgellm.quant.calibrate import activation_importance, calibration_tokens
+from edgellm.weight_calibration import activation_importance, calibration_tokens
 from edgellm.quant.groups import dequantize, quantize
 
 from tests.test_quant_convert import kl, logits_of

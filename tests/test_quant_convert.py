@@ -133,7 +133,8 @@ def test_bad_settings_and_outputs(tiny_llama, tmp_path, monkeypatch):
 def test_interrupted_write_leaves_nothing(tiny_llama, tmp_path, monkeypatch):
     import safetensors.torch
 
-    from edgellm.quant.convert import QuantSettings, save_edgellm
+    from edgellm.quant.convert import QuantSettings
+    from edgellm.quantized_format import save_edgellm
 
     loaded = load_model(tiny_llama[0], weights="int8")
     out = tmp_path / "out"

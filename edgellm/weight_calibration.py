@@ -1,5 +1,6 @@
 """Activation-aware quantization: how much each input channel of each linear matters.
 
+Used by loading.load_model(calibration=...): it runs the float model, so it sits above quant/.
 The scale search (quant/groups.py) minimises the squared error of the weights; what the model feels is
 the error of the outputs, sum_k (w_k - q_k) x_k over its inputs x. Weighting each input channel's error
 by E[x_k^2] over some text (llama.cpp's importance matrix, `llama-imatrix`) makes the search spend its
@@ -16,15 +17,16 @@ from pathlib import Path
 
 import torch
 
+from .cache import KVCache
+from .errors import EdgeLLMError
+from .kv_calibration import CALIBRATION_TEXT
+
 CHUNK = 512
 MAX_TOKENS = 8192
 
 
 def calibration_tokens(tokenizer, source: str) -> list[list[int]]:
     """`source`: "builtin" or a text file's path → token chunks."""
-    from ..errors import EdgeLLMError
-    from ..kv_calibration import CALIBRATION_TEXT
-
     if source == "builtin":
         text = CALIBRATION_TEXT
     else:
@@ -41,8 +43,6 @@ def calibration_tokens(tokenizer, source: str) -> list[list[int]]:
 def activation_importance(model, chunks: list[list[int]]) -> dict[str, torch.Tensor]:
     """{parameter name ("layers.0.attention.wqkv.weight", "output.weight", ...): mean x_k^2 [in_features]}
     of every nn.Linear's input over the chunks (each run from an empty float cache)."""
-    from ..cache import KVCache
-
     sums: dict[str, torch.Tensor] = {}
     count = 0
 
