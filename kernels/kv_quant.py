@@ -6,7 +6,7 @@ Shapes follow the cache: x [Hkv, T, D]; one scale (and, for int4, one min) per t
 int8, symmetric:   x ≈ code * scale,        code ∈ [-127, 127] (int8), scale = amax(|x|) / 127
 int4, asymmetric:  x ≈ code * scale + min,  code ∈ [0, 15],          scale = (max - min) / 15
 
-int4 nibble layout ("split halves"): byte j of a row [D // 2] holds element j in its low nibble and
+int4 nibble layout ("split halves", kernels/int4_layout.py): byte j of a row [D // 2] holds element j in its low nibble and
 element j + D/2 in its high nibble. Unpacking is then two whole-half operations (`b & 15` is the first
 half of the row, `b >> 4` the second) with no interleave, and a kernel can dot the low and high halves
 of q against them separately (what the Triton kernel does).
@@ -19,6 +19,8 @@ attention dequantizes one tile at a time into a small reusable buffer.
 from __future__ import annotations
 
 import torch
+
+from .int4_layout import pack_halves
 
 INT8_MAX = 127
 INT4_MAX = 15
@@ -57,17 +59,6 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, group: int,
     return out
 
 
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """codes uint8 [..., D] with values 0..15 → uint8 [..., D // 2] (split-halves nibble layout)."""
-    half = codes.shape[-1] // 2
-    return codes[..., :half] | (codes[..., half:] << 4)
-
-
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., D // 2] → codes uint8 [..., D] (inverse of pack_int4)."""
-    return torch.cat((packed & 0xF, packed >> 4), dim=-1)
-
-
 def quantize_int4(x: torch.Tensor, group: int, scale_dtype: torch.dtype = torch.float32
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [..., D] → (packed uint8 [..., D // 2], scales [..., D // group], mins [..., D // group])."""
@@ -82,7 +73,7 @@ def quantize_int4(x: torch.Tensor, group: int, scale_dtype: torch.dtype = torch.
     scale = torch.where(span > 0, span / INT4_MAX, torch.ones_like(span)).to(scale_dtype)
     s = scale.float()
     codes = torch.round((xg - m.unsqueeze(-1)) / s.unsqueeze(-1)).clamp_(0, INT4_MAX).to(torch.uint8)
-    return pack_int4(codes.flatten(-2)), scale, lo
+    return pack_halves(codes.flatten(-2)), scale, lo
 
 
 def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int,

@@ -2,7 +2,7 @@
 
 Works on raw tensors in the packed format of `edgellm.quant.groups` (imports nothing of edgellm's):
   int8: codes int8 [N, K],                 w = codes * scale
-  int4: codes uint8 [N, K//2] (GGUF Q4 block nibble order), w = (codes - 8) * scale   (symmetric)
+  int4: codes uint8 [N, K//2] (GGUF Q4 block nibble order: kernels/int4_layout.py), w = (codes - 8) * scale   (symmetric)
                                                             w = codes * scale + min  (asymmetric)
   scales / mins: float16 [N, K // group_size]. Dequantization is done in float32, in exactly that
   order, so a GGUF Q8_0/Q4_0/Q4_1 import dequantizes bit for bit like `gguf.quants.dequantize`.
@@ -35,10 +35,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .int4_layout import Q4_BLOCK as BLOCK, unpack_q4_blocks
+
 CPU_KERNEL_MAX_M = 16  # decode and verification sizes: always the C++ kernel (prefill: PREFILL_KERNEL_MAX_M)
 TINYGEMM_MAX_M = 16  # tinygemm int4 (CUDA/MPS): ~bf16 speed at M <= 16, 20x slower than it at M = 512
 INT8PACK_MAX_M = 1  # torch's int8pack kernel beats dequantize+GEMM at M = 1 only (see above)
-BLOCK = 32  # int4 codes are packed in GGUF Q4 blocks of 32 along K
 
 _cpu_ext_state: dict[str, object] = {}
 # How the C++ kernel takes the activations (`set_activations`, EDGELLM_ACTIVATIONS, `--activations`):
@@ -157,21 +158,6 @@ def _float_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, b
 # ------------------------------------------------------------------------------------------------
 # Dequantization (the reference every path is measured against)
 # ------------------------------------------------------------------------------------------------
-def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K//2] → codes uint8 [N, K] in 0..15. Block b, byte j holds codes b*32+j (low nibble)
-    and b*32+j+16 (high nibble), as in GGUF Q4_0/Q4_1."""
-    n, half = packed.shape
-    blocks = packed.reshape(n, half // 16, 16)
-    return torch.cat((blocks & 0x0F, blocks >> 4), dim=-1).reshape(n, half * 2)
-
-
-def pack_int4(codes: torch.Tensor) -> torch.Tensor:
-    """codes (any integer dtype, values 0..15) [N, K], K % 32 == 0 → uint8 [N, K//2]."""
-    n, k = codes.shape
-    blocks = codes.to(torch.uint8).reshape(n, k // BLOCK, 2, 16)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2)
-
-
 def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, group_size: int,
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     n, k = codes.shape
@@ -183,7 +169,7 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tenso
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
     n = codes.shape[0]
     k = codes.shape[1] * 2
-    q = unpack_int4(codes).to(torch.float32).reshape(n, k // group_size, group_size)
+    q = unpack_q4_blocks(codes).to(torch.float32).reshape(n, k // group_size, group_size)
     s = scales.to(torch.float32).unsqueeze(-1)
     if mins is None:
         w = (q - 8.0) * s
@@ -268,7 +254,7 @@ def pack_int4_tinygemm(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Te
     inner_k_tiles = next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
     if inner_k_tiles is None:
         return None
-    q = unpack_int4(codes)
+    q = unpack_q4_blocks(codes)
     # the kernel's input is uint8 [N, K/2] with the even k in the HIGH nibble (torchao's convention)
     tiny = ((q[:, ::2] << 4) | q[:, 1::2]).contiguous()
     packed = torch.ops.aten._convert_weight_to_int4pack(tiny, inner_k_tiles)

@@ -13,6 +13,7 @@ import torch
 
 from ..gguf_file import GGUF_TYPES, gguf_type
 from ..kernels.gguf_ops import GGUF_NATIVE_TYPES
+from ..kernels.int4_layout import unpack_halves
 
 __all__ = ["NATIVE_TYPES", "dequantize_blocks"]
 
@@ -26,11 +27,6 @@ assert NATIVE_TYPES == {t.name for t in GGUF_TYPES.values()}
 def _f16(b: torch.Tensor) -> torch.Tensor:
     """[..., 2] uint8 little-endian halves → float32 [...]."""
     return b.contiguous().view(torch.float16).squeeze(-1).float()
-
-
-def _nibbles(qs: torch.Tensor, width: int) -> torch.Tensor:
-    """[..., width] bytes → [..., 2 * width] codes: low nibbles first, then high (GGUF's order)."""
-    return torch.cat((qs & 0x0F, qs >> 4), dim=-1)
 
 
 def _bits(packed: torch.Tensor, count: int) -> torch.Tensor:
@@ -62,14 +58,14 @@ def dequantize_blocks(raw: torch.Tensor, type_id: int, shape: tuple[int, int],
     elif t.name in ("Q4_0", "Q4_1"):
         d = _f16(b[..., 0:2]).unsqueeze(-1)
         if t.name == "Q4_0":
-            w = d * (_nibbles(b[..., 2:], 16).to(torch.int8) - 8).float()
+            w = d * (unpack_halves(b[..., 2:]).to(torch.int8) - 8).float()
         else:
-            w = d * _nibbles(b[..., 4:], 16).float() + _f16(b[..., 2:4]).unsqueeze(-1)
+            w = d * unpack_halves(b[..., 4:]).float() + _f16(b[..., 2:4]).unsqueeze(-1)
     elif t.name in ("Q5_0", "Q5_1"):
         asym = t.name == "Q5_1"
         off = 4 if asym else 2
         d = _f16(b[..., 0:2]).unsqueeze(-1)
-        q = _nibbles(b[..., off + 4:], 16) | (_bits(b[..., off:off + 4], 32) << 4)
+        q = unpack_halves(b[..., off + 4:]) | (_bits(b[..., off:off + 4], 32) << 4)
         w = d * q.float() + _f16(b[..., 2:4]).unsqueeze(-1) if asym else d * (q.to(torch.int8) - 16).float()
     elif t.name in ("Q4_K", "Q5_K"):
         nb = b.shape[0]
@@ -79,9 +75,9 @@ def dequantize_blocks(raw: torch.Tensor, type_id: int, shape: tuple[int, int],
         dl = d * sc.float().reshape(nb, 8, 1)
         ml = dmin * mn.float().reshape(nb, 8, 1)
         if t.name == "Q4_K":
-            q = _nibbles(b[:, 0, 16:].reshape(nb, 4, 32), 32).reshape(nb, 8, 32)
+            q = unpack_halves(b[:, 0, 16:].reshape(nb, 4, 32)).reshape(nb, 8, 32)
         else:
-            ql = _nibbles(b[:, 0, 48:].reshape(nb, 4, 32), 32).reshape(nb, 8, 32)
+            ql = unpack_halves(b[:, 0, 48:].reshape(nb, 4, 32)).reshape(nb, 8, 32)
             qh = (b[:, 0, 16:48].reshape(nb, 1, 32) >> torch.arange(8, device=b.device, dtype=torch.uint8)
                   .reshape(1, 8, 1)) & 1
             q = ql | (qh << 4)
@@ -94,7 +90,7 @@ def dequantize_blocks(raw: torch.Tensor, type_id: int, shape: tuple[int, int],
         dl = (d * scales).reshape(nb, 16, 1)
         # per 128-value half: low nibbles of its 64 ql bytes, then their high nibbles; 2 more bits each from
         # its 32 qh bytes, shifted by 0/2/4/6 for the half's four runs of 32
-        low = _nibbles(ql.reshape(nb, 2, 64), 64).reshape(nb, 2, 4, 32)
+        low = unpack_halves(ql.reshape(nb, 2, 64)).reshape(nb, 2, 4, 32)
         # shifts made on the device (no host copy: a CUDA graph can capture this)
         high = (qh.reshape(nb, 2, 1, 32) >> torch.arange(0, 8, 2, device=b.device, dtype=torch.uint8)
                 .reshape(1, 1, 4, 1)) & 3

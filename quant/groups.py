@@ -24,9 +24,10 @@ import numpy as np
 import torch
 
 from ..errors import QuantizationError
-from ..kernels.matmul import dequantize_int4, dequantize_int8, pack_int4, unpack_int4
+from ..kernels.int4_layout import pack_q4_blocks, unpack_q4_blocks
+from ..kernels.matmul import dequantize_int4, dequantize_int8
 
-__all__ = ["QuantizedTensor", "quantize", "dequantize", "pack_int4", "unpack_int4", "from_gguf", "to_gguf",
+__all__ = ["QuantizedTensor", "quantize", "dequantize", "pack_q4_blocks", "unpack_q4_blocks", "from_gguf", "to_gguf",
            "check_format", "GROUP_SIZES"]
 
 GROUP_SIZES = (32, 64, 128)
@@ -153,7 +154,7 @@ def quantize(w: torch.Tensor, bits: int, group_size: int, symmetric: bool = True
             mins[r0:r0 + rows] = m
         scales[r0:r0 + rows] = s
         q = q.reshape(-1, k)
-        codes[r0:r0 + rows] = q.to(torch.int8) if bits == 8 else pack_int4(q)
+        codes[r0:r0 + rows] = q.to(torch.int8) if bits == 8 else pack_q4_blocks(q)
     return QuantizedTensor(bits, group_size, symmetric, (n, k), codes, scales, mins)
 
 

@@ -4,8 +4,7 @@ import torch
 
 from edgellm.kernels import attention as A
 from edgellm.kernels.attention import FloatKV, Int4KV, Int8KV, attention, attention_torch, dequantize_kv, write_kv
-from edgellm.kernels.kv_quant import (dequantize_int4, dequantize_int8, pack_int4, quantize_int4, quantize_int8,
-                                      unpack_int4)
+from edgellm.kernels.kv_quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
 
 # int8s4: per-token int8 with 4 exact sink rows; int4k16s4: the cache's default int4 (keys in groups of 16,
 # values 32, 4 sink rows)
@@ -246,18 +245,6 @@ def test_zero_groups_quantize_to_zero():
     assert (dequantize_int8(c, s, 32) == 0).all()
     p, s, m = quantize_int4(x, 32)
     assert torch.isfinite(s).all() and (dequantize_int4(p, s, m, 32) == 0).all()
-
-
-def test_int4_nibble_layout_is_split_halves():
-    codes = torch.arange(16, dtype=torch.uint8).repeat(2).view(1, 1, 32)  # element j = j % 16
-    packed = pack_int4(codes)
-    # byte j: element j in the low nibble, element j + 16 in the high nibble
-    expected = torch.tensor([j | (j << 4) for j in range(16)], dtype=torch.uint8)
-    assert torch.equal(packed[0, 0], expected)
-    codes2 = torch.randint(0, 16, (3, 5, 64), dtype=torch.uint8)
-    assert torch.equal(unpack_int4(pack_int4(codes2)), codes2)
-    assert torch.equal(pack_int4(codes2)[..., 7] & 0xF, codes2[..., 7])
-    assert torch.equal(pack_int4(codes2)[..., 7] >> 4, codes2[..., 39])
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from edgellm.errors import QuantizationError
-from edgellm.quant.groups import QuantizedTensor, dequantize, pack_int4, quantize, unpack_int4
+from edgellm.kernels.int4_layout import unpack_q4_blocks
+from edgellm.quant.groups import QuantizedTensor, dequantize, quantize
 
 # (bits, group, symmetric); group 0 = per output channel (int8)
 FORMATS = [(4, 32, True), (4, 64, True), (4, 128, True), (4, 32, False), (4, 64, False), (4, 128, False),
@@ -115,21 +116,8 @@ def test_codes_use_the_whole_range():
     nonzero = w.reshape(w.shape[0], -1, 32).abs().amax(-1) > 0  # weight() has all-zero groups
     assert bool((per_group_max[nonzero] == 127).all()) and int(q8.codes.min()) >= -127
     q4 = quantize(w, 4, 32, search=False)
-    codes = unpack_int4(q4.codes)
+    codes = unpack_q4_blocks(q4.codes)
     assert int(codes.min()) == 0 and int(codes.max()) == 15
-
-
-def test_pack_unpack_round_trip_and_layout():
-    codes = torch.randint(0, 16, (5, 128), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    packed = pack_int4(codes)
-    assert packed.shape == (5, 64) and packed.dtype == torch.uint8
-    assert torch.equal(unpack_int4(packed), codes)
-    np.testing.assert_array_equal(unpack_reference(packed.numpy()), codes.numpy())
-    # byte j of block b = code[b*32 + j] | code[b*32 + j + 16] << 4 (GGUF Q4_0/Q4_1)
-    c = torch.zeros(1, 64, dtype=torch.uint8)
-    c[0, 32 + 3], c[0, 32 + 3 + 16] = 0x5, 0xA
-    assert pack_int4(c)[0, 16 + 3] == 0xA5
-    assert int(pack_int4(c).sum()) == 0xA5
 
 
 def test_sizes():
