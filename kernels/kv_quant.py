@@ -6,8 +6,8 @@ Shapes follow the cache: x [Hkv, T, D]; one scale (and, for int4, one min) per t
 int8, symmetric:   x ≈ code * scale,        code ∈ [-127, 127] (int8), scale = amax(|x|) / 127
 int4, asymmetric:  x ≈ code * scale + min,  code ∈ [0, 15],          scale = (max - min) / 15
 
-int4 nibble layout ("split halves", kernels/int4_layout.py): byte j of a row [D // 2] holds element j in its low nibble and
-element j + D/2 in its high nibble. Unpacking is then two whole-half operations (`b & 15` is the first
+int4 nibble layout ("split halves", kernels/int4_layout.py): byte j of a row [D // 2] holds element j in its
+low nibble and element j + D/2 in its high nibble. Unpacking is then two whole-half operations (`b & 15` is the first
 half of the row, `b >> 4` the second) with no interleave, and a kernel can dot the low and high halves
 of q against them separately (what the Triton kernel does).
 

@@ -34,7 +34,7 @@ class QuantSettings:
     symmetric: bool = True  # int4 only; int8 is always symmetric
     embeddings: str = "int8"  # int8 | int4 | fp — the embedding table / LM head
     search: bool = True  # search scales (and mins) instead of round-to-nearest
-    calibration: str | None = None  # "builtin" or a text file: activation-weighted search (edgellm/weight_calibration.py)
+    calibration: str | None = None  # "builtin" or a text file: activation-weighted search (weight_calibration.py)
 
     def __post_init__(self) -> None:
         if self.weights not in ("int8", "int4"):

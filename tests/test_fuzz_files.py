@@ -160,3 +160,45 @@ def test_broken_edgellm_folder_is_refused(tiny_llama, tmp_path):
     data = (cut / "model.safetensors").read_bytes()
     (cut / "model.safetensors").write_bytes(data[: len(data) // 2])
     assert_clean_error(run_cli("info", "-m", str(cut)), str(cut))
+
+
+def test_the_checked_reader_reads_what_gguf_reader_reads(tiny_models):
+    """GGUFFile (the one checked reader) against gguf-py's own GGUFReader on every tiny model: the same metadata
+    values, and for every tensor the same type, shape and bytes."""
+    import gguf
+    import numpy as np
+
+    from edgellm.gguf_file import GGUFFile
+
+    for _, path in tiny_models.values():
+        ours, ref = GGUFFile(path), gguf.GGUFReader(str(path))
+        want = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+        assert ours.fields == want
+        assert list(ours.tensors) == [t.name for t in ref.tensors]
+        for t in ref.tensors:
+            mine = ours.tensors[t.name]
+            assert mine.type_id == int(t.tensor_type) and mine.shape == tuple(int(d) for d in reversed(t.shape))
+            assert ours.data(t.name).tobytes() == np.asarray(t.data).tobytes()
+        assert {n: (i.shape, i.dtype) for n, i in ours.layout.tensors.items()} == {
+            t.name: (mine.shape, mine.type_name) for t in ref.tensors for mine in [ours.tensors[t.name]]}
+
+
+def test_gguf_tables_and_row_layout():
+    """The block-type table beside the reader is gguf-py's (GGML_QUANT_SIZES) and names exactly the types the
+    kernels take; the Q/K row permutation is llama.cpp's converter's, and its inverse undoes it."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from edgellm.gguf_file import GGUF_TYPES, permute_rope_rows, unpermute_rope_rows
+    from edgellm.kernels.gguf_ops import GGUF_NATIVE_TYPES
+    from tests.fixtures.tiny import llamacpp_permute
+
+    for type_id, t in GGUF_TYPES.items():
+        qtype = gguf.GGMLQuantizationType(type_id)
+        assert (t.name, (t.block_values, t.block_bytes)) == (qtype.name, gguf.GGML_QUANT_SIZES[qtype])
+    assert {t.name: t.id for t in GGUF_TYPES.values()} == GGUF_NATIVE_TYPES
+    w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(4 * 8, 3)
+    np.testing.assert_array_equal(permute_rope_rows(w, 4), llamacpp_permute(w, 4))
+    wt = torch.from_numpy(w)
+    assert torch.equal(unpermute_rope_rows(permute_rope_rows(wt, 4), 4), wt)
