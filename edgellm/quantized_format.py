@@ -26,6 +26,7 @@ FORMAT_VERSION = 1
 
 
 def save_edgellm(loaded, out: Path, settings: QuantSettings) -> Path:
+    """Write `loaded` (a loading.LoadedModel whose weights were quantized with `settings`) as an edgellm folder."""
     from safetensors.torch import save_file
 
     model = loaded.model
