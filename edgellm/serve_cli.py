@@ -9,7 +9,7 @@ from .errors import EdgeLLMError
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from . import cli as core
+    from . import args as core
 
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="Serve one model to local clients (editors, agents, scripts) over "
@@ -36,7 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .cli import engine_from_args, load_from_args, sampling_from_args
+    from .args import engine_from_args, load_from_args, sampling_from_args
     from .serve import Server
     from .tui.session import ChatSettings
 

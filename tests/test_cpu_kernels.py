@@ -32,8 +32,6 @@ TOL_EMULATED = 1e-4
 
 @pytest.fixture(scope="module")
 def ext():
-    if os.environ.get("EDGELLM_NO_EXT", "").strip() not in ("", "0"):
-        pytest.skip("EDGELLM_NO_EXT is set")
     e = cpu_ext.get_extension()
     if e is None:
         pytest.fail("the CPU kernel extension did not build (see the warning above)")
@@ -321,21 +319,19 @@ def test_torch_op_matches_module(ext):
         assert tuple(out.shape) == (2, 24)
 
 
-def test_disabled_by_environment(monkeypatch):
-    monkeypatch.setenv("EDGELLM_NO_EXT", "1")
-    assert cpu_ext.get_extension() is None
+def test_disabled_by_settings():
+    assert cpu_ext.get_extension(cpu_ext.ExtensionSettings(enabled=False)) is None
 
 
 @pytest.mark.parametrize("compiler", ["missing", "failing"])
 def test_failed_build_warns_once_and_returns_none(monkeypatch, tmp_path, compiler):
     """No compiler, or a compiler that fails: one warning, None, no exception (callers use the torch path)."""
-    monkeypatch.delenv("EDGELLM_NO_EXT", raising=False)
-    monkeypatch.setenv("EDGELLM_EXT_CACHE", str(tmp_path / "cache"))
+    settings = cpu_ext.ExtensionSettings(cache_dir=tmp_path / "cache")
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++") if compiler == "missing" else "false")
     monkeypatch.setattr(cpu_ext, "_state", {"tried": False, "ext": None})
     with pytest.warns(RuntimeWarning, match="CPU kernels unavailable") as record:
-        assert cpu_ext.get_extension() is None
-        assert cpu_ext.get_extension() is None  # remembered: no second attempt, no second warning
+        assert cpu_ext.get_extension(settings) is None
+        assert cpu_ext.get_extension(settings) is None  # remembered: no second attempt, no second warning
     assert len([w for w in record if "CPU kernels unavailable" in str(w.message)]) == 1
 
 
@@ -351,8 +347,7 @@ def test_cached_build_loads_fast(ext, tmp_path):
         "assert e is not None\n"
         "print(dt)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "EDGELLM_NO_EXT"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "compiling" not in out.stderr
     assert float(out.stdout.strip().splitlines()[-1]) < 1.0
@@ -574,16 +569,12 @@ def test_vnni_path_bit_identical_to_avx2(standalone_builds):
     assert avx2[1].startswith("digest ") and avx2[1] == vnni[1]
 
 
-def test_set_activations_selects_the_kernel_variant():
-    """`--activations` / EDGELLM_ACTIVATIONS name the variants the tests above check; unknown names are refused."""
+def test_activations_option_selects_the_kernel_variant():
+    """`--activations` names the variants the tests above check; unknown names are refused."""
     from edgellm.kernels import matmul as K
 
-    before = K._variant["v"]
-    try:
-        for name, variant in (("int8x2", INT_DOT_RESIDUAL), ("fp32", FLOAT_FMA), ("int8", 0)):
-            K.set_activations(name)
-            assert K._variant["v"] == variant
-        with pytest.raises(ValueError, match="int8x2"):
-            K.set_activations("int4")
-    finally:
-        K._variant["v"] = before
+    for name, variant in (("int8x2", INT_DOT_RESIDUAL), ("fp32", FLOAT_FMA), ("int8", 0)):
+        assert K.KernelOptions(activations=name).variant == variant
+        assert K.KernelOptions.from_names(name).variant == variant
+    with pytest.raises(ValueError, match="int8x2"):
+        K.KernelOptions(activations="int4")
