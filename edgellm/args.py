@@ -148,8 +148,12 @@ def options_from_args(args: argparse.Namespace, environ: Mapping[str, str] = os.
         raise EdgeLLMError("--per-channel is for int8 weights only")
     cache_dir = environ.get("EDGELLM_EXT_CACHE") or None
     extension = ExtensionSettings(enabled=ns.get("ext", True), cache_dir=cache_dir and os.path.expanduser(cache_dir))
-    debug = bool(ns.get("debug")) or environ.get("EDGELLM_DEBUG") == "1"
-    return Options(kernel=kernel, decode=decode, load=load, extension=extension, debug=debug)
+    return Options(kernel=kernel, decode=decode, load=load, extension=extension, debug=debug_requested(args, environ))
+
+
+def debug_requested(args: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> bool:
+    """--debug, or EDGELLM_DEBUG=1 (for a command run by another program)."""
+    return bool(vars(args).get("debug")) or environ.get("EDGELLM_DEBUG") == "1"
 
 
 def load_from_options(options: Options, on_tensor: Callable[[str], None] | None = None):

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 from typing import Callable
@@ -22,8 +21,8 @@ def command(name: str):
 
 # The shared options live in args.py (the commands import them from there); re-exported for callers of old.
 from .args import (add_format_options, add_model_options, add_quant_options, add_sampling_options,  # noqa: E402,F401
-                   engine_from_args, engine_from_options, kv_format_arg, load_from_args, load_from_options,
-                   options_from_args, sampling_from_args)
+                   debug_requested, engine_from_args, engine_from_options, kv_format_arg, load_from_args,
+                   load_from_options, options_from_args, sampling_from_args)
 from .options import COMPILE_MODES, DEFAULT_CTX, WEIGHT_FORMATS  # noqa: E402,F401
 
 
@@ -222,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     _load_extensions()
     parser = build_parser()
     args = parser.parse_args(argv)
-    debug = args.debug or os.environ.get("EDGELLM_DEBUG") == "1"  # (options_from_args reads the same)
+    debug = debug_requested(args)
     try:
         return COMMANDS[args.command](args)
     except EdgeLLMError as e:

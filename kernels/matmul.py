@@ -226,6 +226,16 @@ def set_cpu_extension(ext) -> None:
     _cpu_ext_state["ext"] = ext
 
 
+def set_kernel_tuning(rows16: bool = True, rows8_min_tokens: int = 2) -> None:
+    """A/B switches of the C++ int kernels for benchmarks (the same bits, other speed; process-wide, like the
+    extension): rows16 = False keeps multi-token calls on 8-row groups on AVX-512 VNNI builds instead of 16 rows
+    in 512-bit registers; rows8_min_tokens = from how many tokens a call takes weight rows 8 at a time (default 2;
+    a large value keeps every call on the one-row kernel)."""
+    ext = cpu_extension()
+    if ext is not None and hasattr(ext, "set_kernel_tuning"):
+        ext.set_kernel_tuning(bool(rows16), int(rows8_min_tokens))
+
+
 def has_cpu_kernel() -> bool:
     return cpu_extension() is not None
 

@@ -26,6 +26,8 @@ SIZE = (100, 32)
 
 @pytest.fixture
 def data_dir(tmp_path, monkeypatch):
+    """The chats' folder through $EDGELLM_DATA_DIR, the user-facing default of `edgellm chat --data-dir` (read
+    once, by tui/cli.py's parser: chat_args builds it after this)."""
     d = tmp_path / "data"
     monkeypatch.setenv("EDGELLM_DATA_DIR", str(d))
     return d
