@@ -262,7 +262,7 @@ async def test_command_palette_sets_sampling_and_system_prompt(model, data_dir):
 async def test_startup_screen_shows_load_progress_and_thread_default(model, data_dir, monkeypatch):
     import threading
 
-    from edgellm.cli import load_from_args
+    from edgellm.args import load_from_args
     from edgellm.tui.screens import LoadingScreen
 
     gate = threading.Event()
