@@ -201,3 +201,11 @@ def engine_from_args(args: argparse.Namespace, loaded):
     ns = vars(args)
     return engine_from_options(options_from_args(args), loaded, kv=ns.get("kv", "fp"), draft=ns.get("draft"),
                                draft_tokens=ns.get("draft_tokens"))
+
+
+def show_decode_path(options: Options, engine) -> None:
+    """With --debug: which decode step the engine runs, and why not a faster one (on stderr)."""
+    if options.debug:
+        import sys
+
+        print(f"edgellm: decode path: {engine.decode_path}", file=sys.stderr)

@@ -22,7 +22,7 @@ def command(name: str):
 # The shared options live in args.py (the commands import them from there); re-exported for callers of old.
 from .args import (add_format_options, add_model_options, add_quant_options, add_sampling_options,  # noqa: E402,F401
                    debug_requested, engine_from_args, engine_from_options, kv_format_arg, load_from_args,
-                   load_from_options, options_from_args, sampling_from_args)
+                   load_from_options, options_from_args, sampling_from_args, show_decode_path)
 from .options import COMPILE_MODES, DEFAULT_CTX, WEIGHT_FORMATS  # noqa: E402,F401
 
 
@@ -64,8 +64,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     tok = loaded.tokenizer
     ids = prompt_ids(args, tok, text)
     engine = engine_from_options(options, loaded, kv=args.kv, draft=args.draft, draft_tokens=args.draft_tokens)
-    if options.debug:
-        print(f"edgellm: decode path: {engine.decode_path}", file=sys.stderr)
+    show_decode_path(options, engine)
     if args.truncate and len(ids) >= engine.max_seq_len:
         ids = ids[-(engine.max_seq_len - 1):]  # keep the end: the question is usually last
     settings = GenerationSettings(max_tokens=args.max_tokens, sampling=sampling_from_args(args),

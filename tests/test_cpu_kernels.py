@@ -208,6 +208,26 @@ def test_rows_bit_identical_whatever_the_number_of_tokens(ext, kind, n, k, g):
 
 
 # ------------------------------------------------------------------------------------------------ edge cases
+def test_kernel_tuning_switches_keep_the_bits(ext):
+    """The benchmarks' A/B switches (kernels.matmul.set_kernel_tuning: 16-row groups on AVX-512 VNNI, the token
+    count from which rows go 8 at a time) change which kernel runs, never a result: the same bits, close to the
+    float64 reference, with either setting."""
+    from edgellm.kernels import matmul as K
+
+    gen = torch.Generator().manual_seed(11)
+    packed, scales, mins = make_int4(64, 256, 32, True, gen)
+    x = torch.randn(5, 256, generator=gen)
+    ref = x.double() @ dequant_int4(packed, scales, mins, 32).T
+    default = ext.int4_gemm_variant(x, packed, scales, mins, 32, INT_DOT)
+    try:
+        for rows16, rows8_min in ((False, 2), (True, 100), (False, 1)):
+            K.set_kernel_tuning(rows16=rows16, rows8_min_tokens=rows8_min)
+            assert torch.equal(ext.int4_gemm_variant(x, packed, scales, mins, 32, INT_DOT), default), rows8_min
+    finally:
+        K.set_kernel_tuning()
+    assert rel_err(default, ref) <= TOL[INT_DOT]
+
+
 def test_zero_rows_give_exact_zeros(ext):
     """All-zero activation rows (max|x| = 0: the int-dot scale must not divide by zero) and weight rows
     with zero scales give exact zeros, and do not disturb their neighbours."""
