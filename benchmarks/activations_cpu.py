@@ -6,7 +6,7 @@
 The bundled model with each `--weights`, loaded once; its fused decode step timed at one position (a float
 KV cache holding that many prompt tokens; the step's K/V is written and then dropped by truncating the cache),
 40 steps per sample, the activation modes interleaved sample by sample in the same process
-(kernels.matmul.set_activations), so the machine's load falls on every mode alike. Prints and records the
+(one engine per mode on the same cache, each with its KernelOptions(activations=...)), so the machine's load falls on every mode alike. Prints and records the
 median ms per step of each mode and its ratio to int8. The quality side of the same choice is in
 benchmarks/results/kl-vs-llamacpp.md.
 """
@@ -34,6 +34,7 @@ def main() -> None:
     from edgellm.generate import Engine
     from edgellm.kernels import matmul
     from edgellm.loading import load_model
+    from edgellm.options import Options
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
@@ -47,7 +48,9 @@ def main() -> None:
     for weights in args.weights.split(","):
         loaded = load_model(None, max_seq_len=args.position + 64, weights=weights)
         cache = KVCache(loaded.config, args.position + 64, torch.float32, "cpu")
-        engine = Engine(loaded.model, loaded.tokenizer, cache=cache)
+        engines = {m: Engine(loaded.model, loaded.tokenizer, cache=cache,
+                             options=Options(kernel=matmul.KernelOptions(activations=m))) for m in MODES}
+        engine = engines["int8"]
         if engine.compiled_step() is None:
             sys.exit("the fused CPU step is not available (no C++ extension?): nothing to measure")
         engine.prefill([100 + i % 1000 for i in range(args.position)])
@@ -55,7 +58,7 @@ def main() -> None:
         samples: dict[str, list[float]] = {m: [] for m in MODES}
         for _ in range(args.repeats):
             for mode in MODES:
-                matmul.set_activations(mode)
+                engine = engines[mode]
                 for _ in range(3):  # warm
                     engine.step(token)
                     cache.truncate(args.position)
@@ -64,7 +67,6 @@ def main() -> None:
                     engine.step(token)
                     cache.truncate(args.position)
                 samples[mode].append((time.perf_counter() - t0) / STEPS * 1e3)
-        matmul.set_activations("int8")
         med = {m: statistics.median(v) for m, v in samples.items()}
         row = {"weights": weights, "position": args.position, "ms_per_step": med,
                "vs_int8": {m: med[m] / med["int8"] for m in MODES}, "samples_ms": samples}

@@ -27,6 +27,7 @@ from edgellm.bench import machine_info
 from edgellm.cache import KVCache
 from edgellm.generate import Engine
 from edgellm.loading import load_model
+from edgellm.options import DecodeOptions, Options
 
 
 def decode(engine: Engine, prompt: list[int], n: int) -> tuple[float, list[int]]:
@@ -60,8 +61,7 @@ def main() -> None:
         ref = None
         for mode, compile_mode in (("eager", "off"), ("graph", "auto"), ("compiled", "inductor")):
             cache = KVCache(model.config, 2048, model.dtype, model.device)
-            engine = Engine(model, loaded.tokenizer, cache=cache)
-            engine.compile_mode = compile_mode
+            engine = Engine(model, loaded.tokenizer, cache=cache, options=Options(decode=DecodeOptions(compile=compile_mode)))
             t0 = time.perf_counter()
             try:
                 decode(engine, prompt, 4)  # compiles and captures the first bucket

@@ -6,7 +6,7 @@
 Per weight format, in a fresh process (so memory figures are its own):
   decode tok/s: 128 greedy tokens after a short chat prompt (the prompt of the llama.cpp peer script), EOS
       ignored, tokens 2..n over the time from the first to the last one, median of r runs; with the fused C++
-      decode step (the default) and with the eager torch graph (EDGELLM_FUSED_DECODE=0's path) for comparison;
+      decode step (the default) and with the eager torch graph (`--no-fused` / `--compile off`'s path) for comparison;
   TTFT: a 512-token prompt (the start of /usr/share/common-licenses/GPL-3), cache reset, median of r runs;
   memory: resident set after loading and its peak after the prefills (int4 prefill dequantizes one layer at a
       time into a reused buffer: no float copy of the model is kept);

@@ -143,7 +143,7 @@ def main() -> None:
     STAT = min if args.stat == "min" else statistics.median
     ext = get_extension()
     if ext is None or not hasattr(ext, "gguf_linear"):
-        sys.exit("the CPU kernel extension is unavailable (EDGELLM_NO_EXT set, or the build failed)")
+        sys.exit("the CPU kernel extension is unavailable (the build failed: see the warning above)")
     gen = torch.Generator().manual_seed(0)
     load_before = load_average()
     ms = [int(v) for v in args.m.split(",") if v]

@@ -191,7 +191,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ext = get_extension()
     if ext is None:
-        sys.exit("the CPU kernel extension is unavailable (EDGELLM_NO_EXT set, or the build failed)")
+        sys.exit("the CPU kernel extension is unavailable (the build failed: see the warning above)")
     gen = torch.Generator().manual_seed(0)
     ms = [int(v) for v in args.multi_m.split(",") if v]
     load_before = load_average()

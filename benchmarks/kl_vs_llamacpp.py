@@ -91,7 +91,7 @@ NOTES = [
     "head (all 512 rows scored) in the int kernels with int8-rounded activations (kernels/matmul.py "
     "PREFILL_KERNEL_MAX_M: up to 512 rows where the GEMM would be fp32). Before prompts took the kernels "
     "(2026-11-24, eighth session) every row above 16 took the GEMM: int8 forward KL 0.00066 / top-1 98.52%, "
-    "int4 asym 0.00023 / 99.13%. The weights' error alone (fp32 GEMM, EDGELLM_PREFILL_BF16=0) is in "
+    "int4 asym 0.00023 / 99.13%. The weights' error alone (fp32 GEMM, --prefill fp32) is in "
     "benchmarks/results/quality.md. In generation the LM head sees one row per prompt, and the decode rows "
     "show what a chat gets.",
 ]

@@ -12,12 +12,11 @@ at a long context is from reading the cache at memory speed.
 
 An int8/int4 cache is measured with both attention paths of an AVX-512 VNNI build, side by side:
 "int" (VPDPBUSD scores on the codes, values dequantized in registers) and "tiles" (the AVX2 tiles every
-other x86 build runs, EDGELLM_INT_ATTENTION=0). On a build without VNNI both rows run the tiles.
+other x86 build runs, DecodeTuning(int_attention=False)). On a build without VNNI both rows run the tiles.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -33,12 +32,13 @@ def split_for(loaded, kv: str, positions: list[int], reps: int, path: str = "int
 
     from edgellm.cache import KVCache
     from edgellm.generate import Engine
+    from edgellm.options import DecodeOptions, DecodeTuning, Options
 
     slots = max(positions) + 64
     cache = KVCache(loaded.model.config, slots, loaded.model.dtype, "cpu", kv_format=kv)
-    engine = Engine(loaded.model, loaded.tokenizer, max_seq_len=slots, cache=cache)
-    os.environ["EDGELLM_INT_ATTENTION"] = "0" if path == "tiles" else "1"  # read when the plan is built
-    step = engine._decoder.compiled(engine.cache)
+    options = Options(decode=DecodeOptions(tuning=DecodeTuning(int_attention=path != "tiles")))
+    engine = Engine(loaded.model, loaded.tokenizer, max_seq_len=slots, cache=cache, options=options)
+    step = engine.compiled_step()
     if step is None:
         raise SystemExit("the fused CPU decode step is not available here (no C++ extension)")
     token = torch.full((1, 1), 42, dtype=torch.long)

@@ -3,7 +3,7 @@ kernels/matmul.py's PREFILL_KERNEL_MAX_M (up to how many rows a quantized linear
 
     python benchmarks/prefill_cpu.py [--threads 2] [-r 5] [--tokens 17,32,64,128,256,512]
                                      [--json benchmarks/results/prefill-cpu.json]
-    EDGELLM_EXT_ISA=avx2 python benchmarks/prefill_cpu.py ...   # the AVX2 build of the kernels
+    python benchmarks/prefill_cpu.py --isa avx2 ...   # the AVX2 build of the kernels (on an AVX-512 machine)
 
 The bundled model as int4 (its Q4_1 blocks) and as int8 g32 (quantized from its float weights), one model
 forward of N prompt tokens from an empty cache per sample, timed with the linears in the kernel and in
@@ -34,22 +34,25 @@ def main() -> None:
     from edgellm.cache import KVCache
     from edgellm.device import set_threads
     from edgellm.kernels import matmul
+    from edgellm.kernels.cpu_ext import ExtensionSettings
     from edgellm.loading import load_model
-    from edgellm.quant.linear import quantize_linears
+    from edgellm.quant.linear import quantize_linears, set_kernel_options
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("-r", "--repeats", type=int, default=5)
     ap.add_argument("--tokens", default="17,32,64,128,256,512")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--isa", default=None, choices=("avx2", "scalar"), help="force this build of the kernels")
     args = ap.parse_args()
     set_threads(args.threads)
     sizes = [int(v) for v in args.tokens.split(",")]
+    matmul.configure_cpu_extension(ExtensionSettings(isa=args.isa))
     ext = matmul.cpu_extension()
     if ext is None:
         sys.exit("no C++ extension: nothing to compare")
     isa = ext.isa()
-    native_bf16 = matmul._detect_bf16_gemm()
+    native_bf16 = matmul.native_bf16_gemm()
     ctx = max(sizes)
 
     int4 = load_model(None, max_seq_len=ctx, weights="int4")  # the bundled Q4_1 blocks, as stored
@@ -59,7 +62,7 @@ def main() -> None:
     if len(ids) < ctx:
         ids = (ids * (ctx // max(len(ids), 1) + 1))[:ctx]
 
-    saved_table, saved_prefill = matmul.PREFILL_KERNEL_MAX_M, dict(matmul._bf16_gemm)
+    saved_table = matmul.PREFILL_KERNEL_MAX_M
 
     class EveryRow(dict):  # the table that keeps every prefill in the kernel
         def get(self, key, default=None):
@@ -80,8 +83,7 @@ def main() -> None:
     rows = []
     try:
         for weights, loaded, act, dense in configs:
-            matmul.set_activations(act)
-            matmul._bf16_gemm.update(on=dense == "bf16", int8=False, auto=True)
+            set_kernel_options(loaded.model, matmul.KernelOptions(activations=act, prefill_bf16=dense == "bf16"))
             for n in sizes:
                 forward(loaded.model, n, True), forward(loaded.model, n, False)  # warm
                 times = {True: [], False: []}
@@ -95,8 +97,6 @@ def main() -> None:
                       f"dequantize+GEMM {d_ms:7.1f} ms  ratio {d_ms / k_ms:.2f}", flush=True)
     finally:
         matmul.PREFILL_KERNEL_MAX_M = saved_table
-        matmul._bf16_gemm.update(saved_prefill)
-        matmul.set_activations("int8")
 
     if args.json:
         path = Path(args.json)

@@ -39,6 +39,7 @@ from edgellm.cache import KVCache  # noqa: E402
 from edgellm.device import set_threads  # noqa: E402
 from edgellm.generate import Engine  # noqa: E402
 from edgellm.loading import bundled_model_path, load_model  # noqa: E402
+from edgellm.options import KernelOptions, LoadOptions, Options  # noqa: E402
 from edgellm.perplexity import PerplexityResult, evaluate, reference_logprobs, weight_summary  # noqa: E402
 
 TEXT = "/usr/share/common-licenses/GPL-3"
@@ -88,7 +89,7 @@ WEIGHT_ROWS = [
 ]
 SETUP_KEYS = ("source", "prefill", "scoring")  # row settings that are not load_model keywords
 # prefill: every GEMM in fp32 (the weights alone) or in bf16, or the engine's default for this CPU
-PREFILL_ENV = {"fp32": ["EDGELLM_PREFILL_BF16=0"], "bf16": ["EDGELLM_PREFILL_BF16=1"], "default": []}
+PREFILL_FLAGS = {"fp32": ["--prefill", "fp32"], "bf16": ["--prefill", "bf16"], "default": []}
 # rows whose model is also exported to GGUF and scored by llama.cpp
 EXPORT_ROWS = {"int8 g32": "int8-g32-Q8_0.gguf", "int4 g32 sym": "int4-g32-sym-Q4_0.gguf"}
 KV_ROWS = ["fp", "int8", "int8:32", "int4", "int4:64"]
@@ -130,18 +131,18 @@ def memoize_quantization() -> dict:
     return stats
 
 
-def cli_args(settings: dict) -> argparse.Namespace:
-    """The argparse namespace `edgellm perplexity` would build for these settings."""
-    return argparse.Namespace(weights=settings.get("weights", "fp"), per_channel=settings.get("group_size") == 0,
-                              group_size=settings.get("group_size") or 32, symmetric=settings.get("symmetric", True),
-                              embeddings=settings.get("embeddings", "int8"), fast=not settings.get("search", True),
-                              calibrate=settings.get("calibration"))
+def load_options(settings: dict) -> LoadOptions:
+    """The load options `edgellm perplexity` would build for these settings."""
+    return LoadOptions(weights=settings.get("weights", "fp"), per_channel=settings.get("group_size") == 0,
+                       group_size=settings.get("group_size") or 32, symmetric=settings.get("symmetric", True),
+                       embeddings=settings.get("embeddings", "int8"), search=settings.get("search", True),
+                       calibration=settings.get("calibration"))
 
 
 def command(model: str | None, settings: dict, threads: int, kv: str = "fp", decode: bool = False) -> str:
-    env = PREFILL_ENV[settings.get("prefill", "fp32")]
-    cmd = env + ["edgellm", "perplexity"] + (["-m", model] if model else []) + ["-f", TEXT, "--ctx", str(CTX),
-                                                                          "--threads", str(threads)]
+    cmd = ["edgellm", "perplexity"] + (["-m", model] if model else []) + ["-f", TEXT, "--ctx", str(CTX),
+                                                                    "--threads", str(threads)]
+    cmd += PREFILL_FLAGS[settings.get("prefill", "fp32")]
     w = settings.get("weights", "fp")
     if w != "fp":
         cmd += ["--weights", w]
@@ -232,7 +233,6 @@ def prepare_f32(work: Path, bundled: Path) -> tuple[Path, str]:
 
 
 def run_weights(args, f32: Path, bundled: Path, fp, ref, ids, ref_ppl, peer: bool) -> list[dict]:
-    from edgellm.kernels.matmul import reset_prefill, set_bf16_prefill
     from edgellm.gguf_export import export_gguf
 
     rows = []
@@ -242,20 +242,18 @@ def run_weights(args, f32: Path, bundled: Path, fp, ref, ids, ref_ppl, peer: boo
         model_arg = None if src == bundled else str(f32)
         kw = {k: v for k, v in settings.items() if k not in SETUP_KEYS}
         prefill = settings.get("prefill", "fp32")
-        if prefill == "default":
-            reset_prefill()
-        else:
-            set_bf16_prefill(prefill == "bf16", int8=prefill == "bf16")
+        options = Options(kernel=KernelOptions.from_names(prefill="auto" if prefill == "default" else prefill))
         if kw["weights"] == "fp":
             loaded, res = fp, from_reference(ref, fp.tokenizer, ids)
             load_s = 0.0
         else:
-            loaded = load_model(src, max_seq_len=CTX, **kw)
+            loaded = load_model(src, max_seq_len=CTX, options=options, **kw)
             load_s = time.perf_counter() - t0
             cache = KVCache(loaded.config, CTX, torch.float32, "cpu")
-            engine = Engine(loaded.model, loaded.tokenizer, cache=cache) if settings.get("scoring") == "decode" else None
+            engine = (Engine(loaded.model, loaded.tokenizer, cache=cache, options=options)
+                      if settings.get("scoring") == "decode" else None)
             res = evaluate(loaded.model, cache, loaded.tokenizer, ids, CTX, reference=ref, decode=engine)
-        row = fmt_row(label, asdict(res) | weight_summary(cli_args(kw), loaded), ref_ppl)
+        row = fmt_row(label, asdict(res) | weight_summary(load_options(kw), loaded), ref_ppl)
         row |= {"source": str(src), "command": command(model_arg, settings, args.threads),
                 "prefill": settings.get("prefill", "fp32"),
                 "load_quantize_s": round(load_s, 1), "seconds": round(time.perf_counter() - t0, 1)}
@@ -432,10 +430,10 @@ def kv_targets(rows: list[dict]) -> list[dict]:
 
 WEIGHT_NOTES = [
     "Every row but the last three sends its 512-token windows through the dense path (a quantized layer's "
-    "weights dequantized, then an fp32 GEMM: EDGELLM_PREFILL_BF16=0), so these figures measure the weights' "
+    "weights dequantized, then an fp32 GEMM: --prefill fp32), so these figures measure the weights' "
     "quantization error alone. The three \"bundled GGUF, exact Q4_1 import\" rows after the lossless one "
     "measure compute on the same weights, so their KL against it is the cost of that compute, not of any "
-    "weight format. \"bf16 prefill\": every GEMM in bf16 (EDGELLM_PREFILL_BF16=1, the LM head's 512 scored "
+    "weight format. \"bf16 prefill\": every GEMM in bf16 (--prefill bf16, the LM head's 512 scored "
     "rows included). \"default compute\": `edgellm run`'s default on this CPU (AVX512-BF16, VNNI), where "
     "inputs of up to 64 rows for a bf16 GEMM and 512 for an fp32 one take the int8-activation kernels "
     "(kernels/matmul.py PREFILL_KERNEL_MAX_M): the int4 linears' windows go to the bf16 GEMM, the int8 "
@@ -445,12 +443,12 @@ WEIGHT_NOTES = [
     "model scored as generation runs it (`--decode`: each window's first half prefilled, then one decode step "
     "per scored token): on this CPU the fused C++ step, whose int4 matmul kernels round each activation "
     "block to int8 as llama.cpp's do; its KL is what that rounding adds for a chat user. With the kernels' "
-    "float-FMA variant the same scoring gives KL 0.00000 / top-1 100% (`EDGELLM_EXACT_MATMUL=1 edgellm "
+    "float-FMA variant the same scoring gives KL 0.00000 / top-1 100% (`edgellm "
     "perplexity -f GPL-3 --ctx 512 --threads 2 --weights int4 --group-size 32 --asym --decode --reference "
-    "fp`, 2026-11-23), at 2.4x the matmul time per token (4.5 vs 1.8 ms, int4 weights, 256 positions). "
+    "fp --activations fp32`, 2026-11-23), at 2.4x the matmul time per token (4.5 vs 1.8 ms, int4 weights, 256 positions). "
     "`--activations int8x2` (the int8 blocks plus their int8 residual as a second kernel row) gives KL "
     "0.00003 / top-1 99.61% / ppl 18.3006 with the same command (0.00000 / 99.97% / 18.3000 with "
-    "EDGELLM_PREFILL_BF16=0 as well) for ~0.7 ms more per token: decode step at 256 positions, fp KV, "
+    "--prefill fp32 as well) for ~0.7 ms more per token: decode step at 256 positions, fp KV, "
     "modes interleaved in one process (benchmarks/activations_cpu.py, results/activations-cpu.json): int4 "
     "weights 2.33 → 3.05 ms (1.31×), int8 weights 2.41 → 3.06 ms (1.27×), fp32 activations 2.3×. (The fifth "
     "session's 2.44 → 2.68 ms, A/B by environment in two processes, was too low.)",
@@ -535,7 +533,7 @@ KV_NOTES = [
     "points and KL by a few per cent; the fused kernel's KL sits ~4% above the bmm tiles' (its vectorised "
     "exp is an approximation), kept for its shorter prefill (benchmarks/prefill_kv.py: 16.6 → 13.5 s at 6144 tokens). The decode "
     "path's int4 row moved the same way between its two attention paths (bmm prefill: +1.95% / 0.02172 "
-    "with EDGELLM_INT_ATTENTION=0, +2.09% / 0.02156 with VPDPBUSD scores).",
+    "with DecodeTuning(int_attention=False), +2.09% / 0.02156 with VPDPBUSD scores).",
 ]
 
 

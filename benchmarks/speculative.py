@@ -88,7 +88,7 @@ NOTE = """Notes:
 - Since 2026-11-23 (third session): (1) the multi-token row-group kernel takes 16 weight rows in 512-bit
   registers on AVX-512 VNNI builds (a 512-bit vpdpbusd issues as fast as a 256-bit one on Zen 4: 181 vs
   101 GMAC/s per core); each (row, token) keeps the one-row kernel's float sequence, so greedy output stays
-  identical. Fused step, int4, pos 300 (EDGELLM_ROWS16=0 vs 1): T2 3.31 -> 2.93 ms, T4 4.29 -> 3.80 ms,
+  identical. Fused step, int4, pos 300 (--rows16 0 vs 1): T2 3.31 -> 2.93 ms, T4 4.29 -> 3.80 ms,
   T8 7.54 -> 5.92 ms; lookup on edit, three interleaved pairs of this script with the switch: int8
   1.20/1.41/1.42x -> 1.56/1.53/1.53x, int4 1.18/1.39/1.41x -> 1.52/1.63/1.52x. (2) Lookup proposes what
   followed the occurrence whose agreement with the context goes furthest back (not just the latest match of
@@ -121,7 +121,7 @@ NOTE = """Notes:
   steps included (2.0 -> 2.3 ms per step: nothing gained end to end). Also tried (second session): all of a
   verification pass's tokens' attention tiles in one parallel region instead of one per token (no gain).
   An oracle that knows each round's accepted length would reach ~2x on edit at the second session's costs.
-  Tried in the third session, not kept: the 16-row kernel for one-token steps too (EDGELLM_ROWS8_MIN_TOKENS=1:
+  Tried in the third session, not kept: the 16-row kernel for one-token steps too (--rows8-min-tokens 1:
   slower, the transposes are not amortised), lookup preferring the prompt occurrence just after the last
   copied position for 1-2 token matches (replay: no gain), the weights in 2 MiB pages (no steady gain).
 - The edit prompt was reworded in the first session: the previous wording ("Correct the spelling and grammar
@@ -218,7 +218,14 @@ def main() -> int:
     ap.add_argument("--extra", default="", help="more fp32 drafts, e.g. self:int4:L24 (comma list)")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--out", default="benchmarks/results/speculative-cpu.json")
+    ap.add_argument("--rows16", type=int, default=1, choices=(0, 1),
+                    help="A/B: 0 keeps multi-token calls on 8-row groups on AVX-512 VNNI builds (default 1)")
+    ap.add_argument("--rows8-min-tokens", type=int, default=2,
+                    help="A/B: from how many tokens a call takes weight rows 8 at a time (default 2)")
     args = ap.parse_args()
+    from edgellm.kernels.matmul import set_kernel_tuning
+
+    set_kernel_tuning(rows16=bool(args.rows16), rows8_min_tokens=args.rows8_min_tokens)
     torch.set_num_threads(args.threads)
     machine = machine_info(torch.device("cpu"))
     extra = [e for e in args.extra.split(",") if e]

@@ -11,7 +11,7 @@ and each decode figure is printed as a percentage of it.
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import gc
 import importlib
 import inspect
@@ -31,7 +31,9 @@ from typing import Any, Callable
 import torch
 
 from .atomic import write_text_atomic
+from .args import engine_from_options, load_from_options, options_from_args
 from .errors import EdgeLLMError, ModelNotFoundError, OutputError
+from .options import Options
 
 WEIGHT_FORMATS = ("auto", "fp", "int8", "int4")
 KV_FORMATS = ("fp", "int8", "int4")
@@ -126,8 +128,7 @@ def plan_from_args(args: argparse.Namespace) -> BenchPlan:
     kv = parse_list(args.kv, "--kv", KV_FORMATS)
     draft = parse_list(args.draft, "--draft", DRAFT_KINDS, extra=_is_draft_spec)
     contexts = list(dict.fromkeys([args.n_prompt] + parse_int_list(args.ctx, "--ctx")))
-    for option in ("json", "plot"):
-        target = getattr(args, option)
+    for option, target in (("json", args.json), ("plot", args.plot)):
         if target and target != "-" and not Path(target).expanduser().resolve().parent.is_dir():
             raise OutputError(f"--{option} {target}: the folder does not exist")
     return BenchPlan(weights, kv, draft, contexts, args.n_prompt, args.n_gen, args.repetitions, args.warmup)
@@ -479,7 +480,7 @@ def table_lines(rows: list[dict]) -> list[list[str]]:
     """Two table lines per row: pp<c> (prefill) and tg<n>[@ctx<c>] (decode), as llama-bench prints."""
     with_llama = any(r.get("llama_cpp") for r in rows)
     with_draft = any(r["draft"] != "none" for r in rows)
-    head = ["model", "size", "params", "backend", "threads", "weights", "kv", "draft", "test", "t/s",
+    head = ["model", "size", "params", "backend", "threads", "weights", "kv", "draft", "decode", "test", "t/s",
             "TTFT s", "roofline t/s", "% roofline"]
     if with_draft:
         head.append("accepted")
@@ -490,7 +491,7 @@ def table_lines(rows: list[dict]) -> list[list[str]]:
     for r in rows:
         common = [r["model"], _mib(r["weight_bytes"]) if r.get("weight_bytes") else "—",
                   _params(r["params"]) if r.get("params") else "—", r["backend"], str(r["threads"]),
-                  _weights_cell(r), r["kv"], r["draft"]]
+                  _weights_cell(r), r["kv"], r["draft"], (r.get("decode_path") or {}).get("name") or "—"]
         if r.get("error"):
             line = common + [f"{r['test_pp']}+{r['test_tg']}", f"n/a [{error_ids[r['error']]}]", "", "", ""]
             out.append(line + ([""] if with_draft else []) + (["", ""] if with_llama else []))
@@ -554,6 +555,8 @@ def footer_lines(doc: dict) -> list[str]:
     lines = ["", f"pp<N>: TTFT and prefill tok/s for an N-token prompt of {Path(s['prompt_file']).name} (median "
              f"± std of {s['repetitions']}); tg{s['n_gen']}: decode tok/s of the {s['n_gen']} tokens that follow "
              f"it (@ctxN: after an N-token prompt); roofline: bandwidth ÷ (weights read + KV × mean context) per token."]
+    reasons = {(p["name"], p["reason"]) for r in doc["rows"] if (p := r.get("decode_path")) and p["reason"]}
+    lines += [f"decode {name}: {reason}" for name, reason in sorted(reasons)]
     if doc.get("note"):
         lines.append(f"note: {doc['note']}")
     return lines
@@ -624,6 +627,7 @@ def row_labels(plan: BenchPlan, context: int) -> tuple[str, str]:
 class BenchRun:
     """What every row of one `edgellm bench` needs: the options, the text, the device, the progress."""
     args: argparse.Namespace
+    options: Options
     plan: BenchPlan
     text: str
     device: torch.device
@@ -651,12 +655,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from .device import pick_device, set_threads
 
     plan = plan_from_args(args)
+    options = options_from_args(args)
     text, prompt_path = read_prompt_text(args.prompt_file)
     set_threads(args.threads)
-    if args.activations:
-        from .kernels.matmul import set_activations
-
-        set_activations(args.activations)
     try:
         device = pick_device(args.device)
     except (ValueError, RuntimeError) as e:
@@ -673,11 +674,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         bandwidth = measure_bandwidth(device, args.stream_mib)
         bandwidth["device"] = str(device)
         bar.advance(task)
-        run = BenchRun(args, plan, text, device, torch.get_num_threads(), bandwidth["bandwidth_gbs"],
+        run = BenchRun(args, options, plan, text, device, torch.get_num_threads(), bandwidth["bandwidth_gbs"],
                        advance=lambda k=1: bar.advance(task, k),
                        describe=lambda d: bar.update(task, description=d),
                        add_work=lambda k: bar.update(task, total=bar.tasks[0].total + k),
-                       debug=getattr(args, "debug", False) or os.environ.get("EDGELLM_DEBUG") == "1",
+                       debug=options.debug,
                        notes=notes, llama_cpp=llama_cpp)
         for weights in plan.weights:
             rows += bench_weights(run, weights)
@@ -691,7 +692,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                      "repetitions": plan.reps, "warmup": plan.warmup, "weights": plan.weights, "kv": plan.kv,
                      "draft": plan.draft, "contexts": plan.contexts, "prompt_file": str(prompt_path),
                      "device": str(device), "dtype": args.dtype, "threads": run.threads, "against": args.against,
-                     "activations": args.activations or "int8"},
+                     "activations": options.kernel.activations, "prefill": args.prefill,
+                     "compile": options.decode.compile},
         "note": args.note,
         "notes": notes,
         "rows": rows,
@@ -702,17 +704,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def bench_weights(run: BenchRun, weights: str) -> list[dict]:
     """Load the model once with this weight format, then every (kv, draft, context) row of it."""
-    from .cli import load_from_args
-
     plan = run.plan
-    base_args = copy.copy(run.args)  # per-row copies: the lead's load_from_args/engine_from_args read these
-    base_args.weights, base_args.kv, base_args.draft = weights, "fp", "none"
-    base_args.ctx = plan.max_context
+    options = dataclasses.replace(run.options, load=dataclasses.replace(run.options.load, weights=weights,
+                                                                        ctx=plan.max_context))
     loaded, error = None, missing_feature("weights", weights)
     if error is None:
         run.describe(f"loading · weights {weights}")
         try:
-            loaded = load_from_args(base_args)
+            loaded = load_from_options(options)
         except Exception as e:  # noqa: BLE001
             error = run.fail(e, f"loading with --weights {weights}: ")
     info = _model_info(loaded, run.device, run.threads) if loaded else _model_info_unloaded(run.args, run.device, run.threads)
@@ -722,9 +721,7 @@ def bench_weights(run: BenchRun, weights: str) -> list[dict]:
     rows = []
     for kv in plan.kv:
         for draft in plan.draft:
-            row_args = copy.copy(base_args)
-            row_args.kv, row_args.draft = kv, draft
-            rows += bench_engine(run, row_args, loaded, info, prompts, error)
+            rows += bench_engine(run, options, (weights, kv, draft), loaded, info, prompts, error)
     del loaded
     gc.collect()
     if run.device.type == "cuda":
@@ -732,23 +729,21 @@ def bench_weights(run: BenchRun, weights: str) -> list[dict]:
     return rows
 
 
-def bench_engine(run: BenchRun, row_args: argparse.Namespace, loaded, info: dict, prompts: dict[int, list[int]],
-                 error: str | None) -> list[dict]:
+def bench_engine(run: BenchRun, options: Options, formats: tuple[str, str, str], loaded, info: dict,
+                 prompts: dict[int, list[int]], error: str | None) -> list[dict]:
     """One engine (KV format, draft proposer) on the loaded model: a row per context."""
-    from .cli import engine_from_args
-
-    plan, kv, draft = run.plan, row_args.kv, row_args.draft
+    plan, (weights, kv, draft) = run.plan, formats
     error = error or missing_feature("kv", kv, loaded) or missing_feature("draft", draft, loaded)
     engine = None
     if not error:
         try:
-            engine = engine_from_args(row_args, loaded)
+            engine = engine_from_options(options, loaded, kv=kv, draft=draft)
         except Exception as e:  # noqa: BLE001
             error = run.fail(e, f"--kv {kv} --draft {draft}: ")
     rows = []
     for c in plan.contexts:
         pp_name, tg_name = row_labels(plan, c)
-        row = {**info, "weights": row_args.weights, "kv": kv, "draft": draft, "context": c, "prompt_tokens": c,
+        row = {**info, "weights": weights, "kv": kv, "draft": draft, "context": c, "prompt_tokens": c,
                "gen_tokens": plan.gen_tokens, "repetitions": plan.reps, "test_pp": pp_name, "test_tg": tg_name,
                "error": error, "stats": None, "runs": None, "llama_cpp": None, "vs_llama_cpp": None}
         rows.append(row)
@@ -757,13 +752,15 @@ def bench_engine(run: BenchRun, row_args: argparse.Namespace, loaded, info: dict
         if row["error"]:
             run.advance(plan.reps + plan.warmup)
             continue
-        run.describe(f"{row_args.weights}/{kv}/{draft} · {pp_name}+{tg_name}")
+        run.describe(f"{weights}/{kv}/{draft} · {pp_name}+{tg_name}")
         try:
             row.update(measure_row(engine, prompts[c], plan.gen_tokens, plan.reps, plan.warmup, run.advance))
         except Exception as e:  # noqa: BLE001
             row["error"] = run.fail(e)
             continue
         _add_physics(row, engine, run.bandwidth_gbs)
+        path = engine.decode_path
+        row["decode_path"] = {"name": path.name, "reason": path.reason}
         lc = (run.llama_results or {}).get(c)
         if lc:
             s = row["stats"]
@@ -860,7 +857,7 @@ def _maybe_llama(run: BenchRun, loaded, prompts: dict[int, list[int]]) -> dict[i
 
 
 def add_parser(sub) -> None:
-    from .cli import add_model_options
+    from .args import add_model_options
 
     p = sub.add_parser("bench", help="latency table (TTFT, tok/s) next to the bandwidth roofline and llama.cpp",
                        conflict_handler="resolve",

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import traceback
 from typing import Callable
@@ -20,143 +19,11 @@ def command(name: str):
     return register
 
 
-# ------------------------------------------------------------------------------------------------
-# Shared options
-# ------------------------------------------------------------------------------------------------
-def add_model_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("-m", "--model", default=None,
-                   help="HF folder, .gguf file, edgellm-quantized folder or hub id (default: bundled SmolLM2-135M-Instruct)")
-    g.add_argument("--device", default="auto", help="auto | cpu | cuda | mps (default: auto)")
-    g.add_argument("--dtype", default="auto", help="auto | fp32 | bf16 | fp16 (default: fp32 on CPU, bf16 on CUDA)")
-    g.add_argument("--ctx", type=int, default=None, help="context length (default: min(model's, 8192))")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's choice)")
-    g.add_argument("--compile", default="auto", choices=COMPILE_MODES,
-                   help="the decode step as one unit: auto = fused C++ step on CPU, CUDA graph on CUDA; "
-                        "inductor = CUDA graph of torch.compile'd layers (CUDA: ~2x decode, 10-30 s to compile "
-                        "on first use); off = op by op (default auto)")
-    g.add_argument("--no-compile", dest="compile", action="store_const", const="off", help="same as --compile off")
-    g.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
-
-
-WEIGHT_FORMATS = ("auto", "fp", "int8", "int4")
-COMPILE_MODES = ("auto", "inductor", "off")
-
-
-def kv_format_arg(value: str) -> str:
-    from .cache import parse_kv_format
-
-    try:
-        parse_kv_format(value)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return value
-
-
-def add_format_options(p: argparse.ArgumentParser, draft: bool = False) -> None:
-    g = p.add_argument_group("formats")
-    g.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
-                   help="auto = as stored: a quantized GGUF keeps its blocks (Q4_K, Q6_K, Q8_0, ...) and multiplies "
-                        "them in place, a float model stays float; fp = the compute dtype; int8 | int4 = quantize "
-                        "at load (default auto)")
-    g.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4/int8 group size")
-    g.add_argument("--kv", default="fp", type=kv_format_arg,
-                   help="KV-cache storage: fp | int8 | int4, optionally :GROUP (int8:32, int4:64) (default: fp)")
-    g.add_argument("--activations", default=None, choices=("int8", "int8x2", "fp32"),
-                   help="CPU int8/int4 matmuls: activations rounded to int8 per block (default, llama.cpp's "
-                        "numerics), int8 plus an int8 residual (closer to fp32, a decode step ~1.3x as long), or fp32")
-    if draft:
-        g.add_argument("--draft", default="none",
-                       help="speculative decoding: none | self[:int4|:int8][:asym|:sym][:L<n>] (int4 asym g32 copy by default) | lookup | MODEL")
-        g.add_argument("--draft-tokens", type=int, default=None, help="fix the draft length (default: adaptive)")
-        g.add_argument("--show-drafts", action="store_true", help="colour tokens that came from accepted drafts")
-
-
-def add_quant_options(p: argparse.ArgumentParser) -> None:
-    """How --weights int8|int4 quantizes at load: the knobs of `edgellm quantize`."""
-    g = p.add_argument_group("quantization (with --weights int8|int4)")
-    g.add_argument("--per-channel", action="store_true", help="int8: one scale per output channel")
-    sym = g.add_mutually_exclusive_group()
-    sym.add_argument("--sym", dest="symmetric", action="store_true", default=True, help="int4 symmetric (default)")
-    sym.add_argument("--asym", dest="symmetric", action="store_false", help="int4 with scale + min")
-    g.add_argument("--embeddings", default="int8", choices=("int8", "int4", "fp"),
-                   help="embedding table / LM head format (default int8)")
-    g.add_argument("--fast", action="store_true", help="round-to-nearest instead of the scale search")
-    g.add_argument("--calibrate", nargs="?", const="builtin", default=None, metavar="TEXT",
-                   help="weight the scale search by each input channel's activations over a text (llama.cpp's "
-                        "imatrix): the built-in one, or the file TEXT. Loads the float model first")
-
-
-def add_sampling_options(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("sampling")
-    g.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repeat-penalty", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("-n", "--max-tokens", type=int, default=256)
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--system", default=None, help="system prompt")
-
-
-def sampling_from_args(args: argparse.Namespace):
-    from .sampling import SamplingSettings
-
-    try:
-        return SamplingSettings(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                                min_p=args.min_p, repeat_penalty=args.repeat_penalty, seed=args.seed)
-    except ValueError as e:
-        raise EdgeLLMError(str(e)) from e
-
-
-DEFAULT_CTX = 8192
-
-
-def load_from_args(args: argparse.Namespace, on_tensor=None):
-    """Load the model the options name, on the device and dtype they ask for."""
-    from .device import parse_dtype, pick_device, set_threads
-    from .loading import load_model
-
-    set_threads(args.threads)
-    if getattr(args, "activations", None):
-        from .kernels.matmul import set_activations
-
-        set_activations(args.activations)
-    try:
-        device = pick_device(args.device)
-        dtype = parse_dtype(args.dtype, device)
-    except (ValueError, RuntimeError) as e:
-        raise EdgeLLMError(str(e)) from e
-    ctx = args.ctx or DEFAULT_CTX
-    weights = getattr(args, "weights", "auto")
-    per_channel = getattr(args, "per_channel", False)
-    if per_channel and weights != "int8":
-        raise EdgeLLMError("--per-channel is for int8 weights only")
-    loaded = load_model(args.model, device=device, dtype=dtype, max_seq_len=ctx, on_tensor=on_tensor,
-                        weights=weights, group_size=0 if per_channel else getattr(args, "group_size", 32),
-                        symmetric=getattr(args, "symmetric", True), embeddings=getattr(args, "embeddings", "int8"),
-                        search=not getattr(args, "fast", False), calibration=getattr(args, "calibrate", None))
-    return loaded
-
-
-def engine_from_args(args: argparse.Namespace, loaded):
-    """The Engine the options describe: KV format and draft proposer."""
-    from .cache import KVCache
-    from .generate import Engine
-
-    model = loaded.model
-    cache = KVCache(model.config, model.rope_len, model.dtype, model.device, kv_format=getattr(args, "kv", "fp"))
-    draft_spec = getattr(args, "draft", "none") or "none"
-    proposer = None
-    if draft_spec != "none":
-        from .speculative import make_proposer
-
-        proposer = make_proposer(draft_spec, loaded)
-    kwargs = {"draft": proposer, "draft_tokens": getattr(args, "draft_tokens", None)} if proposer else {}
-    engine = Engine(model, loaded.tokenizer, cache=cache, **kwargs)
-    engine.compile_mode = getattr(args, "compile", "auto")
-    return engine
+# The shared options live in args.py (the commands import them from there); re-exported for callers of old.
+from .args import (add_format_options, add_model_options, add_quant_options, add_sampling_options,  # noqa: E402,F401
+                   debug_requested, engine_from_args, engine_from_options, kv_format_arg, load_from_args,
+                   load_from_options, options_from_args, sampling_from_args, show_decode_path)
+from .options import COMPILE_MODES, DEFAULT_CTX, WEIGHT_FORMATS  # noqa: E402,F401
 
 
 def prompt_ids(args: argparse.Namespace, tokenizer, text: str) -> list[int]:
@@ -192,10 +59,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     text = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.max_tokens < 1:
         raise EdgeLLMError("-n/--max-tokens must be at least 1")
-    loaded = load_from_args(args)
+    options = options_from_args(args)
+    loaded = load_from_options(options)
     tok = loaded.tokenizer
     ids = prompt_ids(args, tok, text)
-    engine = engine_from_args(args, loaded)
+    engine = engine_from_options(options, loaded, kv=args.kv, draft=args.draft, draft_tokens=args.draft_tokens)
+    show_decode_path(options, engine)
     if args.truncate and len(ids) >= engine.max_seq_len:
         ids = ids[-(engine.max_seq_len - 1):]  # keep the end: the question is usually last
     settings = GenerationSettings(max_tokens=args.max_tokens, sampling=sampling_from_args(args),
@@ -203,7 +72,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     out: list[int] = []
     pieces: list[str] = []
     done = None
-    show_drafts = getattr(args, "show_drafts", False) and engine.draft is not None and not args.json
+    show_drafts = args.show_drafts and engine.draft is not None and not args.json
     try:
         for ev in engine.generate(ids, settings):
             if isinstance(ev, Done):
@@ -245,13 +114,15 @@ def cmd_info(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    loaded = load_from_args(args)
+    options = options_from_args(args)
+    loaded = load_from_options(options)
     cfg = loaded.config
     model = loaded.model
     weight_bytes = sum(t.nbytes for t in {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values())
     from .cache import KVCache
 
-    kv_per_token = KVCache(cfg, 1, model.dtype, "meta", kv_format=getattr(args, "kv", "fp")).bytes_per_token
+    kv_per_token = KVCache(cfg, 1, model.dtype, "meta", kv_format=args.kv).bytes_per_token
+    decode_path = probe_decode_path(loaded, options, args.kv)
     kv_all = {f: KVCache(cfg, 1, model.dtype, "meta", kv_format=f).bytes_per_token for f in ("fp", "int8", "int4")}
     ctx = model.rope_len
     rows = [
@@ -263,7 +134,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("rope", f"theta {cfg.rope_theta:g}" + (f", {cfg.rope_scaling['rope_type']} scaling" if cfg.rope_scaling else "")),
         ("tied embeddings", str(cfg.tie_embeddings)),
         ("tensor types", ", ".join(f"{k}×{v}" for k, v in sorted(loaded.tensor_types.items()))),
-        ("weights run as", f"{loaded.runs_as_text()} (--weights {getattr(args, 'weights', 'auto')})"),
+        ("weights run as", f"{loaded.runs_as_text()} (--weights {args.weights})"),
         ("file size", _mib(loaded.file_bytes)),
         ("weights in memory", f"{_mib(weight_bytes)} ({model.dtype})".replace("torch.", "")),
         ("KV cache", f"{kv_per_token / 1024:.1f} KiB/token, {_mib(kv_per_token * ctx)} at {ctx} tokens"),
@@ -271,6 +142,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("memory needed", _mib(weight_bytes + kv_per_token * ctx)),
         ("chat template", "yes" if loaded.tokenizer.chat_template else "no"),
         ("device", str(model.device)),
+        ("decode path", str(decode_path)),
     ]
     if args.json:
         print(json.dumps({k: v for k, v in rows}))
@@ -280,6 +152,18 @@ def cmd_info(args: argparse.Namespace) -> int:
         table.add_row(f"[bold]{k}[/]", v)
     Console().print(table)
     return 0
+
+
+def probe_decode_path(loaded, options, kv: str):
+    """Which decode step an engine with this KV format would run (a small cache: the path depends on its format,
+    not its length)."""
+    from .cache import KVCache
+    from .decode_step import Decoder
+
+    model = loaded.model
+    decoder = Decoder(model, options)
+    decoder.compiled(KVCache(model.config, 16, model.dtype, model.device, kv_format=kv), options.decode.compile)
+    return decoder.path
 
 
 def _mib(n: int) -> str:
@@ -321,7 +205,7 @@ EXTENSIONS: list[Callable] = []
 def _load_extensions() -> None:
     import importlib
 
-    for name in ("edgellm.tui.cli", "edgellm.bench", "edgellm.quant.cli", "edgellm.perplexity", "edgellm.serve_cli"):
+    for name in ("edgellm.tui.cli", "edgellm.bench", "edgellm.quantize", "edgellm.perplexity", "edgellm.serve_cli"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -336,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     _load_extensions()
     parser = build_parser()
     args = parser.parse_args(argv)
-    debug = args.debug or os.environ.get("EDGELLM_DEBUG") == "1"
+    debug = debug_requested(args)
     try:
         return COMMANDS[args.command](args)
     except EdgeLLMError as e:

@@ -9,7 +9,14 @@ token), so the step is run as one unit where the device allows:
   1024, ... up to the cache size) so the kernel's launch grid follows the context, not the cache size.
 `--compile inductor` also runs torch.compile on the forward inside the graph (fused elementwise ops).
 Elsewhere (MPS, a model or cache the unit does not describe, `--compile off`) `compiled_decode_step`
-returns None and the engine calls the model op by op.
+returns no step and the engine calls the model op by op. Which path runs, and why not a faster one, is a
+`DecodePath` (`Decoder.path`): `--debug` prints it, `edgellm info` shows it, `edgellm bench` rows carry it.
+
+Selection, in order: compile "off" → eager ("--compile off"); CPU: fused off → eager ("fused step off"), else
+the fused step, or eager with the reason the fused plan refused (kernels/cpu_decode.py NotFused: no extension,
+not fp32, a cache or weight layout it does not read, a C++ check); CUDA: a CUDA graph (inductor: of the
+torch.compile'd forward) when Triton takes every cache layer's head dim, else eager with that reason; any other
+device: eager.
 
 A step is `step(token [1, 1] long on the model's device, pos) -> logits [vocab]`, valid until the next
 call, and sets `cache.length = pos + 1` as the model does. `step.limit` is the first position it cannot
@@ -17,29 +24,45 @@ serve (the caller falls back to the eager model there).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .cache import DevicePosition, KVCache
+from .options import Options
 
 GRAPH_BUCKET_MIN = 256
+
+
+@dataclass(frozen=True)
+class DecodePath:
+    """Which decode step runs: "fused-cpu", "cuda-graph", "cuda-graph-inductor" or "eager"; `reason` says why
+    the eager model serves ("" on a compiled path)."""
+
+    name: str
+    reason: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.reason})" if self.reason else self.name
 
 
 class Decoder:
     """One token through `model` at position `pos` of `cache` → logits [vocab]: the compiled step where it
     applies (built on first use, rebuilt when the cache or the mode changes), else the eager model.
-    Used by the engine and by draft models (speculative.py)."""
+    Used by the engine and by draft models (speculative.py). `options`: its kernel and decode settings."""
 
-    def __init__(self, model):
+    def __init__(self, model, options: Options | None = None):
         self.model = model
+        self.options = options or Options()
         self._key: tuple | None = None  # (cache, mode) the step was built for
         self._step = None
+        self.path: DecodePath | None = None  # of the last step built (None: none yet)
 
     def compiled(self, cache: KVCache, mode: str = "auto"):
         """The compiled step for this cache and mode, or None (mode "off", or it does not apply)."""
-        if mode == "off":
-            return None
         if self._key is None or self._key[0] is not cache or self._key[1] != mode:
-            self._key, self._step = (cache, mode), compiled_decode_step(self.model, cache, mode)
+            self._step, self.path = compiled_decode_step(self.model, cache, mode, self.options)
+            self._key = (cache, mode)
         return self._step
 
     def __call__(self, token: torch.Tensor, cache: KVCache, pos: int, mode: str = "auto") -> torch.Tensor:
@@ -50,23 +73,47 @@ class Decoder:
         return self.model(token, cache, pos)[0, -1]
 
 
-def compiled_decode_step(model, cache: KVCache, mode: str = "auto"):
-    """The fused / graph-captured decode step for this model and cache, or None (use the eager model).
-    mode "inductor": on CUDA, torch.compile the forward inside the graph (elsewhere the same as "auto")."""
+def compiled_decode_step(model, cache: KVCache, mode: str = "auto",
+                         options: Options | None = None) -> tuple[object | None, DecodePath]:
+    """The fused / graph-captured decode step for this model and cache, or None (use the eager model), and the
+    DecodePath saying which (the selection rules: the module docstring). mode "inductor": on CUDA,
+    torch.compile the forward inside the graph (elsewhere the same as "auto")."""
+    options = options or Options()
+    if mode == "off":
+        return None, DecodePath("eager", "--compile off")
     if model.device.type == "cpu":
-        from .kernels.cpu_decode import fused_decode_step
+        from .kernels.cpu_decode import NotFused, fused_decode_step
 
-        return fused_decode_step(model, cache)
-    if model.device.type == "cuda" and cuda_graph_supported(model, cache):
-        return CudaGraphDecodeStep(model, cache, inductor=mode == "inductor")
-    return None
+        if not options.decode.fused:
+            return None, DecodePath("eager", "the fused CPU step is off")
+        try:
+            return fused_decode_step(model, cache, options.kernel, options.decode.tuning), DecodePath("fused-cpu")
+        except NotFused as e:
+            return None, DecodePath("eager", str(e))
+    if model.device.type == "cuda":
+        why = cuda_graph_unsupported(model, cache)
+        if why:
+            return None, DecodePath("eager", why)
+        inductor = mode == "inductor"
+        return (CudaGraphDecodeStep(model, cache, inductor=inductor),
+                DecodePath("cuda-graph-inductor" if inductor else "cuda-graph"))
+    return None, DecodePath("eager", f"no compiled decode step on {model.device.type}")
 
 
 def cuda_graph_supported(model, cache: KVCache) -> bool:
     """The Triton kernel is what reads a device-side position: it must take this cache's head dim."""
+    return not cuda_graph_unsupported(model, cache)
+
+
+def cuda_graph_unsupported(model, cache: KVCache) -> str:
+    """Why a CUDA graph cannot serve this model and cache ("" where it can)."""
     from .kernels.attention import triton_available, triton_supports
 
-    return triton_available() and all(triton_supports(s, model.config.head_dim) for s in cache.layers)
+    if not triton_available():
+        return "Triton is unavailable (the graph needs its attention kernel)"
+    if not all(triton_supports(s, model.config.head_dim) for s in cache.layers):
+        return f"the Triton attention kernel does not take head dim {model.config.head_dim} with this cache"
+    return ""
 
 
 class CudaGraphDecodeStep:

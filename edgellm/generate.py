@@ -13,9 +13,10 @@ from typing import Iterator
 import torch
 
 from .cache import KVCache
-from .decode_step import Decoder
+from .decode_step import DecodePath, Decoder
 from .device import now, peak_memory_bytes, reset_peak_memory
 from .errors import ContextOverflowError
+from .options import Options
 from .sampling import Sampler, SamplingSettings
 
 PREFILL_CHUNK = 512  # bounds activation/mask memory of long prompts; big enough for full GEMM speed
@@ -117,9 +118,11 @@ class Engine:
     """A model, its tokenizer and its KV cache, generating for one user."""
 
     def __init__(self, model, tokenizer, max_seq_len: int | None = None, cache: KVCache | None = None,
-                 draft=None, draft_tokens: int | None = None):
+                 draft=None, draft_tokens: int | None = None, options: Options | None = None):
         """`draft`: a speculative proposer (edgellm.speculative), or None for plain decoding;
-        `draft_tokens`: a fixed draft length (None: adaptive, starting at 4)."""
+        `draft_tokens`: a fixed draft length (None: adaptive, starting at 4); `options`: the decode step's
+        settings (compile mode, fused step, kernel activations; default: edgellm's defaults)."""
+        self.options = options or Options()
         self.model = model
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len or model.rope_len
@@ -129,8 +132,8 @@ class Engine:
         self.device = model.device
         # the decode step as one unit (decode_step.py: fused C++ on CPU, a CUDA graph on CUDA) where it
         # applies: "auto", "inductor" (CUDA: torch.compile inside the graph) or "off" (op by op)
-        self.compile_mode = "auto"
-        self._decoder = Decoder(model)
+        self.compile_mode = self.options.decode.compile
+        self._decoder = Decoder(model, self.options)
         self.draft = draft
         self.draft_tokens = draft_tokens
         if draft is not None:
@@ -194,6 +197,12 @@ class Engine:
     def compiled_step(self):
         """The decode step as one unit for the current cache (built on first use), or None."""
         return self._decoder.compiled(self.cache, self.compile_mode)
+
+    @property
+    def decode_path(self) -> DecodePath:
+        """Which decode step serves this engine's cache, and why not a faster one (decode_step.DecodePath)."""
+        self.compiled_step()
+        return self._decoder.path
 
     # ------------------------------------------------------------------------------------------
     def generate(self, prompt: list[int], settings: GenerationSettings | None = None,

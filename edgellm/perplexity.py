@@ -8,7 +8,7 @@ of context.
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import json
 import math
 import sys
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .errors import EdgeLLMError, ModelNotFoundError
+from .options import LoadOptions
 
 
 @dataclass
@@ -123,13 +124,13 @@ def evaluate(model, cache, tokenizer, ids: list[int], ctx: int, reference=None, 
     return res
 
 
-def weight_summary(args: argparse.Namespace, loaded) -> dict:
+def weight_summary(load: LoadOptions, loaded) -> dict:
     """What the weights were quantized to, and what they cost: bytes in memory (a tied embedding / LM
     head counted once, norms included) and bits per weight over all parameters."""
     from .bench import weight_bytes
     from .quant.linear import QuantEmbedding, QuantLinear
 
-    weights = getattr(args, "weights", "auto")
+    weights = load.weights
     total, _ = weight_bytes(loaded.model)
     # what the modules actually hold: a GGUF's Q4_1/Q8_0 blocks are kept as they are when the format
     # asked for has as many bits or more, whatever group or symmetry was asked
@@ -147,11 +148,9 @@ def weight_summary(args: argparse.Namespace, loaded) -> dict:
     out = {"weights": weights, "weight_bytes": total,
            "bits_per_weight": 8 * total / loaded.config.num_parameters(), "stored_formats": stored}
     if weights in ("int8", "int4"):
-        per_channel = getattr(args, "per_channel", False)
-        out |= {"group_size": "channel" if per_channel else getattr(args, "group_size", 32),
-                "symmetric": weights == "int8" or getattr(args, "symmetric", True),
-                "embeddings": getattr(args, "embeddings", "int8"),
-                "search": not getattr(args, "fast", False)}
+        out |= {"group_size": "channel" if load.per_channel else load.group_size,
+                "symmetric": weights == "int8" or load.symmetric, "embeddings": load.embeddings,
+                "search": load.search}
     return out
 
 
@@ -159,7 +158,7 @@ def weight_summary(args: argparse.Namespace, loaded) -> dict:
 # CLI
 # ------------------------------------------------------------------------------------------------
 def add_parser(sub) -> None:
-    from .cli import add_format_options, add_model_options, add_quant_options
+    from .args import add_format_options, add_model_options, add_quant_options
 
     p = sub.add_parser("perplexity", help="perplexity (and KL vs full precision) over a text file")
     add_model_options(p)
@@ -179,7 +178,7 @@ def add_parser(sub) -> None:
 def cmd_perplexity(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
-    from .cli import engine_from_args, load_from_args
+    from .args import engine_from_options, load_from_options, options_from_args
 
     path = Path(args.file)
     if not path.is_file():
@@ -188,19 +187,19 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
         raise EdgeLLMError(f"{path}: not UTF-8 text") from e
-    ctx = args.ctx or 512
-    args.ctx = ctx
-    loaded = load_from_args(args)
-    engine = engine_from_args(args, loaded)
+    options = options_from_args(args)
+    ctx = options.load.ctx or 512
+    options = dataclasses.replace(options, load=dataclasses.replace(options.load, ctx=ctx))
+    loaded = load_from_options(options)
+    engine = engine_from_options(options, loaded, kv=args.kv)
     ids = loaded.tokenizer.encode(text, add_bos=False)
     reference = None
     if args.reference == "fp":
-        ref_args = copy.copy(args)
-        ref_args.weights, ref_args.kv, ref_args.draft, ref_args.per_channel = "fp", "fp", "none", False
-        ref_args.dtype = "fp32"
+        ref = dataclasses.replace(options, load=dataclasses.replace(options.load, weights="fp", per_channel=False,
+                                                                    dtype="fp32"))
         same = args.weights == "fp" and loaded.model.dtype == torch.float32
-        ref_loaded = loaded if same else load_from_args(ref_args)  # same weights: only the KV cache differs
-        reference = (ref_loaded.model, engine_from_args(ref_args, ref_loaded).cache)
+        ref_loaded = loaded if same else load_from_options(ref)  # same weights: only the KV cache differs
+        reference = (ref_loaded.model, engine_from_options(ref, ref_loaded).cache)
     n_windows = len(ids) // ctx
     if args.max_windows:
         ids = ids[: args.max_windows * ctx]
@@ -209,9 +208,9 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
         task = bar.add_task("scoring", total=n_windows)
         res = evaluate(loaded.model, engine.cache, loaded.tokenizer, ids, ctx, reference,
                        progress=lambda: bar.advance(task), decode=engine if args.decode else None)
-    out = asdict(res) | {"model": str(loaded.path), "file": str(path), "kv": getattr(args, "kv", "fp"),
+    out = asdict(res) | {"model": str(loaded.path), "file": str(path), "kv": args.kv,
                          "scoring": "decode" if args.decode else "forward"}
-    out |= weight_summary(args, loaded)
+    out |= weight_summary(options.load, loaded)
     if args.json:
         print(json.dumps(out))
     else:

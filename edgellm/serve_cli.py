@@ -9,7 +9,7 @@ from .errors import EdgeLLMError
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from . import cli as core
+    from . import args as core
 
     p = subparsers.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                               description="Serve one model to local clients (editors, agents, scripts) over "
@@ -36,7 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from .cli import engine_from_args, load_from_args, sampling_from_args
+    from .args import engine_from_args, load_from_args, options_from_args, sampling_from_args, show_decode_path
     from .serve import Server
     from .tui.session import ChatSettings
 
@@ -49,6 +49,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     defaults = ChatSettings.from_args(args)  # what a request that sets no sampling field gets
     loaded = load_from_args(args)
     engine = engine_from_args(args, loaded)
+    show_decode_path(options_from_args(args), engine)
     if args.warmup:
         warm_up(engine)
     model_id = args.alias or loaded.path.name

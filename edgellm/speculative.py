@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from .cache import KVCache
 from .decode_step import Decoder
 from .errors import EdgeLLMError
+from .quant.linear import set_kernel_options
 from .sampling import Sampler, SamplingSettings, apply_repeat_penalty, argmax, probabilities
 
 __all__ = ["Proposer", "DraftModelProposer", "SelfDraftProposer", "PromptLookupProposer", "GammaController",
@@ -132,6 +133,8 @@ class DraftModelProposer(Proposer):
 
     def bind(self, engine: Any) -> None:
         super().bind(engine)
+        self.decoder = Decoder(self.model, engine.options)  # the draft runs with the target's settings
+        set_kernel_options(self.model, engine.options.kernel)
         tok, target_tok = self._target_tokenizer_check
         if tok is not None and target_tok is not None:
             self.common_vocab = check_tokenizers(tok, target_tok, self.model.config.vocab_size, self.target_vocab)

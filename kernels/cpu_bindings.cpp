@@ -23,6 +23,7 @@ void q4_gemm(const float* x, int64_t M, int64_t K, const uint8_t* codes, const u
 void q8_gemm(const float* x, int64_t M, int64_t K, const int8_t* codes, const uint16_t* scales, int64_t N,
              int64_t G, float* out, int variant);
 const char* isa_name();
+void set_kernel_tuning(bool rows16, int64_t rows8_min_tokens);
 void dequant_int4(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K, int64_t G,
                   float* out);
 void dequant_int8(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t G, float* out);
@@ -523,6 +524,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequant_out", &dequant_out, py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("group_size"),
         py::arg("bits"), py::arg("buf"),
         "dequantize int4 (mins empty = symmetric) / int8 codes into fp32 buf (>= N*K elements); returns [N, K]");
+  m.def("set_kernel_tuning", &edgellm::set_kernel_tuning, py::arg("rows16"), py::arg("rows8_min_tokens"),
+        "A/B switches of the int kernels (same bits, other speed): 16-row groups on AVX-512 VNNI; from how many "
+        "tokens a call takes weight rows 8 at a time (AVX2)");
   py::class_<DecodePlan>(m, "DecodePlan", "the fused CPU decode step of one model + KV cache (see cpu_decode.py)")
       .def(py::init<const std::vector<int64_t>&, double, double, const py::tuple&, const py::list&, const py::handle&,
                     const py::tuple&, const py::handle&, const py::handle&, const py::handle&, const py::handle&,
@@ -534,6 +538,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "logits [vocab] of token (int64 [1] or [1, 1]) at position pos; writes its K/V into the cache")
       .def("step_many", &DecodePlan::step_many, py::arg("tokens"), py::arg("pos"), py::arg("logits"),
            py::arg("variant"), "logits [T, vocab] of T tokens at positions [pos, pos + T), causal; each row as step gives it")
+      .def_property("attention_rows", [](const DecodePlan& p) { return p.m.attention_rows; },
+                    [](DecodePlan& p, bool on) { p.m.attention_rows = on; },
+                    "fp32 cache, T-token passes: every token's attention tiles in one parallel region (A/B)")
+      .def_property("int_attention", [](const DecodePlan& p) { return p.m.int_attention; },
+                    [](DecodePlan& p, bool on) { p.m.int_attention = on; },
+                    "int8/int4 cache on AVX-512 VNNI: integer scores and register-dequantized values (A/B)")
       .def_property_readonly_static("max_rows", [](py::object) { return edgellm::kDecodeMaxRows; })
       .def("set_profile", [](DecodePlan& p, bool on) {
              p.m.profile = on;

@@ -1268,10 +1268,6 @@ void decode_prepare(DecodeModel& m) {
   const int64_t per_row = 2 * dim + (qsz + 2 * kvsz) + qsz + std::max(dim, 2 * hid) + hid;
   m.buf.assign(kDecodeMaxRows * per_row + 64, 0.0f);
   m.work.assign(decode_work_floats(m) + 64, 0.0f);
-  const char* rows_env = std::getenv("EDGELLM_ATTENTION_ROWS");  // "0": a T-token pass one token at a time (A/B)
-  m.attention_rows = !(rows_env && rows_env[0] == '0');
-  const char* int_env = std::getenv("EDGELLM_INT_ATTENTION");
-  m.int_attention = !(int_env && int_env[0] == '0');
   m.qrot.assign(2 * qsz + 64, 0.0f);
   m.kv_rot_t.clear();
   if (m.kv_rot) {

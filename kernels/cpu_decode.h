@@ -84,7 +84,7 @@ struct DecodeModel {
   std::vector<float> work_rows;     // attention_rows' scratch (grown on first use)
   bool attention_rows = true;       // T-token passes: every token's tiles in one parallel region (A/B switch)
   bool int_attention = true;        // int8/int4 caches: VPDPBUSD scores and register-dequantized values where
-                                    // the build has AVX-512 VNNI (EDGELLM_INT_ATTENTION=0: the AVX2 tiles, A/B)
+                                    // the build has AVX-512 VNNI (false: the AVX2 tiles, A/B; DecodeTuning)
   bool profile = false;             // accumulate the seconds below (steady clock; off by default)
   double t_matmul = 0, t_attention = 0, t_other = 0;
   int64_t steps = 0;

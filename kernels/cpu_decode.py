@@ -11,7 +11,8 @@ Applies to: a float32 model on the CPU, a float32 or int8 / int4 KV cache (fp16 
 place: parts with `raw` uint8, `type`, `rows`, `out_index` int32 or None), the embedding an `nn.Embedding` (fp32), a
 `QuantEmbedding` or a module with `gguf_parts` (rows in order, no out_index); every family edgellm.config describes
 (the plan's `family` extras: q/k norms, Gemma's post norms, GeGLU, embedding scale, soft caps, per-layer windows and
-RoPE tables, partial rotary). Disabled by EDGELLM_NO_EXT=1 (no extension) or EDGELLM_FUSED_DECODE=0.
+RoPE tables, partial rotary). Where it does not apply, `fused_decode_step` raises `NotFused` with the reason (the
+engine shows it: edgellm/decode_step.py's DecodePath).
 
 The returned logits tensor is reused: it is valid until the next call. The plan holds references to the
 model's and cache's tensors; build a new one after replacing either (Engine keys it on the cache object).
@@ -19,12 +20,27 @@ Duck-typed on attribute names, so this module imports nothing else of edgellm (k
 """
 from __future__ import annotations
 
-import os
+from dataclasses import dataclass
 
 import torch
 
 from . import matmul as K
 from .attention import groups
+
+
+class NotFused(Exception):
+    """Why the fused step does not serve this model and cache (the caller runs the eager model instead)."""
+
+
+@dataclass(frozen=True)
+class DecodeTuning:
+    """A/B switches of the fused step's attention (the same results, other speed; benchmarks/kv_step_split.py):
+    attention_rows: a T-token pass over an fp32 cache runs every token's tiles in one parallel region (False: one
+    token at a time); int_attention: an int8/int4 cache on an AVX-512 VNNI build scores with integer dots and
+    dequantizes values in registers (False: the AVX2 tiles)."""
+
+    attention_rows: bool = True
+    int_attention: bool = True
 
 
 def _linear_spec(mod) -> tuple | None:
@@ -106,8 +122,9 @@ def _family(model, S: int) -> tuple | None:
 class FusedDecodeStep:
     """`step(token [1, 1] int64, pos) -> logits [vocab]`; sets `cache.length = pos + 1` like the model."""
 
-    def __init__(self, plan, cache, vocab: int, limit: int):
+    def __init__(self, plan, cache, vocab: int, limit: int, variant: int = 0):
         self.plan = plan
+        self.variant = variant  # the int kernels' activations (kernels/matmul.py ACTIVATIONS)
         self.cache = cache
         self.limit = limit  # positions the rope table and the cache both hold
         self.logits = torch.empty(vocab, dtype=torch.float32)
@@ -115,7 +132,7 @@ class FusedDecodeStep:
         self.rows = torch.empty(0, vocab, dtype=torch.float32)  # `many`'s logits, grown on first use
 
     def __call__(self, token: torch.Tensor, pos: int) -> torch.Tensor:
-        self.plan.step(token, pos, self.logits, K._variant["v"])
+        self.plan.step(token, pos, self.logits, self.variant)
         self.cache.length = pos + 1
         return self.logits
 
@@ -126,32 +143,32 @@ class FusedDecodeStep:
         T = tokens.numel()
         if self.rows.shape[0] < T:
             self.rows = torch.empty(T, self.logits.numel(), dtype=torch.float32)
-        self.plan.step_many(tokens.reshape(-1).contiguous(), pos, self.rows, K._variant["v"])
+        self.plan.step_many(tokens.reshape(-1).contiguous(), pos, self.rows, self.variant)
         self.cache.length = pos + T
         return self.rows[:T]
 
 
-def fused_decode_step(model, cache) -> FusedDecodeStep | None:
-    """The fused step for this model and cache, or None where it does not apply (see the module docstring)."""
-    if os.environ.get("EDGELLM_FUSED_DECODE", "").strip() == "0":
-        return None
+def fused_decode_step(model, cache, kernel: K.KernelOptions = K.DEFAULT_OPTIONS,
+                      tuning: DecodeTuning = DecodeTuning()) -> FusedDecodeStep:
+    """The fused step for this model and cache (the int kernels' activations from `kernel`), or NotFused naming
+    why it does not apply (see the module docstring)."""
     ext = K.cpu_extension()
     if ext is None or not hasattr(ext, "DecodePlan"):
-        return None
+        raise NotFused("the C++ CPU extension is off or did not build")
+    cfg = model.config
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        raise NotFused(f"the model runs in {str(model.dtype).replace('torch.', '')} on {model.device.type} "
+                       "(the fused step takes fp32 on the CPU)")
     try:
-        cfg = model.config
-        if model.device.type != "cpu" or model.dtype != torch.float32:
-            return None
         kv = [_kv_specs(s, cache) for s in cache.layers]
         if any(s is None for s in kv):
-            return None
+            raise NotFused(f"the KV cache's layout ({cache.kind}) is not one the fused step reads")
         rot = getattr(cache, "rotation", None)
         if (cache.kind == "fp") != (rot is None) or (rot is not None and rot.dtype != torch.float32):
-            return None
+            raise NotFused("the KV cache's rotation does not match its format")
         emb = model.tok_embeddings
-        if hasattr(emb, "codes"):
-            if emb.dtype != torch.float32:
-                return None
+        if hasattr(emb, "codes") and emb.dtype != torch.float32:
+            raise NotFused("the quantized embedding is not fp32")
         emb_spec = _linear_spec(emb)
         out_spec = _linear_spec(model.output)
         layers = []
@@ -159,14 +176,16 @@ def fused_decode_step(model, cache) -> FusedDecodeStep | None:
             a, f = blk.attention, blk.feed_forward
             specs = [_linear_spec(m) for m in (a.wqkv, a.wo, f.w13, f.w2)]
             if any(s is None for s in specs):
-                return None
+                raise NotFused(f"layer {i}: a linear whose weight format the fused step does not read")
             layers.append((*specs, blk.attention_norm.weight.detach().contiguous(),
                            blk.ffn_norm.weight.detach().contiguous(), *kv[i]))
-        if emb_spec is None or out_spec is None or len(layers) != cfg.n_layers:
-            return None
+        if emb_spec is None or out_spec is None:
+            raise NotFused("the embedding or LM head's weight format is not one the fused step reads")
+        if len(layers) != cfg.n_layers:
+            raise NotFused(f"{len(layers)} layers where the config says {cfg.n_layers}")
         eps = {blk.attention_norm.eps for blk in model.layers} | {blk.ffn_norm.eps for blk in model.layers}
         if len(eps) != 1 or model.norm.eps not in eps:
-            return None
+            raise NotFused("norms with different epsilons")
         S, D = cache.max_seq_len, cfg.head_dim
         cos, sin = _rope_table(model.rope_cos, S), _rope_table(model.rope_sin_signed, S)
         limit = min(S, model.rope_len)
@@ -181,6 +200,10 @@ def fused_decode_step(model, cache) -> FusedDecodeStep | None:
                               None if centers is None else centers.reshape(cfg.n_layers, 2, -1).contiguous(),
                               None if key_scales is None else key_scales.reshape(cfg.n_layers, -1).contiguous(),
                               _family(model, S))
-    except (AttributeError, RuntimeError, TypeError, ValueError):
-        return None  # a model this plan does not describe: the eager path serves it
-    return FusedDecodeStep(plan, cache, cfg.vocab_size, limit)
+    except (AttributeError, RuntimeError, TypeError, ValueError) as e:
+        # a model this plan does not describe (the C++ checks name the part): the eager path serves it
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise NotFused(f"{type(e).__name__}: {first[:200]}") from e
+    if hasattr(plan, "int_attention"):
+        plan.attention_rows, plan.int_attention = tuning.attention_rows, tuning.int_attention
+    return FusedDecodeStep(plan, cache, cfg.vocab_size, limit, kernel.variant)

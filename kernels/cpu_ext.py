@@ -6,12 +6,12 @@
     int8_gemm(x fp32 [M,K], codes int8 [N,K], scales fp16 [N,K/G], G) -> fp32 [M,N]
 
 (plus `int4_gemm_variant` / `int8_gemm_variant` taking a variant number, and `isa()`), or None when
-EDGELLM_NO_EXT=1 or the build is impossible (no compiler, no ninja, compile error: one warning, never an
+disabled (`ExtensionSettings(enabled=False)`, `--no-ext`) or the build is impossible (no compiler, no ninja, compile error: one warning, never an
 exception). The same functions are registered as torch ops, `torch.ops.edgellm_cpu.int4_gemm` etc., with
 fake implementations so `torch.compile` can trace them.
 
 The build (~20 s, one line on stderr) goes to
-`platformdirs.user_cache_dir("edgellm")/ext-torch<ver>-py<ver>-<isa>-<hash of sources and flags>`; later
+`ExtensionSettings.cache_dir` (default `platformdirs.user_cache_dir("edgellm")`)`/ext-torch<ver>-py<ver>-<isa>-<hash of sources and flags>`; later
 processes import the cached library directly (milliseconds), without running ninja again. A file lock
 keeps two processes from building into the same folder at once.
 
@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Iterator
@@ -44,14 +45,33 @@ _BUILD_VERSION = "1"  # bump to force a rebuild when the flags logic changes
 _state: dict[str, object] = {"tried": False, "ext": None}
 
 
-def get_extension() -> ModuleType | None:
-    """The compiled kernels, built on first use; None if disabled (EDGELLM_NO_EXT=1) or unavailable."""
-    if os.environ.get("EDGELLM_NO_EXT", "").strip() not in ("", "0"):
+@dataclass(frozen=True)
+class ExtensionSettings:
+    """How the kernels are built and found. One build serves a process: the first `get_extension` call's settings
+    decide it. enabled: False = no extension (the torch paths); isa: None = the best this CPU runs, "avx2" = the
+    AVX2 build on an AVX-512 VNNI machine, "scalar" = the portable C++ path (for testing and A/B runs); openmp:
+    False = the kernels' own thread pool instead of torch's OpenMP (the macOS build, tested elsewhere); cache_dir:
+    where builds are kept (None: the user cache folder; the app reads $EDGELLM_EXT_CACHE)."""
+
+    enabled: bool = True
+    isa: str | None = None
+    openmp: bool = True
+    cache_dir: Path | None = None
+
+    def __post_init__(self):
+        if self.isa not in (None, "avx2", "scalar"):
+            raise ValueError(f"kernel ISA {self.isa!r}: choose from avx2, scalar (or the default, the best)")
+
+
+def get_extension(settings: ExtensionSettings | None = None) -> ModuleType | None:
+    """The compiled kernels, built on first use; None if disabled or unavailable."""
+    settings = settings or ExtensionSettings()
+    if not settings.enabled:
         return None
     if not _state["tried"]:
         _state["tried"] = True
         try:
-            _state["ext"] = _load()
+            _state["ext"] = _load(settings)
         except Exception as exc:  # noqa: BLE001 - any failure means "use the torch path"
             warnings.warn(
                 f"edgellm: C++ CPU kernels unavailable, using the slower torch path ({_one_line(exc)})",
@@ -97,12 +117,11 @@ def _cpu_flags() -> set[str]:
     return flags
 
 
-def _isa_and_flags() -> tuple[str, list[str]]:
-    """(tag, compiler flags) for the best kernel path this CPU runs. EDGELLM_EXT_ISA=scalar forces the
-    portable C++ path, EDGELLM_EXT_ISA=avx2 the AVX2 one on an AVX-512 VNNI machine (for testing them)."""
+def _isa_and_flags(forced: str | None = None) -> tuple[str, list[str]]:
+    """(tag, compiler flags) for the best kernel path this CPU runs. forced "scalar": the portable C++ path,
+    "avx2": the AVX2 one on an AVX-512 VNNI machine (for testing them)."""
     machine = platform.machine().lower()
     msvc = sys.platform == "win32"
-    forced = os.environ.get("EDGELLM_EXT_ISA", "").strip().lower()
     if forced == "scalar":
         return "scalar", ["/DEDGELLM_FORCE_SCALAR" if msvc else "-DEDGELLM_FORCE_SCALAR"]
     flags = _cpu_flags()
@@ -120,14 +139,14 @@ def _isa_and_flags() -> tuple[str, list[str]]:
     return "scalar", []
 
 
-def _openmp_flags() -> tuple[list[str], list[str]]:
+def _openmp_flags(openmp: bool = True) -> tuple[list[str], list[str]]:
     """Compile/link flags so at::parallel_for runs on torch's OpenMP pool.
 
     torch's Linux wheels load libgomp.so.1; an extension built with GCC's -fopenmp needs that same SONAME,
     so the dynamic loader reuses torch's copy and torch.set_num_threads() governs our threads too. Without
-    OpenMP (macOS' Apple clang, or EDGELLM_EXT_OPENMP=0 to test that build) the kernels use a small
+    OpenMP (macOS' Apple clang, or openmp=False to test that build) the kernels use a small
     thread pool of their own."""
-    if os.environ.get("EDGELLM_EXT_OPENMP", "").strip() == "0":
+    if not openmp:
         return [], []
     if sys.platform == "win32":
         return ["/openmp"], []
@@ -144,8 +163,7 @@ def _openmp_flags() -> tuple[list[str], list[str]]:
 
 
 # ------------------------------------------------------------------------------------------------ build
-def _cache_root() -> Path:
-    override = os.environ.get("EDGELLM_EXT_CACHE")
+def _cache_root(override: Path | None = None) -> Path:
     if override:
         return Path(override)
     try:
@@ -216,11 +234,11 @@ def _import_library(path: Path) -> ModuleType:
     return module
 
 
-def _load() -> ModuleType:
+def _load(settings: ExtensionSettings) -> ModuleType:
     here = Path(__file__).resolve().parent
     sources = [here / s for s in _SOURCES]
-    isa, isa_flags = _isa_and_flags()
-    omp_cflags, omp_ldflags = _openmp_flags()
+    isa, isa_flags = _isa_and_flags(settings.isa)
+    omp_cflags, omp_ldflags = _openmp_flags(settings.openmp)
     opt = ["/O2"] if sys.platform == "win32" else ["-O3"]
     cflags = opt + ["-DNDEBUG"] + isa_flags + omp_cflags
     key = hashlib.sha256()
@@ -228,7 +246,7 @@ def _load() -> ModuleType:
         key.update(s.read_bytes())
     key.update(repr((cflags, omp_ldflags, os.environ.get("CXX"), _BUILD_VERSION, sys.version)).encode())
     pyver = f"{sys.version_info.major}{sys.version_info.minor}"
-    folder = _cache_root() / f"ext-torch{torch.__version__}-py{pyver}-{isa}-{key.hexdigest()[:12]}"
+    folder = _cache_root(settings.cache_dir) / f"ext-torch{torch.__version__}-py{pyver}-{isa}-{key.hexdigest()[:12]}"
     done = folder / "built.ok"
 
     if done.exists() and (lib := _library_file(folder)) is not None:

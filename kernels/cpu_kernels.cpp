@@ -31,6 +31,7 @@
 //   one (measured 181 vs 101 GMAC/s per core), so a verification pass's integer dots run up to twice as fast.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -1036,15 +1037,19 @@ static void qdot(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const
   }
 }
 
-#if defined(EDGELLM_VNNI)
-// EDGELLM_ROWS16=0 keeps the 8-row kernel everywhere (for A/B runs; the bits are the same either way).
-static bool rows16_enabled() {
-  static const bool v = [] {
-    const char* e = std::getenv("EDGELLM_ROWS16");
-    return !(e && *e && std::atoll(e) == 0);
-  }();
-  return v;
+// A/B switches for benchmarks (set_kernel_tuning, from kernels/matmul.py's KernelTuning; the bits are the same
+// either way, only the speed differs): rows16 = false keeps the 8-row kernel on AVX-512 VNNI builds;
+// rows8_min_tokens = from how many tokens a call takes weight rows 8 at a time (AVX2 builds).
+static std::atomic<bool> g_rows16{true};
+static std::atomic<int64_t> g_rows8_min_tokens{2};
+
+void set_kernel_tuning(bool rows16, int64_t rows8_min_tokens) {
+  g_rows16.store(rows16);
+  g_rows8_min_tokens.store(std::max<int64_t>(1, rows8_min_tokens));
 }
+
+#if defined(EDGELLM_VNNI)
+static bool rows16_enabled() { return g_rows16.load(std::memory_order_relaxed); }
 #endif
 
 // Groups [g0, g1) of 8 rows (the last one may be partial: its rows go through the one-row kernel); two full
@@ -1352,13 +1357,7 @@ static void residual_gemm(const float* x, int64_t M, int64_t K, int64_t N, float
 // One token: the one-row kernel (memory-bound; the 8-row transpose would be pure overhead).  Several (a
 // verification pass, a short prefill): groups of 8 rows, the transpose shared by up to 4 tokens.  Both give
 // the same bits for a row (rows_tile), so the choice is free to follow speed.
-static int64_t rows8_min_tokens() {
-  static const int64_t v = [] {
-    const char* e = std::getenv("EDGELLM_ROWS8_MIN_TOKENS");
-    return e && *e ? std::max<int64_t>(1, std::atoll(e)) : int64_t(2);
-  }();
-  return v;
-}
+static int64_t rows8_min_tokens() { return g_rows8_min_tokens.load(std::memory_order_relaxed); }
 
 template <int BITS>
 static void qdot_all(const XQ& xq, int64_t M, int64_t K, const uint8_t* codes, const uint16_t* scales,

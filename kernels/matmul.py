@@ -28,7 +28,7 @@ Dispatch (`int8_linear` / `int4_linear`):
 """
 from __future__ import annotations
 
-import os
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -42,70 +42,78 @@ TINYGEMM_MAX_M = 16  # tinygemm int4 (CUDA/MPS): ~bf16 speed at M <= 16, 20x slo
 INT8PACK_MAX_M = 1  # torch's int8pack kernel beats dequantize+GEMM at M = 1 only (see above)
 
 _cpu_ext_state: dict[str, object] = {}
-# How the C++ kernel takes the activations (`set_activations`, EDGELLM_ACTIVATIONS, `--activations`):
+# How the C++ kernel takes the activations (KernelOptions.activations, `--activations`):
 #   int8   rounded to int8 per 32-block (llama.cpp's numerics, ~0.5% relative error per product; the default,
 #          2.4x faster than fp32 here),
 #   int8x2 int8 plus an int8 residual as a second kernel row (~2^-14 error; a decode step 1.3x as long on
 #          the bundled model, fp32 2.3x: benchmarks/activations_cpu.py),
-#   fp32   float-fma: exact to the dequantized reference up to fp32 summation order (EDGELLM_EXACT_MATMUL=1).
+#   fp32   float-fma: exact to the dequantized reference up to fp32 summation order (`--activations fp32`).
 _INT_DOT_OR_AUTO, _FLOAT_FMA, _INT_DOT_RESIDUAL = 0, 2, 5
 ACTIVATIONS = {"int8": _INT_DOT_OR_AUTO, "int8x2": _INT_DOT_RESIDUAL, "fp32": _FLOAT_FMA}
-
-
-def _initial_variant() -> int:
-    if os.environ.get("EDGELLM_EXACT_MATMUL", "") not in ("", "0"):
-        return _FLOAT_FMA
-    name = os.environ.get("EDGELLM_ACTIVATIONS", "").strip() or "int8"
-    if name not in ACTIVATIONS:
-        raise ValueError(f"EDGELLM_ACTIVATIONS={name!r}: choose from {', '.join(ACTIVATIONS)}")
-    return ACTIVATIONS[name]
-
-
-_variant = {"v": _initial_variant()}
+PREFILL_MODES = ("auto", "fp32", "bf16")
 _NO_MINS = torch.empty(0, dtype=torch.float16, device="cpu")  # the C++ kernel takes an empty tensor for "no mins"
-_PREFILL_BF16_ENV = os.environ.get("EDGELLM_PREFILL_BF16", "").strip()
 
 
-def _detect_bf16_gemm() -> bool:
-    """Prefill GEMMs of quantized weights in bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX):
-    measured 2-4x the fp32 GEMM's speed at 512 tokens on a 2-core Zen 4 (benchmarks/results/decode-cpu.md).
-    Without it (AVX2 only) bf16 is several times slower than fp32, so fp32 stays. The weights are int8/int4
-    approximations already; bf16 activations cost less than the decode kernel's int8 rounding of them.
-    That holds for int4; int8 is the near-lossless choice, and bf16 doubled its error (GPL-3, calibrated
-    int8 g32: KL 0.0011 / top-1 97.5% with bf16 prefill, 0.0004 / 98.9% in fp32), so int8's GEMM stays
-    fp32 unless EDGELLM_PREFILL_BF16=1 asks for it; exact mode (EDGELLM_EXACT_MATMUL=1) keeps fp32. This
-    is the GEMM's dtype for prefills longer than the kernel's crossover (PREFILL_KERNEL_MAX_M); setting
-    EDGELLM_PREFILL_BF16 (0: fp32, 1: bf16) sends every prefill to the GEMM."""
-    if _PREFILL_BF16_ENV:
-        return _PREFILL_BF16_ENV != "0"
+@functools.lru_cache(maxsize=1)
+def native_bf16_gemm() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16, AMX): there a bf16 GEMM measured 2-4x the fp32
+    GEMM's speed at 512 tokens on a 2-core Zen 4 (benchmarks/results/decode-cpu.md); without it (AVX2 only)
+    bf16 is several times slower than fp32."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
 
 
-# "auto": prefill rows go to the C++ kernel up to the measured crossover (PREFILL_KERNEL_MAX_M), then to
-# dequantize + GEMM; an explicit EDGELLM_PREFILL_BF16 or set_bf16_prefill() sends every prefill (more than
-# CPU_KERNEL_MAX_M rows) to the GEMM in that dtype: fp32 there measures the weights' error alone.
-_bf16_gemm: dict[str, bool] = {}
+@dataclass(frozen=True)
+class KernelOptions:
+    """What the CPU int8/int4 kernels and the prefill GEMMs of quantized weights read. Chosen at load time and
+    held by each QuantLinear (and given to the fused decode step); the defaults are edgellm's defaults.
+
+    activations: see ACTIVATIONS above.
+    prefill_kernel: prefills of up to the measured crossover (PREFILL_KERNEL_MAX_M) run in the C++ kernel, longer
+      ones through dequantize + GEMM; False sends every prefill (more than CPU_KERNEL_MAX_M rows) to the GEMM.
+    prefill_bf16: the GEMM of int4 weights in bf16; None = where the CPU multiplies bf16 natively. The weights
+      are int4 approximations already; bf16 activations cost less than the decode kernel's int8 rounding of them.
+    prefill_bf16_int8: int8 weights' GEMM in bf16 too. int8 is the near-lossless choice and bf16 doubled its
+      error (GPL-3, calibrated int8 g32: KL 0.0011 / top-1 97.5% with bf16 prefill, 0.0004 / 98.9% in fp32),
+      so it stays fp32 unless asked. The fp32 activations (float-FMA) keep every GEMM in fp32."""
+
+    activations: str = "int8"
+    prefill_kernel: bool = True
+    prefill_bf16: bool | None = None
+    prefill_bf16_int8: bool = False
+
+    def __post_init__(self):
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"activations {self.activations!r}: choose from {', '.join(ACTIVATIONS)}")
+
+    @classmethod
+    def from_names(cls, activations: str | None = None, prefill: str = "auto") -> KernelOptions:
+        """From the command line's names: `--activations int8|int8x2|fp32`, `--prefill auto|fp32|bf16`
+        (fp32 / bf16: every prefill through dequantize + a GEMM of that dtype, int8 weights included)."""
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill {prefill!r}: choose from {', '.join(PREFILL_MODES)}")
+        opts = {} if prefill == "auto" else {"prefill_kernel": False, "prefill_bf16": prefill == "bf16",
+                                             "prefill_bf16_int8": prefill == "bf16"}
+        return cls(activations=activations or "int8", **opts)
+
+    @property
+    def variant(self) -> int:
+        """The C++ kernels' variant number for these activations."""
+        return ACTIVATIONS[self.activations]
+
+    @property
+    def exact(self) -> bool:
+        return self.variant == _FLOAT_FMA
+
+    def dense_bf16(self, bits: int) -> bool:
+        """Whether a prefill GEMM of `bits`-bit weights runs in bf16."""
+        on = native_bf16_gemm() if self.prefill_bf16 is None else self.prefill_bf16
+        return on and not self.exact and (bits == 4 or self.prefill_bf16_int8)
 
 
-def reset_prefill() -> None:
-    """The default prefill compute (EDGELLM_PREFILL_BF16 as the process started)."""
-    _bf16_gemm.update(on=_detect_bf16_gemm(), int8=_PREFILL_BF16_ENV not in ("", "0"), auto=not _PREFILL_BF16_ENV)
-
-
-reset_prefill()
-
-
-def set_bf16_prefill(on: bool, int8: bool = False) -> None:
-    """Every prefill through dequantize + GEMM: bf16 GEMMs for int4 weights (on) and also for int8 weights
-    (on and int8), else fp32."""
-    _bf16_gemm.update(on=on, int8=int8, auto=False)
-
-
-def _dense_bf16(bits: int) -> bool:
-    return _bf16_gemm["on"] and _variant["v"] != _FLOAT_FMA and (bits == 4 or _bf16_gemm["int8"])
+DEFAULT_OPTIONS = KernelOptions()
 
 
 # Prefill (more rows than CPU_KERNEL_MAX_M): up to how many rows the C++ int kernel beats dequantize + GEMM,
@@ -129,25 +137,25 @@ PREFILL_KERNEL_MAX_M = {
 }
 
 
-def _in_kernel(ext, bits: int, x: torch.Tensor) -> bool:
+def _in_kernel(ext, bits: int, x: torch.Tensor, opts: KernelOptions) -> bool:
     """Whether x runs in the C++ kernel (decode sizes always) or dequantize + GEMM."""
     rows = _rows(x)
-    return rows <= CPU_KERNEL_MAX_M or (_bf16_gemm["auto"] and rows <= _kernel_max_rows(ext, bits, x))
+    return rows <= CPU_KERNEL_MAX_M or (opts.prefill_kernel and rows <= _kernel_max_rows(ext, bits, x, opts))
 
 
-def _kernel_max_rows(ext, bits: int, x: torch.Tensor) -> int:
-    """Prefills of up to this many rows run in the C++ kernel (the "auto" mode's table)."""
+def _kernel_max_rows(ext, bits: int, x: torch.Tensor, opts: KernelOptions) -> int:
+    """Prefills of up to this many rows run in the C++ kernel (the prefill_kernel mode's table)."""
     if "isa" not in _cpu_ext_state:
         _cpu_ext_state["isa"] = ext.isa() if hasattr(ext, "isa") else ""
-    bf16 = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and _dense_bf16(bits))
-    key = (_cpu_ext_state["isa"], _variant["v"], "bf16" if bf16 else "fp32")
+    bf16 = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and opts.dense_bf16(bits))
+    key = (_cpu_ext_state["isa"], opts.variant, "bf16" if bf16 else "fp32")
     return PREFILL_KERNEL_MAX_M.get(key, CPU_KERNEL_MAX_M)
 
 
-def _float_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, bits: int = 4) -> torch.Tensor:
-    """x @ w.T (+ bias) for a dequantized weight: fp32 in x's dtype, or bf16 on CPUs that multiply it
-    natively (int4 weights; int8 only when EDGELLM_PREFILL_BF16=1)."""
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and _dense_bf16(bits)
+def _float_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, bits: int,
+                  opts: KernelOptions) -> torch.Tensor:
+    """x @ w.T (+ bias) for a dequantized weight: fp32 in x's dtype, or bf16 where `opts.dense_bf16(bits)`."""
+    if (x.device.type == "cpu" and x.dtype == torch.float32 and opts.dense_bf16(bits)
             and _rows(x) > CPU_KERNEL_MAX_M):
         out = F.linear(x.to(torch.bfloat16), w.to(torch.bfloat16))
         out = out.to(torch.float32)
@@ -182,15 +190,20 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tenso
 # The CPU extension (written separately; optional)
 # ------------------------------------------------------------------------------------------------
 def cpu_extension():
-    """The built C++ module, or None (not written yet, no compiler, disabled). Looked up once."""
+    """The built C++ module, or None (disabled, no compiler, failed build). Looked up once, with the settings of
+    `configure_cpu_extension` (default: the best build for this CPU, in the user cache folder)."""
     if "ext" not in _cpu_ext_state:
-        try:
-            from .cpu_ext import get_extension
+        from .cpu_ext import get_extension
 
-            _cpu_ext_state["ext"] = get_extension()
-        except ImportError:
-            _cpu_ext_state["ext"] = None
+        _cpu_ext_state["ext"] = get_extension(_cpu_ext_state.get("settings"))
     return _cpu_ext_state["ext"]
+
+
+def configure_cpu_extension(settings) -> None:
+    """How `cpu_extension()` finds the kernels (a `cpu_ext.ExtensionSettings`: disabled, a forced ISA, the cache
+    folder). The app sets it once from its options, before the first matmul."""
+    _cpu_ext_state.clear()
+    _cpu_ext_state["settings"] = settings
 
 
 def set_cpu_extension(ext) -> None:
@@ -199,20 +212,14 @@ def set_cpu_extension(ext) -> None:
     _cpu_ext_state["ext"] = ext
 
 
-def set_exact_matmul(exact: bool) -> None:
-    """True: the CPU kernel multiplies in fp32 (exact); False: int8-rounded activations (fast)."""
-    set_activations("fp32" if exact else "int8")
-
-
-def exact_matmul() -> bool:
-    return _variant["v"] == _FLOAT_FMA
-
-
-def set_activations(name: str) -> None:
-    """The CPU int8/int4 kernels' activations: "int8" (default), "int8x2" or "fp32" (see ACTIVATIONS)."""
-    if name not in ACTIVATIONS:
-        raise ValueError(f"activations {name!r}: choose from {', '.join(ACTIVATIONS)}")
-    _variant["v"] = ACTIVATIONS[name]
+def set_kernel_tuning(rows16: bool = True, rows8_min_tokens: int = 2) -> None:
+    """A/B switches of the C++ int kernels for benchmarks (the same bits, other speed; process-wide, like the
+    extension): rows16 = False keeps multi-token calls on 8-row groups on AVX-512 VNNI builds instead of 16 rows
+    in 512-bit registers; rows8_min_tokens = from how many tokens a call takes weight rows 8 at a time (default 2;
+    a large value keeps every call on the one-row kernel)."""
+    ext = cpu_extension()
+    if ext is not None and hasattr(ext, "set_kernel_tuning"):
+        ext.set_kernel_tuning(bool(rows16), int(rows8_min_tokens))
 
 
 def has_cpu_kernel() -> bool:
@@ -349,35 +356,36 @@ def _use_pack(pack: DevicePack | None, x: torch.Tensor) -> bool:
 
 def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group_size: int,
                 bias: torch.Tensor | None = None, *, dense: torch.Tensor | None = None,
-                pack: DevicePack | None = None) -> torch.Tensor:
+                pack: DevicePack | None = None, options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """x [..., K] @ dequant(codes).T (+ bias) → [..., N] in x.dtype. `dense`: a dequantized copy of
-    the weight the caller keeps (any float dtype); `pack`: from `pack_for_device`."""
+    the weight the caller keeps (any float dtype); `pack`: from `pack_for_device`; `options`: the CPU
+    kernel's activations and the prefill compute."""
     k = x.shape[-1]
     if _use_pack(pack, x):
         return _finish(_packed_matmul(x.reshape(-1, k), pack), x, bias)
     ext = cpu_extension() if x.device.type == "cpu" else None
-    if ext is not None and _in_kernel(ext, 8, x):  # the C++ side makes x contiguous fp32
-        out = ext.int8_gemm_variant(x.reshape(-1, k), codes, scales, group_size, _variant["v"])
+    if ext is not None and _in_kernel(ext, 8, x, options):  # the C++ side makes x contiguous fp32
+        out = ext.int8_gemm_variant(x.reshape(-1, k), codes, scales, group_size, options.variant)
         return _finish_cpu(out, x, bias)
     w = dense if dense is not None else _dequantize_cpu(8, codes, scales, None, group_size, x)
     if w is None:
         w = dequantize_int8(codes, scales, group_size, x.dtype)
-    return _float_linear(x, w, bias, bits=8)
+    return _float_linear(x, w, bias, 8, options)
 
 
 def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                 group_size: int, bias: torch.Tensor | None = None, *, dense: torch.Tensor | None = None,
-                pack: DevicePack | None = None) -> torch.Tensor:
+                pack: DevicePack | None = None, options: KernelOptions = DEFAULT_OPTIONS) -> torch.Tensor:
     """As `int8_linear`, for int4 codes (symmetric when `mins` is None)."""
     k = x.shape[-1]
     if _use_pack(pack, x):
         return _finish(_packed_matmul(x.reshape(-1, k), pack), x, bias)
     ext = cpu_extension() if x.device.type == "cpu" else None
-    if ext is not None and _in_kernel(ext, 4, x):
+    if ext is not None and _in_kernel(ext, 4, x, options):
         m = _NO_MINS if mins is None else mins
-        out = ext.int4_gemm_variant(x.reshape(-1, k), codes, scales, m, group_size, _variant["v"])
+        out = ext.int4_gemm_variant(x.reshape(-1, k), codes, scales, m, group_size, options.variant)
         return _finish_cpu(out, x, bias)
     w = dense if dense is not None else _dequantize_cpu(4, codes, scales, mins, group_size, x)
     if w is None:
         w = dequantize_int4(codes, scales, mins, group_size, x.dtype)
-    return _float_linear(x, w, bias)
+    return _float_linear(x, w, bias, 4, options)

@@ -115,6 +115,7 @@ class QuantLinear(_QuantWeight):
         self._dense: torch.Tensor | None = None
         self._pack: K.DevicePack | None = None
         self._packed_for: tuple | None = None
+        self.kernel_options = K.DEFAULT_OPTIONS  # the CPU kernels' activations / prefill (set_kernel_options)
 
     @classmethod
     def from_quantized(cls, qt: QuantizedTensor, bias: torch.Tensor | None = None) -> QuantLinear:
@@ -152,9 +153,9 @@ class QuantLinear(_QuantWeight):
             self.prepare(x.dtype)
         if self.bits == 8:
             return K.int8_linear(x, self.codes, self.scales, self.group_size, self.bias,
-                                 dense=self._dense, pack=self._pack)
+                                 dense=self._dense, pack=self._pack, options=self.kernel_options)
         return K.int4_linear(x, self.codes, self.scales, self.mins, self.group_size, self.bias,
-                             dense=self._dense, pack=self._pack)
+                             dense=self._dense, pack=self._pack, options=self.kernel_options)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self._fmt()}, "
@@ -239,3 +240,10 @@ def _set_submodule(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     setattr(parent, attr, new)
+
+
+def set_kernel_options(model: nn.Module, options: K.KernelOptions) -> None:
+    """Give every QuantLinear of `model` the CPU kernels' settings (load_model does, from its options)."""
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.kernel_options = options

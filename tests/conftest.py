@@ -41,10 +41,8 @@ def bundled(bundled_path):
 
 @pytest.fixture
 def exact_matmul():
-    """The C++ CPU kernel in its float-fma variant: exact to the dequantized reference (fp32 order)."""
-    from edgellm.kernels import matmul
+    """Options for the C++ CPU kernel in its float-fma variant: exact to the dequantized reference (fp32 order).
+    Pass them to load_model / Engine."""
+    from edgellm.options import KernelOptions, Options
 
-    saved = matmul.exact_matmul()
-    matmul.set_exact_matmul(True)
-    yield
-    matmul.set_exact_matmul(saved)
+    return Options(kernel=KernelOptions(activations="fp32"))

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from edgellm import bench, cli
+from edgellm.kernels.matmul import has_cpu_kernel
 from edgellm.loading import load_model
 
 FAST = ["-p", "16", "-n", "6", "-r", "2", "--warmup", "1", "--threads", "2", "--stream-mib", "8", "--no-progress",
@@ -19,7 +20,8 @@ FAST = ["-p", "16", "-n", "6", "-r", "2", "--warmup", "1", "--threads", "2", "--
 
 ROW_FIELDS = {"model", "model_path", "model_format", "params", "backend", "device", "dtype", "threads", "load_s",
               "weight_bytes", "weight_bytes_read_per_token", "weights", "kv", "draft", "context", "prompt_tokens",
-              "gen_tokens", "repetitions", "test_pp", "test_tg", "error", "stats", "runs", "llama_cpp", "vs_llama_cpp"}
+              "gen_tokens", "repetitions", "test_pp", "test_tg", "error", "stats", "runs", "llama_cpp", "vs_llama_cpp",
+              "decode_path"}
 POSITIVE_STATS = {"ttft_s", "ttft_s_min", "ttft_s_max", "prefill_tok_s", "decode_tok_s", "decode_tok_s_mean",
                   "decode_tok_s_min", "decode_tok_s_max", "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99",
                   "peak_memory_bytes", "load_s", "weight_bytes", "weight_bytes_read_per_token", "kv_bytes_per_token",
@@ -63,6 +65,8 @@ def test_json_schema_and_consistency(tiny_llama, tmp_path, monkeypatch, capsys):
         assert r["weights"] == "auto" and r["kv"] == "fp" and r["draft"] == "none"
         assert r["runs_as"] == "f32×10"  # a float GGUF stays float: 2 layers × 4 linears, the embedding, the head
         assert r["backend"] == "CPU" and r["threads"] == 2 and r["params"] > 0
+        expected = {"name": "fused-cpu", "reason": ""} if has_cpu_kernel() else r["decode_path"]
+        assert r["decode_path"] == expected and r["decode_path"]["name"] in ("fused-cpu", "eager")
         s = r["stats"]
         for k in POSITIVE_STATS:
             assert s[k] > 0, k
@@ -90,6 +94,17 @@ def test_json_schema_and_consistency(tiny_llama, tmp_path, monkeypatch, capsys):
     assert len(table) == 2 + 2 * len(rows)
     assert any("| pp16 " in line for line in table) and any("tg6@ctx40" in line for line in table)
     assert all("%" in line for line in table if "tg6" in line)
+    assert "| decode " in table[0]
+
+
+def test_rows_name_the_decode_path_and_why(tiny_llama, tmp_path, monkeypatch, capsys):
+    """--no-fused: the rows ran the eager model, and the JSON, the table and its footer say so and why."""
+    rc, doc = bench_json(monkeypatch, tmp_path, "-m", str(tiny_llama[0]), "--no-fused")
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert [r["decode_path"] for r in doc["rows"]] == [{"name": "eager", "reason": "the fused CPU step is off"}]
+    assert any(line.startswith("|") and "| eager " in line for line in out.splitlines())
+    assert "decode eager: the fused CPU step is off" in out
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -32,8 +32,6 @@ TOL_EMULATED = 1e-4
 
 @pytest.fixture(scope="module")
 def ext():
-    if os.environ.get("EDGELLM_NO_EXT", "").strip() not in ("", "0"):
-        pytest.skip("EDGELLM_NO_EXT is set")
     e = cpu_ext.get_extension()
     if e is None:
         pytest.fail("the CPU kernel extension did not build (see the warning above)")
@@ -210,6 +208,26 @@ def test_rows_bit_identical_whatever_the_number_of_tokens(ext, kind, n, k, g):
 
 
 # ------------------------------------------------------------------------------------------------ edge cases
+def test_kernel_tuning_switches_keep_the_bits(ext):
+    """The benchmarks' A/B switches (kernels.matmul.set_kernel_tuning: 16-row groups on AVX-512 VNNI, the token
+    count from which rows go 8 at a time) change which kernel runs, never a result: the same bits, close to the
+    float64 reference, with either setting."""
+    from edgellm.kernels import matmul as K
+
+    gen = torch.Generator().manual_seed(11)
+    packed, scales, mins = make_int4(64, 256, 32, True, gen)
+    x = torch.randn(5, 256, generator=gen)
+    ref = x.double() @ dequant_int4(packed, scales, mins, 32).T
+    default = ext.int4_gemm_variant(x, packed, scales, mins, 32, INT_DOT)
+    try:
+        for rows16, rows8_min in ((False, 2), (True, 100), (False, 1)):
+            K.set_kernel_tuning(rows16=rows16, rows8_min_tokens=rows8_min)
+            assert torch.equal(ext.int4_gemm_variant(x, packed, scales, mins, 32, INT_DOT), default), rows8_min
+    finally:
+        K.set_kernel_tuning()
+    assert rel_err(default, ref) <= TOL[INT_DOT]
+
+
 def test_zero_rows_give_exact_zeros(ext):
     """All-zero activation rows (max|x| = 0: the int-dot scale must not divide by zero) and weight rows
     with zero scales give exact zeros, and do not disturb their neighbours."""
@@ -321,21 +339,19 @@ def test_torch_op_matches_module(ext):
         assert tuple(out.shape) == (2, 24)
 
 
-def test_disabled_by_environment(monkeypatch):
-    monkeypatch.setenv("EDGELLM_NO_EXT", "1")
-    assert cpu_ext.get_extension() is None
+def test_disabled_by_settings():
+    assert cpu_ext.get_extension(cpu_ext.ExtensionSettings(enabled=False)) is None
 
 
 @pytest.mark.parametrize("compiler", ["missing", "failing"])
 def test_failed_build_warns_once_and_returns_none(monkeypatch, tmp_path, compiler):
     """No compiler, or a compiler that fails: one warning, None, no exception (callers use the torch path)."""
-    monkeypatch.delenv("EDGELLM_NO_EXT", raising=False)
-    monkeypatch.setenv("EDGELLM_EXT_CACHE", str(tmp_path / "cache"))
+    settings = cpu_ext.ExtensionSettings(cache_dir=tmp_path / "cache")
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++") if compiler == "missing" else "false")
     monkeypatch.setattr(cpu_ext, "_state", {"tried": False, "ext": None})
     with pytest.warns(RuntimeWarning, match="CPU kernels unavailable") as record:
-        assert cpu_ext.get_extension() is None
-        assert cpu_ext.get_extension() is None  # remembered: no second attempt, no second warning
+        assert cpu_ext.get_extension(settings) is None
+        assert cpu_ext.get_extension(settings) is None  # remembered: no second attempt, no second warning
     assert len([w for w in record if "CPU kernels unavailable" in str(w.message)]) == 1
 
 
@@ -351,8 +367,7 @@ def test_cached_build_loads_fast(ext, tmp_path):
         "assert e is not None\n"
         "print(dt)\n"
     )
-    env = {k: v for k, v in os.environ.items() if k != "EDGELLM_NO_EXT"}
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "compiling" not in out.stderr
     assert float(out.stdout.strip().splitlines()[-1]) < 1.0
@@ -574,16 +589,12 @@ def test_vnni_path_bit_identical_to_avx2(standalone_builds):
     assert avx2[1].startswith("digest ") and avx2[1] == vnni[1]
 
 
-def test_set_activations_selects_the_kernel_variant():
-    """`--activations` / EDGELLM_ACTIVATIONS name the variants the tests above check; unknown names are refused."""
+def test_activations_option_selects_the_kernel_variant():
+    """`--activations` names the variants the tests above check; unknown names are refused."""
     from edgellm.kernels import matmul as K
 
-    before = K._variant["v"]
-    try:
-        for name, variant in (("int8x2", INT_DOT_RESIDUAL), ("fp32", FLOAT_FMA), ("int8", 0)):
-            K.set_activations(name)
-            assert K._variant["v"] == variant
-        with pytest.raises(ValueError, match="int8x2"):
-            K.set_activations("int4")
-    finally:
-        K._variant["v"] = before
+    for name, variant in (("int8x2", INT_DOT_RESIDUAL), ("fp32", FLOAT_FMA), ("int8", 0)):
+        assert K.KernelOptions(activations=name).variant == variant
+        assert K.KernelOptions.from_names(name).variant == variant
+    with pytest.raises(ValueError, match="int8x2"):
+        K.KernelOptions(activations="int4")

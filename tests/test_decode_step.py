@@ -6,6 +6,7 @@ The graph-capturable forward (position on the device, Triton attention reading i
 TRITON_INTERPRET=1, against the eager model; on CUDA, the captured graph replayed across context
 buckets, against the eager model.
 """
+import json
 import os
 
 import pytest
@@ -15,7 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere (as test_triton_attention)
 
 from edgellm.cache import DevicePosition, KVCache
-from edgellm.decode_step import CudaGraphDecodeStep, compiled_decode_step
+from edgellm.decode_step import CudaGraphDecodeStep, DecodePath, compiled_decode_step
+from edgellm.options import DecodeOptions, DecodeTuning, Options
 from edgellm.generate import Engine
 from edgellm.kernels.matmul import has_cpu_kernel
 from edgellm.loading import load_model
@@ -63,7 +65,7 @@ def wide_models(tmp_path_factory):
             for v in ("llama_gqa", "qwen2_bias")}
 
 
-needs_ext = pytest.mark.skipif(not has_cpu_kernel() or os.environ.get("EDGELLM_FUSED_DECODE") == "0",
+needs_ext = pytest.mark.skipif(not has_cpu_kernel(),
                                reason="the C++ extension is disabled or could not be built (see test_cpu_kernels)")
 
 
@@ -84,8 +86,9 @@ def test_fused_cpu_step_matches_transformers(tiny_models, variant):
 @pytest.mark.parametrize("variant", ["llama_gqa", "qwen2_bias"])
 def test_fused_cpu_step_matches_eager_quantized(tiny_models, variant, weights, symmetric, exact_matmul):
     folder, _ = tiny_models[variant]
-    loaded = load_model(folder, max_seq_len=64, weights=weights, symmetric=symmetric, embeddings=weights)
-    engine = Engine(loaded.model, loaded.tokenizer)
+    loaded = load_model(folder, max_seq_len=64, weights=weights, symmetric=symmetric, embeddings=weights,
+                        options=exact_matmul)
+    engine = Engine(loaded.model, loaded.tokenizer, options=exact_matmul)
     assert engine.compiled_step() is not None
     ref = eager_logits(loaded.model)
     for got, want in zip(step_logits(engine), ref):
@@ -156,9 +159,8 @@ def test_compile_modes_from_the_command_line(tiny_models):
         args = build_parser().parse_args(["run", "hi", "-m", folder, *argv])
         step = engine_from_args(args, loaded).compiled_step()
         assert (step is not None) == (fused and has_cpu_kernel()), argv
-    engine = Engine(loaded.model, loaded.tokenizer)
-    engine.compile_mode = "off"
-    assert engine.compiled_step() is None
+    engine = Engine(loaded.model, loaded.tokenizer, options=Options(decode=DecodeOptions(compile="off")))
+    assert engine.compiled_step() is None and engine.decode_path == DecodePath("eager", "--compile off")
     ref = hf_logits(tiny_models["llama_gqa"][0], PROMPT + STEPS)
     for i, got in enumerate(step_logits(engine)):
         torch.testing.assert_close(got, ref[len(PROMPT) + i], atol=1e-4, rtol=1e-4)
@@ -170,9 +172,9 @@ def test_compile_modes_from_the_command_line(tiny_models):
 def test_fused_cpu_step_with_quantized_kv_matches_eager(wide_models, kv, weights, exact_matmul):
     """An int8 / int4 KV cache read in the fused step (quantize-on-write, rotation, dequantize per row inside
     attention) against the eager model on the same cache format; and the codes it writes equal torch's."""
-    loaded = load_model(wide_models["llama_gqa"], max_seq_len=64, weights=weights)
+    loaded = load_model(wide_models["llama_gqa"], max_seq_len=64, weights=weights, options=exact_matmul)
     cache = KVCache(loaded.model.config, 64, torch.float32, "cpu", kv_format=kv)
-    engine = Engine(loaded.model, loaded.tokenizer, cache=cache)
+    engine = Engine(loaded.model, loaded.tokenizer, cache=cache, options=exact_matmul)
     assert engine.compiled_step() is not None
     got = step_logits(engine)
     ref_cache = KVCache(loaded.model.config, 64, torch.float32, "cpu", kv_format=kv)
@@ -213,19 +215,19 @@ def test_fused_cpu_step_with_quantized_kv_matches_eager(wide_models, kv, weights
 
 
 @needs_ext
-@pytest.mark.parametrize("int_attention", ["1", "0"], ids=["int-path", "avx2-tiles"])
+@pytest.mark.parametrize("int_attention", [True, False], ids=["int-path", "avx2-tiles"])
 @pytest.mark.parametrize("kv", ["fp", "int8", "int8:32", "int4", "int4:64"])
 @pytest.mark.parametrize("head_dim,heads", [(64, 3), (128, 2)])
-def test_fused_quantized_attention_long_context(tmp_path, monkeypatch, kv, head_dim, heads, int_attention):
+def test_fused_quantized_attention_long_context(tmp_path, kv, head_dim, heads, int_attention):
     """The fused step's attention tiles against the eager model over the same cache contents, at lengths
     that are not multiples of 8, 16 or 32, for head dims 64 and 128, GQA ratios 3 and 2. Both paths of an
     int8/int4 cache: on an AVX-512 VNNI build, scores from VPDPBUSD on the codes (q in three int8 digits) and
     values dequantized in registers; and the AVX2 tiles every other x86 build runs (keys dequantized 32 at a
-    time, 8 scores per horizontal sum), selected here with EDGELLM_INT_ATTENTION=0. The fp32 cache reads
+    time, 8 scores per horizontal sum), selected here with DecodeTuning(int_attention=False). The fp32 cache reads
     its rows in place either way."""
     import copy
 
-    monkeypatch.setenv("EDGELLM_INT_ATTENTION", int_attention)  # read when the engine builds its plan
+    options = Options(decode=DecodeOptions(tuning=DecodeTuning(int_attention=int_attention)))
 
     folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=5, hidden_size=head_dim * heads,
                            num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=1024)
@@ -238,8 +240,8 @@ def test_fused_quantized_attention_long_context(tmp_path, monkeypatch, kv, head_
         for n in (5, 37, 300):  # 5: one quantized row past the 4 exact sink rows
             cache = KVCache(model.config, 512, torch.float32, "cpu", kv_format=kv)
             model(torch.randint(0, model.config.vocab_size, (1, n), generator=g), cache, 0)
-            engine = Engine(model, loaded.tokenizer, cache=cache)
-            assert engine.compiled_step() is not None
+            engine = Engine(model, loaded.tokenizer, cache=cache, options=options)
+            assert engine.compiled_step() is not None and engine.compiled_step().plan.int_attention == int_attention
             twin = copy.deepcopy(cache)
             extra = torch.tensor([[7]])
             fused = engine.step(extra).clone()
@@ -311,13 +313,49 @@ def test_fused_family_greedy_identical_to_eager(tiny_models, family):
     loaded = load_model(tiny_models[family][0], max_seq_len=64)
     out = []
     for mode in ("auto", "off"):
-        engine = Engine(loaded.model, loaded.tokenizer)
-        engine.compile_mode = mode
+        engine = Engine(loaded.model, loaded.tokenizer, options=Options(decode=DecodeOptions(compile=mode)))
         assert (engine.compiled_step() is not None) == (mode == "auto")
         events = list(engine.generate(PROMPT, GenerationSettings(max_tokens=24, ignore_eos=True)))
         assert isinstance(events[-1], Done)
         out.append(events[-1].tokens)
     assert out[0] == out[1] and len(out[0]) == 24
+
+
+def test_decode_path_names_each_fallback_and_its_reason(tiny_models, capsys, monkeypatch):
+    """The decode path is a value: the fused step where it applies, else "eager" and why (the extension off,
+    the fused step off, --compile off, a bf16 model); `edgellm info` shows it and `run --debug` prints it."""
+    from edgellm import cli
+    from edgellm.kernels import matmul
+
+    folder = tiny_models["llama_gqa"][0]
+    loaded = load_model(folder, max_seq_len=64)
+    model = loaded.model
+
+    def path(options=Options(), m=model):
+        return compiled_decode_step(m, KVCache(m.config, 16, m.dtype, "cpu"), options.decode.compile, options)[1]
+
+    if has_cpu_kernel():
+        assert path() == DecodePath("fused-cpu")
+    assert path(Options(decode=DecodeOptions(fused=False))) == DecodePath("eager", "the fused CPU step is off")
+    assert path(Options(decode=DecodeOptions(compile="off"))) == DecodePath("eager", "--compile off")
+    bf16 = load_model(folder, max_seq_len=64, dtype=torch.bfloat16).model
+    assert path(m=bf16).name == "eager" and "bfloat16" in path(m=bf16).reason
+    saved = dict(matmul._cpu_ext_state)
+    matmul.set_cpu_extension(None)
+    try:
+        no_ext = path()
+    finally:
+        matmul._cpu_ext_state.clear()
+        matmul._cpu_ext_state.update(saved)
+    assert no_ext == DecodePath("eager", "the C++ CPU extension is off or did not build")
+    assert str(no_ext) == "eager (the C++ CPU extension is off or did not build)"
+
+    monkeypatch.setattr(cli, "EXTENSIONS", [])
+    assert cli.main(["info", "-m", str(folder), "--no-fused", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["decode path"] == "eager (the fused CPU step is off)"
+    monkeypatch.setattr(cli, "EXTENSIONS", [])  # main() appends the subcommands' parsers on every call
+    assert cli.main(["run", "hi", "-m", str(folder), "-n", "2", "--compile", "off", "--debug"]) == 0
+    assert "edgellm: decode path: eager (--compile off)" in capsys.readouterr().err
 
 
 def test_unsupported_cache_falls_back_to_eager(tiny_models):
@@ -328,7 +366,9 @@ def test_unsupported_cache_falls_back_to_eager(tiny_models):
     cache = KVCache(loaded.model.config, 64, torch.float32, "cpu", kv_format="int8")
     cache.layers = [Int8KV(s.k, s.k_scale.float(), s.v, s.v_scale.float(), s.group) for s in cache.layers]
     engine = Engine(loaded.model, loaded.tokenizer, cache=cache)
-    assert compiled_decode_step(loaded.model, cache) is None
+    step, path = compiled_decode_step(loaded.model, cache)
+    assert step is None and path.name == "eager" and "KV cache" in path.reason
+    assert engine.decode_path == path
     ref = KVCache(loaded.model.config, 64, torch.float32, "cpu", kv_format="int8")
     ref.layers = [Int8KV(s.k, s.k_scale.float(), s.v, s.v_scale.float(), s.group) for s in ref.layers]
     model = loaded.model
@@ -407,8 +447,7 @@ def test_cuda_graph_step_across_buckets(wide_models, weights, kv, mode):
                         weights=weights)
     model = loaded.model
     cache = KVCache(model.config, 600, model.dtype, "cuda", kv_format=kv)
-    engine = Engine(model, loaded.tokenizer, cache=cache)
-    engine.compile_mode = mode
+    engine = Engine(model, loaded.tokenizer, cache=cache, options=Options(decode=DecodeOptions(compile=mode)))
     step = engine.compiled_step()
     assert isinstance(step, CudaGraphDecodeStep)
     ref_cache = KVCache(model.config, 600, model.dtype, "cuda", kv_format=kv)

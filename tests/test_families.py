@@ -40,9 +40,9 @@ def test_quantized_weights(tiny_models, family, exact_matmul):
     ref = logits_of(load_model(tiny_models[family][0], max_seq_len=64))  # (one context: LongRoPE's factors use it)
     kls = {}
     for weights in ("int8", "int4"):
-        q = load_model(tiny_models[family][0], weights=weights, max_seq_len=64)
+        q = load_model(tiny_models[family][0], weights=weights, max_seq_len=64, options=exact_matmul)
         kls[weights] = kl(ref, logits_of(q))
-        engine = Engine(q.model, q.tokenizer)
+        engine = Engine(q.model, q.tokenizer, options=exact_matmul)
         assert engine.compiled_step() is not None
         engine.prefill(IDS[:5])
         cache = KVCache(q.config, 64, torch.float32, "cpu")

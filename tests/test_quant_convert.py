@@ -88,7 +88,7 @@ def test_gguf_export_runs_in_transformers(tiny_llama, tmp_path, exact_matmul):
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file="t.gguf", dtype=torch.float32)
     with torch.no_grad():
         ref = hf(torch.tensor([IDS])).logits[0]
-    ours = logits_of(load_model(tiny_llama[0], weights="int4", symmetric=False))
+    ours = logits_of(load_model(tiny_llama[0], weights="int4", symmetric=False, options=exact_matmul))
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -102,7 +102,7 @@ def test_llama_cpp_runs_export(tiny_llama, tmp_path):
 
 def test_bundled_q4_1_imports_exactly(bundled, bundled_path, exact_matmul):
     """int4 from the Q4_1 GGUF: codes are taken as stored, so logits equal the fp32 dequantized model's."""
-    q = load_model(bundled_path, weights="int4", max_seq_len=64)
+    q = load_model(bundled_path, weights="int4", max_seq_len=64, options=exact_matmul)
     ids = bundled.tokenizer.encode("The GNU General Public License is a free, copyleft license")
     a, b = logits_of(bundled, ids), logits_of(q, ids)
     torch.testing.assert_close(b, a, atol=2e-3, rtol=1e-3)
@@ -162,13 +162,14 @@ def test_fast_kernel_greedy_matches_exact_on_bundled(bundled_path):
     kernel's top-2 logits are more than a rounding-sized margin apart."""
     from edgellm.cache import KVCache
     from edgellm.kernels import matmul
+    from edgellm.quant.linear import set_kernel_options
 
     q = load_model(bundled_path, weights="int4", max_seq_len=128)
     ids = q.tokenizer.encode("The GNU General Public License is a free, copyleft license for")
     m = q.model
 
     def greedy(exact):
-        matmul.set_exact_matmul(exact)
+        set_kernel_options(m, matmul.KernelOptions(activations="fp32" if exact else "int8"))
         cache, toks, margins = KVCache(m.config, 128, m.dtype, m.device), list(ids), []
         with torch.no_grad():
             logits = m(torch.tensor([toks]), cache, 0)[0, -1]
@@ -179,11 +180,8 @@ def test_fast_kernel_greedy_matches_exact_on_bundled(bundled_path):
                 logits = m(torch.tensor([toks[-1:]]), cache, len(toks) - 1)[0, -1]
         return toks[len(ids):], margins
 
-    try:
-        exact, margins = greedy(True)
-        fast, _ = greedy(False)
-    finally:
-        matmul.set_exact_matmul(False)
+    exact, margins = greedy(True)
+    fast, _ = greedy(False)
     if matmul.has_cpu_kernel():
         first = next((i for i, (a, b) in enumerate(zip(exact, fast)) if a != b), None)
         # a divergence is allowed only at a near-tie of the exact logits; after it the texts differ anyway

@@ -15,48 +15,43 @@ IDS = [f"int{b}-g{g or 'chan'}-{'sym' if s else 'asym'}" for b, g, s in FORMATS]
 MS = list(range(1, 17)) + [100]
 
 
+FP32_PREFILL = matmul.KernelOptions(prefill_bf16=False)  # every dequantize + GEMM in fp32
+
+
 @pytest.fixture
 def float_path():
-    """Run without the C++ CPU kernel and without bf16 prefill GEMMs: the float path, exact to the
-    dequantized reference."""
+    """Run without the C++ CPU kernel; returns the kernel options without bf16 prefill GEMMs: the float path,
+    exact to the dequantized reference."""
     saved = dict(matmul._cpu_ext_state)
-    bf16 = dict(matmul._bf16_gemm)
     matmul.set_cpu_extension(None)
-    matmul.set_bf16_prefill(False)
-    yield
+    yield FP32_PREFILL
     matmul._cpu_ext_state.clear()
     matmul._cpu_ext_state.update(saved)
-    matmul._bf16_gemm.update(bf16)
 
 
 def test_bf16_prefill_gemm_close_and_only_for_many_rows():
     """On CPUs with native bf16 (or when asked), int4 linears of more than 16 rows (prefill) multiply in
     bf16: close to the fp32 reference, not equal to it; int8 linears, decode-size inputs and exact mode
     keep fp32."""
-    saved = dict(matmul._bf16_gemm)
-    exact = matmul.exact_matmul()
-    try:
-        matmul.set_bf16_prefill(True)
-        matmul.set_exact_matmul(False)
-        lin = make_linear(n=64, k=256, bias=True)
-        q = QuantLinear.from_linear(lin, 4, 32, symmetric=True, search=False)
-        w, b = q.dequantized_weight(), lin.bias.detach()
-        x = torch.randn(40, 256)
-        ref = F.linear(x.double(), w.double(), b.double())
-        got = q(x)
-        assert got.dtype == torch.float32 and rel_err(got, ref) < 1e-2
-        assert rel_err(got, ref) > 1e-6  # bf16 really was used
-        # int8 (the near-lossless format) keeps fp32 unless asked for bf16 too
-        q8 = QuantLinear.from_linear(lin, 8, 32, symmetric=True, search=False)
-        ref8 = F.linear(x.double(), q8.dequantized_weight().double(), b.double())
-        assert rel_err(q8(x), ref8) < 1e-5
-        matmul.set_bf16_prefill(True, int8=True)
-        assert 1e-6 < rel_err(q8(x), ref8) < 1e-2
-        matmul.set_exact_matmul(True)
-        assert rel_err(q(x), ref) < 1e-5
-    finally:
-        matmul._bf16_gemm.update(saved)
-        matmul.set_exact_matmul(exact)
+    bf16 = matmul.KernelOptions(prefill_kernel=False, prefill_bf16=True)
+    lin = make_linear(n=64, k=256, bias=True)
+    q = QuantLinear.from_linear(lin, 4, 32, symmetric=True, search=False)
+    q.kernel_options = bf16
+    w, b = q.dequantized_weight(), lin.bias.detach()
+    x = torch.randn(40, 256)
+    ref = F.linear(x.double(), w.double(), b.double())
+    got = q(x)
+    assert got.dtype == torch.float32 and rel_err(got, ref) < 1e-2
+    assert rel_err(got, ref) > 1e-6  # bf16 really was used
+    # int8 (the near-lossless format) keeps fp32 unless asked for bf16 too
+    q8 = QuantLinear.from_linear(lin, 8, 32, symmetric=True, search=False)
+    q8.kernel_options = bf16
+    ref8 = F.linear(x.double(), q8.dequantized_weight().double(), b.double())
+    assert rel_err(q8(x), ref8) < 1e-5
+    q8.kernel_options = matmul.KernelOptions.from_names(prefill="bf16")
+    assert 1e-6 < rel_err(q8(x), ref8) < 1e-2
+    q.kernel_options = matmul.KernelOptions(activations="fp32", prefill_kernel=False, prefill_bf16=True)
+    assert rel_err(q(x), ref) < 1e-5
 
 
 def make_linear(n=37, k=256, bias=True, seed=0) -> nn.Linear:
@@ -77,6 +72,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_quant_linear_equals_dequantized_float_linear(float_path, bits, group, sym, bias):
     lin = make_linear(bias=bias)
     q = QuantLinear.from_linear(lin, bits, group or lin.in_features, symmetric=sym, search=True)
+    q.kernel_options = float_path
     w = q.dequantized_weight()
     b = None if lin.bias is None else lin.bias.detach()
     for m in MS:
@@ -249,36 +245,30 @@ def test_prefill_rows_take_the_kernel_up_to_the_measured_crossover(monkeypatch):
     """In the default (auto) mode a prefill of up to PREFILL_KERNEL_MAX_M rows for this kernel build,
     activations variant and GEMM dtype runs in the C++ kernel: every row bit for bit what a one-token call
     gives, as decode computes it. More rows, a combination the table does not list, or an explicit
-    set_bf16_prefill() take dequantize + GEMM (fp32 there: exact to the dequantized weight)."""
+    `--prefill fp32` take dequantize + GEMM (fp32 there: exact to the dequantized weight)."""
     ext = matmul.cpu_extension()
     if ext is None:
         pytest.skip("C++ CPU kernel not available")
-    saved, variant = dict(matmul._bf16_gemm), matmul._variant["v"]
-    try:
-        matmul._bf16_gemm.update(on=False, int8=False, auto=True)
-        matmul.set_activations("int8")
-        monkeypatch.setattr(matmul, "PREFILL_KERNEL_MAX_M", {(ext.isa(), matmul.ACTIVATIONS["int8"], "fp32"): 48})
-        lin = make_linear(n=64, k=256, bias=True)
-        for bits, sym in ((4, False), (4, True), (8, True)):
-            q = QuantLinear.from_linear(lin, bits, 32, symmetric=sym)
-            ref = lambda x: F.linear(x.double(), q.dequantized_weight().double(), lin.bias.detach().double())
-            x = torch.randn(48, 256)
-            rows = torch.cat([q(x[i:i + 1]) for i in range(48)])
-            assert torch.equal(q(x), rows), bits  # the kernel, as one-token decode steps compute it
-            assert 1e-5 < rel_err(q(x), ref(x)) < 2e-2
-            x = torch.randn(49, 256)
-            assert rel_err(q(x), ref(x)) < 1e-5  # past the crossover: the fp32 GEMM
-            x = torch.randn(40, 256)
-            matmul.set_activations("fp32")  # a variant the table does not list
-            assert rel_err(q(x), ref(x)) < 1e-5
-            matmul.set_activations("int8")
-            matmul.set_bf16_prefill(False)  # an explicit prefill choice: every prefill to the GEMM
-            assert rel_err(q(x), ref(x)) < 1e-5
-            matmul._bf16_gemm.update(auto=True)
-            assert torch.equal(q(x), torch.cat([q(x[i:i + 1]) for i in range(40)]))
-    finally:
-        matmul._bf16_gemm.update(saved)
-        matmul._variant["v"] = variant
+    monkeypatch.setattr(matmul, "PREFILL_KERNEL_MAX_M", {(ext.isa(), matmul.ACTIVATIONS["int8"], "fp32"): 48})
+    auto_fp32 = FP32_PREFILL  # the auto mode, its GEMM in fp32 (as on a CPU without native bf16)
+    lin = make_linear(n=64, k=256, bias=True)
+    for bits, sym in ((4, False), (4, True), (8, True)):
+        q = QuantLinear.from_linear(lin, bits, 32, symmetric=sym)
+        q.kernel_options = auto_fp32
+        ref = lambda x: F.linear(x.double(), q.dequantized_weight().double(), lin.bias.detach().double())
+        x = torch.randn(48, 256)
+        rows = torch.cat([q(x[i:i + 1]) for i in range(48)])
+        assert torch.equal(q(x), rows), bits  # the kernel, as one-token decode steps compute it
+        assert 1e-5 < rel_err(q(x), ref(x)) < 2e-2
+        x = torch.randn(49, 256)
+        assert rel_err(q(x), ref(x)) < 1e-5  # past the crossover: the fp32 GEMM
+        x = torch.randn(40, 256)
+        q.kernel_options = matmul.KernelOptions(activations="fp32", prefill_bf16=False)  # not in the table
+        assert rel_err(q(x), ref(x)) < 1e-5
+        q.kernel_options = matmul.KernelOptions.from_names(prefill="fp32")  # every prefill to the GEMM
+        assert rel_err(q(x), ref(x)) < 1e-5
+        q.kernel_options = auto_fp32
+        assert torch.equal(q(x), torch.cat([q(x[i:i + 1]) for i in range(40)]))
 
 
 def test_prefill_table_names_real_kernel_builds():

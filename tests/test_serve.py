@@ -97,7 +97,7 @@ def edgellm_run(bundled, *args: str) -> dict:
     bundled model: the same file, loaded with the CLI's defaults and the server's context)."""
     out = io.StringIO()
     # cli.main appends the extension parsers to a module-level list: start from an empty one each time
-    with mock.patch.object(cli, "EXTENSIONS", []), mock.patch.object(cli, "load_from_args", lambda a: bundled), \
+    with mock.patch.object(cli, "EXTENSIONS", []), mock.patch.object(cli, "load_from_options", lambda o: bundled), \
             contextlib.redirect_stdout(out):
         assert cli.main(["run", *args, "--json", "--ctx", str(CTX), "--weights", "fp"]) == 0
     return json.loads(out.getvalue())
@@ -214,7 +214,7 @@ def test_models_health_and_auth(server):
 
 def test_port_in_use_is_one_line_before_the_model_loads(capsys):
     with socket.socket() as taken, mock.patch.object(cli, "EXTENSIONS", []), \
-            mock.patch.object(cli, "load_from_args", side_effect=AssertionError("loaded")):
+            mock.patch("edgellm.args.load_from_args", side_effect=AssertionError("loaded")):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         assert cli.main(["serve", "--port", str(taken.getsockname()[1])]) == 2

@@ -26,6 +26,8 @@ SIZE = (100, 32)
 
 @pytest.fixture
 def data_dir(tmp_path, monkeypatch):
+    """The chats' folder through $EDGELLM_DATA_DIR, the user-facing default of `edgellm chat --data-dir` (read
+    once, by tui/cli.py's parser: chat_args builds it after this)."""
     d = tmp_path / "data"
     monkeypatch.setenv("EDGELLM_DATA_DIR", str(d))
     return d
@@ -260,7 +262,7 @@ async def test_command_palette_sets_sampling_and_system_prompt(model, data_dir):
 async def test_startup_screen_shows_load_progress_and_thread_default(model, data_dir, monkeypatch):
     import threading
 
-    from edgellm.cli import load_from_args
+    from edgellm.args import load_from_args
     from edgellm.tui.screens import LoadingScreen
 
     gate = threading.Event()

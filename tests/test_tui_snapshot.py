@@ -39,10 +39,10 @@ def fixed_chat(path):
 
 
 def test_chat_screen(snap_compare, tui_model, tmp_path, monkeypatch):
-    monkeypatch.setenv("EDGELLM_DATA_DIR", str(tmp_path / "data"))
     history = tmp_path / "chat.json"
     fixed_chat(history)
-    app = ChatApp(chat_args("-m", tui_model, "--history-file", str(history)), memory_probe=lambda: 412 * 2**20)
+    app = ChatApp(chat_args("-m", tui_model, "--history-file", str(history), "--data-dir", str(tmp_path / "data")),
+                  memory_probe=lambda: 412 * 2**20)
 
     async def run_before(pilot):
         await wait_for(pilot, lambda: app.chat_ready and app.screen.query(AssistantMessage), 60, "the chat")
@@ -57,9 +57,8 @@ def test_chat_screen(snap_compare, tui_model, tmp_path, monkeypatch):
 
 
 def test_load_error_screen(snap_compare, tmp_path, monkeypatch):
-    monkeypatch.setenv("EDGELLM_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.chdir(tmp_path)
-    app = ChatApp(chat_args("-m", "no-such-model.gguf"))
+    app = ChatApp(chat_args("-m", "no-such-model.gguf", "--data-dir", str(tmp_path / "data")))
 
     async def run_before(pilot):
         await wait_for(pilot, lambda: app.load_error is not None, 30, "the error")

@@ -409,15 +409,15 @@ class ChatApp(App):
         self._loader = loader
         self._engine_factory = engine_factory
         self.memory_probe = memory_probe or _process_rss
-        self.show_drafts = bool(getattr(args, "show_drafts", False))
-        self.draft_name = str(getattr(args, "draft", "none") or "none")
-        self.weights_name = str(getattr(args, "weights", "auto") or "auto")
-        self.kv_name = str(getattr(args, "kv", "fp") or "fp")
+        self.show_drafts = bool(args.show_drafts)
+        self.draft_name = str(args.draft or "none")
+        self.weights_name = str(args.weights or "auto")
+        self.kv_name = str(args.kv or "fp")
         self.device_name = self.dtype_name = "?"
-        self.threads: int | None = getattr(args, "threads", None)
+        self.threads: int | None = args.threads
         self.loaded: Any = None
         self.session: ChatSession | None = None
-        self.conv = Conversation(system=getattr(args, "system", None) or "")
+        self.conv = Conversation(system=args.system or "")
         self.history_path: Path = Path()
         self.load_error: str | None = None
         self.resume_note: str | None = None
@@ -425,7 +425,7 @@ class ChatApp(App):
 
     # -- startup -----------------------------------------------------------------------------
     def on_mount(self) -> None:
-        name = str(self.args.model) if getattr(self.args, "model", None) else "the bundled SmolLM2-135M-Instruct"
+        name = str(self.args.model) if self.args.model else "the bundled SmolLM2-135M-Instruct"
         self.push_screen(LoadingScreen(name))
         try:
             with_settings(ChatSettings.from_args(self.args))  # bad sampling flags fail before the load
@@ -439,21 +439,21 @@ class ChatApp(App):
         self._load()
 
     def _open_history(self) -> None:
-        explicit = getattr(self.args, "history_file", None)
+        explicit = self.args.history_file
         path = Path(explicit).expanduser() if explicit else None
-        if getattr(self.args, "resume", False) and path is None:
-            path = latest_history_path()
+        if self.args.resume and path is None:
+            path = latest_history_path(self.args.data_dir)
             if path is None:
-                self.resume_note = f"no saved chat in {history_dir()} to resume: starting a new one"
+                self.resume_note = f"no saved chat in {history_dir(self.args.data_dir)} to resume: starting a new one"
         if path is not None and path.exists():
             self.conv = load_conversation(path)
-            if getattr(self.args, "system", None):
+            if self.args.system:
                 self.conv.system = self.args.system
             self.history_path = path
         else:
-            if getattr(self.args, "resume", False) and path is not None:
+            if self.args.resume and path is not None:
                 self.resume_note = f"{path}: no saved chat there yet: starting a new one"
-            self.history_path = path or new_history_path(self.conv)
+            self.history_path = path or new_history_path(self.conv, self.args.data_dir)
 
     # The load worker talks to the UI by messages only: posting never blocks, so a worker still
     # running while the app shuts down cannot deadlock against it (call_from_thread would wait).
@@ -469,7 +469,7 @@ class ChatApp(App):
 
     @work(thread=True, group="load", exit_on_error=False)
     def _load(self) -> None:
-        from edgellm.cli import engine_from_args, load_from_args
+        from edgellm.args import engine_from_args, load_from_args
 
         count = 0
         last = 0.0
@@ -484,7 +484,7 @@ class ChatApp(App):
                 last = now
                 self.post_message(self.LoadProgress(count, name))
 
-        if getattr(self.args, "threads", None) is None:
+        if self.args.threads is None:
             self.args.threads = chat_threads()
         self.threads = self.args.threads
         try:
@@ -557,7 +557,7 @@ class ChatApp(App):
         old = self.conv
         self.conv = Conversation(system=old.system, model=old.model)
         if new_file:
-            self.history_path = new_history_path(self.conv)
+            self.history_path = new_history_path(self.conv, self.args.data_dir)
         else:
             self.conv.id = old.id
             self.conv.created = old.created
@@ -592,10 +592,8 @@ class ChatApp(App):
                                 lambda: screen.run_slash("/draft " + ("off" if on else "on")))
 
     def action_screenshot_here(self) -> None:
-        """F12: save an SVG of the screen in the current folder (or $EDGELLM_SCREENSHOT)."""
-        import os
-
-        target = os.environ.get("EDGELLM_SCREENSHOT")
+        """F12: save an SVG of the screen in the current folder (or where --screenshot says)."""
+        target = self.args.screenshot
         if target:
             path = self.save_screenshot(filename=Path(target).name, path=str(Path(target).parent or "."))
         else:

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from edgellm import cli as core
+    from edgellm import args as core
 
     p = subparsers.add_parser("chat", help="chat with a model in the terminal (live TTFT, tok/s, drafts)",
                               description="Chat in the terminal. Enter sends, Shift+Enter or Ctrl+J adds a line, "
@@ -19,7 +20,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g = p.add_argument_group("chat")
     g.add_argument("--resume", action="store_true", help="reopen the last chat (or the one --history-file names)")
     g.add_argument("--history-file", type=Path, default=None, metavar="PATH",
-                   help="keep this chat in PATH (reopened if it exists); default: a new file under the user data dir")
+                   help="keep this chat in PATH (reopened if it exists); default: a new file under the data dir")
+    # the two locations a user sets once for every chat are also read from the environment, here only
+    g.add_argument("--data-dir", default=os.environ.get("EDGELLM_DATA_DIR") or None, metavar="DIR",
+                   help="where chats are kept (DIR/chats; default $EDGELLM_DATA_DIR, else the user data dir)")
+    g.add_argument("--screenshot", default=os.environ.get("EDGELLM_SCREENSHOT") or None, metavar="FILE.svg",
+                   help="where F12 saves a screenshot (default $EDGELLM_SCREENSHOT, else the current folder)")
     return p
 
 

@@ -66,9 +66,10 @@ class Conversation:
         return next((m for m in reversed(self.messages) if m.role == "assistant"), None)
 
 
-def history_dir() -> Path:
-    """Where chats are kept: $EDGELLM_DATA_DIR/chats, else the platform's user data dir."""
-    root = os.environ.get("EDGELLM_DATA_DIR")
+def history_dir(data_dir: str | os.PathLike | None = None) -> Path:
+    """Where chats are kept: DATA_DIR/chats (`edgellm chat --data-dir`, default $EDGELLM_DATA_DIR), else the
+    platform's user data dir."""
+    root = data_dir
     if not root:
         import platformdirs
 
@@ -76,13 +77,13 @@ def history_dir() -> Path:
     return Path(root) / "chats"
 
 
-def new_history_path(conv: Conversation) -> Path:
+def new_history_path(conv: Conversation, data_dir: str | os.PathLike | None = None) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(conv.created))
-    return history_dir() / f"{stamp}-{conv.id}.json"
+    return history_dir(data_dir) / f"{stamp}-{conv.id}.json"
 
 
-def latest_history_path() -> Path | None:
-    folder = history_dir()
+def latest_history_path(data_dir: str | os.PathLike | None = None) -> Path | None:
+    folder = history_dir(data_dir)
     if not folder.is_dir():
         return None
     files = [p for p in folder.glob("*.json") if p.is_file()]

@@ -41,7 +41,7 @@ class ChatSettings:
     def from_args(cls, args: Any) -> "ChatSettings":
         return cls(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                    repeat_penalty=args.repeat_penalty, seed=args.seed, max_tokens=args.max_tokens,
-                   stop=list(getattr(args, "stop", None) or []))
+                   stop=list(args.stop or []))
 
 
 @dataclass

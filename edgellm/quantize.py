@@ -5,11 +5,11 @@ import argparse
 import time
 from pathlib import Path
 
-from ..errors import EdgeLLMError, OutputError
+from .errors import EdgeLLMError, OutputError
 
 
 def add_parser(sub) -> None:
-    from ..cli import add_quant_options
+    from .args import add_quant_options
 
     p = sub.add_parser("quantize", help="quantize a model to int8/int4 (edgellm folder or GGUF)")
     p.add_argument("src", help="HF folder, .gguf file or hub id")
@@ -29,12 +29,12 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..atomic import check_writable
-    from ..device import set_threads
-    from ..gguf_export import export_gguf
-    from ..loading import load_model, open_source, resolve_model
-    from ..quantized_format import save_edgellm
-    from .convert import QuantSettings
+    from .atomic import check_writable
+    from .device import set_threads
+    from .gguf_export import export_gguf
+    from .loading import load_model, open_source, resolve_model
+    from .quant.convert import QuantSettings
+    from .quantized_format import save_edgellm
 
     set_threads(args.threads)
     out = Path(args.output)
@@ -45,7 +45,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     if fmt == "gguf" and (group != 32):
         raise EdgeLLMError("GGUF export maps onto Q8_0/Q4_0/Q4_1, which use groups of 32: use --group-size 32")
     settings = QuantSettings(weights=args.weights, group_size=group, symmetric=args.symmetric,
-                             embeddings=args.embeddings, search=not args.fast, calibration=args.calibrate)
+                             embeddings=args.embeddings, search=args.search, calibration=args.calibration)
     if out.exists() and fmt == "edgellm" and not out.is_dir():
         raise OutputError(f"{out}: exists and is not a folder")
     if out.is_dir() and fmt == "gguf":
@@ -61,7 +61,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
             task = bar.add_task("quantizing", total=len(src.names()))
             loaded = load_model(path, device=args.device, max_seq_len=1, on_tensor=lambda name: bar.advance(task),
                                 weights=args.weights, group_size=group, symmetric=args.symmetric,
-                                embeddings=args.embeddings, search=not args.fast, calibration=args.calibrate)
+                                embeddings=args.embeddings, search=args.search, calibration=args.calibration)
             bar.update(task, description="writing", completed=0, total=9 * cfg.n_layers + 3)
             if fmt == "gguf":
                 export_gguf(loaded, out, progress=lambda name: bar.advance(task))
@@ -76,8 +76,8 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     console.print(f"wrote {out} ({fmt}): {size_in / 2**20:.1f} MiB → {size_out / 2**20:.1f} MiB, "
                   f"{bpw:.2f} bits/weight, {args.weights} g{group or 'channel'} "
                   f"{'sym' if args.symmetric or args.weights == 'int8' else 'asym'}, embeddings {args.embeddings}, "
-                  f"{'RTN' if args.fast and not args.calibrate else 'search'}"
-                  f"{', calibrated on ' + args.calibrate if args.calibrate else ''}, {time.perf_counter() - t0:.1f} s")
+                  f"{'RTN' if not args.search and not args.calibration else 'search'}"
+                  f"{', calibrated on ' + args.calibration if args.calibration else ''}, {time.perf_counter() - t0:.1f} s")
     return 0
 
 
