@@ -7,13 +7,14 @@ cache's calibration) and `decode_spec()`, what the fused C++ decode step reads (
 
 `length` is the source of truth for how many positions are valid; `truncate(n)` is O(1) (speculative
 rollback, and a chat turn that diverges from the kept prefix). Storage is per layer, in one of three
-formats (edgellm.kernels.attention): float in the model's dtype, int8 (symmetric, one scale per token
+formats (edgellm.kernels.kv_store): float in the model's dtype, int8 (symmetric, one scale per token
 per head per `group` of the head dim) or int4 (asymmetric, scale + min per group: 16 for keys and 32
 for values by default, two codes per byte). New tokens are quantized as they are written; attention
 reads the storage in place, a tile at a time, so nothing ever dequantizes the whole cache. Quantized
 caches keep their first KV_SINK_TOKENS positions exactly as well (attention sinks), store K and V
 minus calibrated per-channel centres, and keys times calibrated per-channel scales that queries divide
-back out (kv_calibration.py): all exact for attention, they only shrink the quantization error.
+back out (kv_calibration.py, which this module imports and which imports no cache): all exact for
+attention, they only shrink the quantization error.
 
 Quantized caches store K and V rotated by an orthonormal Hadamard matrix H along the head dim, and
 attention runs on q·H with its output rotated back (q·k = qH·kH, softmax·VH = (softmax·V)H). The

@@ -292,7 +292,7 @@ class Engine:
                     pending = [(t, True) for t in drafts[:n_ok]] + [(next_id, False)]
                 else:
                     n_ok = 0
-                    if self.cache.length != start:  # a shared-cache draft's guesses past it (self-draft)
+                    if self.cache.length > start:  # a shared-cache draft's guesses past it (self-draft)
                         self.cache.truncate(start)
                     token_buf.fill_(context[-1])
                     pending = [(sample(self.step(token_buf)), False)]
