@@ -3,7 +3,7 @@ spend on recorded greedy answers, at fixed per-pass costs. No timing noise, so t
 same answers exactly (the machine's load moves a live lookup run's ratio by ±0.2x).
 
 1. The bundled SmolLM2-135M-Instruct (int4 weights) answers each prompt greedily (`-n` tokens).
-2. For each answer, the rounds `Engine._generate_speculative` would play: the proposer guesses from the
+2. For each answer, the rounds `Engine.generate` would play with a proposer: the proposer guesses from the
    context, `GammaController.gamma_for` cuts the guess to the γ that pays for its kind, the guesses that
    match the answer are accepted, and the round costs the pass over γ + 1 tokens (`--costs`, ms for
    T = 1, 2, 3, 4, then `--slope` ms per further token: by default this CPU's fused int4 step at ~300

@@ -1,14 +1,20 @@
-"""The KV cache: static, preallocated at creation, one per model.
+"""The KV cache: static, preallocated at creation, one per model; one class per storage format behind one
+interface (KVCache): FloatKVCache ("fp", the model's dtype), Int8KVCache ("int8", "int8:G") and Int4KVCache
+("int4", "int4:G"). `KVCache(cfg, max_seq_len, dtype, device, kv_format)` is the one way to make one: it
+returns the class of that format. Every cache has `write` (the model's new K/V), `attend` (its queries
+against the cache), `truncate` / `reset`, `bytes_per_token` / `nbytes`, `prepare(model)` (a quantized
+cache's calibration) and `decode_spec()`, what the fused C++ decode step reads (kernels/cpu_decode.py).
 
 `length` is the source of truth for how many positions are valid; `truncate(n)` is O(1) (speculative
 rollback, and a chat turn that diverges from the kept prefix). Storage is per layer, in one of three
-formats (edgellm.kernels.attention): float in the model's dtype, int8 (symmetric, one scale per token
+formats (edgellm.kernels.kv_store): float in the model's dtype, int8 (symmetric, one scale per token
 per head per `group` of the head dim) or int4 (asymmetric, scale + min per group: 16 for keys and 32
 for values by default, two codes per byte). New tokens are quantized as they are written; attention
 reads the storage in place, a tile at a time, so nothing ever dequantizes the whole cache. Quantized
 caches keep their first KV_SINK_TOKENS positions exactly as well (attention sinks), store K and V
 minus calibrated per-channel centres, and keys times calibrated per-channel scales that queries divide
-back out (kv_calibration.py): all exact for attention, they only shrink the quantization error.
+back out (kv_calibration.py, which this module imports and which imports no cache): all exact for
+attention, they only shrink the quantization error.
 
 Quantized caches store K and V rotated by an orthonormal Hadamard matrix H along the head dim, and
 attention runs on q·H with its output rotated back (q·k = qH·kH, softmax·VH = (softmax·V)H). The
@@ -25,8 +31,9 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .kernels.attention import (FloatKV, Int4KV, Int8KV, KVStore, attention, cpu_flash_prefill, masked_attention,
-                                write_kv, write_kv_at)
+from .kernels.attention import attention, cpu_flash_prefill, masked_attention, write_kv, write_kv_at
+from .kernels.kv_store import FloatKV, Int4KV, Int8KV, KVStore, groups
+from .kv_calibration import KVCalibration, kv_calibration
 
 KV_FORMATS = ("fp", "int8", "int4")
 # Scales and mins in fp16: a quarter of an int4 token's bytes at head dim 64 instead of half of them.
@@ -96,61 +103,44 @@ def _opaque_triton_attention():
 
 
 class KVCache:
+    """The interface every format implements, and the construction entry point: `KVCache(cfg, max_seq_len,
+    dtype, device, kv_format)` returns a FloatKVCache, Int8KVCache or Int4KVCache (pathlib.Path's way), so
+    callers name a format string, never a class. Keeps what all formats share: the per-layer storages
+    (kernels/kv_store.py), `length` and the bookkeeping around it."""
+
+    kind = ""  # the format's name in kv_format strings: "fp" | "int8" | "int4"
+    rotation: torch.Tensor | None = None  # [D, D] of a quantized cache (see the module docstring)
+    centers: torch.Tensor | None = None  # [n_layers, 2, Hkv, 1, D] fp32, calibrated (the fused C++ step reads it)
+    key_scales: torch.Tensor | None = None  # [n_layers, Hkv, 1, D] fp32, calibrated (the fused C++ step reads it)
+    _needs_calibration = False  # model.forward calls prepare() first while this is True
+
+    def __new__(cls, *args, **kwargs):
+        if cls is KVCache:  # the format's class; Python then runs its __init__ with the same arguments
+            kv_format = kwargs.get("kv_format", args[4] if len(args) > 4 else "fp")
+            cls = _CLASSES[parse_kv_format(kv_format)[0]]
+        return super().__new__(cls)
+
     def __init__(self, cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device | str,
-                 kv_format: str = "fp"):
+                 kv_format: str | None = None):
+        kv_format = kv_format or self.kind
         kind, group = parse_kv_format(kv_format)
+        if kind != self.kind:
+            raise ValueError(f"{type(self).__name__} stores the {self.kind!r} KV format, not {kv_format!r}")
         self.max_seq_len = max_seq_len
         self.n_layers = cfg.n_layers
         self.kv_format = kv_format
-        self.kind = kind
         self.length = 0
         self.group = cfg.n_heads // cfg.n_kv_heads  # query heads per KV head (GQA)
-        args = (cfg.n_kv_heads, max_seq_len, cfg.head_dim)
         try:
-            if kind == "fp":
-                make = lambda: FloatKV.empty(*args, dtype=dtype, device=device)  # noqa: E731
-            elif kind == "int8":
-                make = lambda: Int8KV.empty(*args, group=group, scale_dtype=SCALE_DTYPE, device=device,  # noqa: E731
-                                            n_sink=KV_SINK_TOKENS)
-            else:
-                gv = group or min(INT4_GROUP, cfg.head_dim)
-                gk = group or min(INT4_K_GROUP, cfg.head_dim)
-                make = lambda: Int4KV.empty(*args, group=gv, scale_dtype=SCALE_DTYPE, device=device,  # noqa: E731
-                                            k_group=gk, n_sink=KV_SINK_TOKENS)
-            self.layers: list[KVStore] = [make() for _ in range(cfg.n_layers)]
+            self.layers: list[KVStore] = [self._new_store(cfg, max_seq_len, dtype, device, group)
+                                          for _ in range(cfg.n_layers)]
         except ValueError as e:  # a group that does not divide the head dim
             raise ValueError(f"KV-cache format {kv_format!r}: {e}") from None
-        self.rotation = None if kind == "fp" else _rotation(cfg.head_dim, dtype, str(torch.device(device)))
-        # calibrated per-channel K/V centres and key scales (kv_calibration.py), set by prepare()
-        self.centers: torch.Tensor | None = None  # [n_layers, 2, Hkv, 1, D] fp32 (the fused C++ step reads it)
-        self.key_scales: torch.Tensor | None = None  # [n_layers, Hkv, 1, D] fp32 (the fused C++ step reads it)
-        self._kv_center_t: torch.Tensor | None = None  # the centres in the cache's dtype: subtracted on write
-        self._v_center_q: torch.Tensor | None = None  # [n_layers, 1, Hq, 1, D] in dtype: added to outputs
-        self._key_scale_t: torch.Tensor | None = None  # [n_layers, Hkv, 1, D] in dtype: keys times it on write
-        self._query_scale_t: torch.Tensor | None = None  # [n_layers, 1, Hq, 1, D] in dtype: 1 / key scale, for q
-        self._needs_calibration = kind != "fp"
 
-    def prepare(self, model) -> None:
-        """Before the first write of a quantized cache: take the model's calibrated centres and key scales."""
-        if self._needs_calibration:
-            from .kv_calibration import kv_calibration
-
-            self.set_calibration(kv_calibration(model))
-
-    def set_calibration(self, calibration) -> None:
-        """Use this KVCalibration (None: none) from now on; K/V already written must have used the same."""
-        self._needs_calibration = False
-        self.centers = self.key_scales = None
-        self._kv_center_t = self._v_center_q = self._key_scale_t = self._query_scale_t = None
-        if calibration is None or self.rotation is None:
-            return
-        dtype, device = self.rotation.dtype, self.rotation.device
-        self.centers = calibration.centers.to(device=device, dtype=torch.float32)
-        self.key_scales = calibration.key_scales.to(device=device, dtype=torch.float32)
-        self._kv_center_t = self.centers.to(dtype)
-        self._v_center_q = self._kv_center_t[:, 1].repeat_interleave(self.group, 1)[:, None]
-        self._key_scale_t = self.key_scales.to(dtype)
-        self._query_scale_t = (1 / self.key_scales).repeat_interleave(self.group, 1)[:, None].to(dtype)
+    def _new_store(self, cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device | str,
+                   group: int | None) -> KVStore:
+        """One layer's storage."""
+        raise NotImplementedError
 
     # -- bookkeeping ---------------------------------------------------------------------------
     def truncate(self, n: int) -> None:
@@ -170,14 +160,21 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for store in self.layers for t in store if isinstance(t, torch.Tensor))
 
+    def prepare(self, model) -> None:
+        """Before the first write: whatever the format needs from the model (a quantized cache: its calibration)."""
+
+    def set_calibration(self, calibration: KVCalibration | None) -> None:
+        """Use this calibration (None: none) from now on; K/V already written must have used the same. A float
+        cache stores K and V as they are: nothing to calibrate."""
+
+    def decode_spec(self) -> list[tuple] | None:
+        """Per layer, (K, V) as the fused C++ decode step takes them (kernels/cpu_decode.py), or None where this
+        cache's tensors are a layout it does not read (another device, dtype or stride)."""
+        raise NotImplementedError
+
     # -- used by the model ---------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | DevicePosition) -> None:
         """k, v [Hkv, T, D] for positions [start, start+T) (quantized here for int8/int4)."""
-        if self.rotation is not None:
-            if self.centers is not None:
-                c = self._kv_center_t[layer]
-                k, v = (k - c[0]) * self._key_scale_t[layer], v - c[1]
-            k, v = k @ self.rotation, v @ self.rotation
         if isinstance(start, DevicePosition):
             write_kv_at(self.layers[layer], k, v, start.pos)
         else:
@@ -187,44 +184,164 @@ class KVCache:
                softcap: float = 0.0) -> torch.Tensor:
         """q [1, Hq, T, D] at positions [start, start+T), causal against the cache → [1, Hq, T, D]. `window` > 0:
         each row sees only its last `window` positions; `softcap` > 0: scores soft-capped (Gemma, Phi-3)."""
-        store = self.layers[layer]
+        raise NotImplementedError
+
+    @staticmethod
+    def _read(store: KVStore, q: torch.Tensor, start: int | DevicePosition, scale: float, window: int,
+              softcap: float) -> torch.Tensor:
+        """Attention over `store` in place (q in the store's basis): the masked path for windows and soft caps,
+        the Triton kernel inside a CUDA graph, else flash-decoding (kernels/attention.py)."""
         if window or softcap:
-            qr = q if self.rotation is None else self._rotate_query(q, layer)
             if isinstance(start, DevicePosition):
-                out = masked_attention(qr, store, start.bound, 0, scale, window, softcap, lengths=start.lengths)
-            else:
-                out = masked_attention(qr, store, start + q.shape[2], start, scale, window, softcap)
-            return out if self.rotation is None else self._unrotate(out, layer)
+                return masked_attention(q, store, start.bound, 0, scale, window, softcap, lengths=start.lengths)
+            return masked_attention(q, store, start + q.shape[2], start, scale, window, softcap)
         if isinstance(start, DevicePosition):  # inside a CUDA graph: the Triton kernel reads the lengths
-            qr = q if self.rotation is None else self._rotate_query(q, layer)
-            out = _graph_attention(qr, store, start.bound, scale, start.lengths)
-            return out if self.rotation is None else self._unrotate(out, layer)
-        T = q.shape[2]
-        end = start + T
-        if isinstance(store, FloatKV) and (T > 1 or q.is_cuda) and not cpu_flash_prefill(q, store):
-            # prefill / verification on a float cache: one fused SDPA call with a causal mask (on the CPU in
-            # fp32 from FLASH_MIN_ROWS rows, attention()'s flash path instead, which leaves the cached prefix
-            # unmasked and lets the kernel skip the blocks above the diagonal); on CUDA also decode (eager
-            # SDPA 13-65 us vs 45-155 us for two Triton launches from Python, H100,
-            # benchmarks/results/attention-cuda.json; the Triton kernel wins only inside a CUDA graph)
-            k, v = store.k[None, :, :end], store.v[None, :, :end]
-            mask = None
-            if T > 1:
-                rows = torch.arange(start, end, device=q.device)[:, None]
-                mask = torch.arange(end, device=q.device)[None, :] <= rows
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=self.group > 1)
-        # decode, and anything on a quantized cache: flash-decoding over the storage in place
-        if self.rotation is None:
-            return attention(q, store, end, start, scale)
-        return self._unrotate(attention(self._rotate_query(q, layer), store, end, start, scale), layer)
+            return _graph_attention(q, store, start.bound, scale, start.lengths)
+        return attention(q, store, start + q.shape[2], start, scale)
 
-    def _rotate_query(self, q: torch.Tensor, layer: int) -> torch.Tensor:
-        """q [1, Hq, T, D] in a quantized cache's basis: divided by the key scales, rotated."""
-        if self._query_scale_t is not None:
+
+class FloatKVCache(KVCache):
+    """K and V in the model's dtype, as computed."""
+
+    kind = "fp"
+
+    def _new_store(self, cfg, max_seq_len, dtype, device, group) -> FloatKV:
+        return FloatKV.empty(cfg.n_kv_heads, max_seq_len, cfg.head_dim, dtype=dtype, device=device)
+
+    def decode_spec(self) -> list[tuple] | None:
+        """(K, V) fp32 tensors per layer."""
+        if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+               for store in self.layers for t in store):
+            return None
+        return [(store.k, store.v) for store in self.layers]
+
+    def attend(self, layer: int, q: torch.Tensor, start: int | DevicePosition, scale: float, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
+        store = self.layers[layer]
+        if not (window or softcap or isinstance(start, DevicePosition)):
+            T = q.shape[2]
+            if (T > 1 or q.is_cuda) and not cpu_flash_prefill(q, store):
+                # prefill / verification: one fused SDPA call with a causal mask (on the CPU in fp32 from
+                # FLASH_MIN_ROWS rows, attention()'s flash path instead, which leaves the cached prefix unmasked
+                # and lets the kernel skip the blocks above the diagonal); on CUDA also decode (eager SDPA
+                # 13-65 us vs 45-155 us for two Triton launches from Python, H100,
+                # benchmarks/results/attention-cuda.json; the Triton kernel wins only inside a CUDA graph)
+                end = start + T
+                k, v = store.k[None, :, :end], store.v[None, :, :end]
+                mask = None
+                if T > 1:
+                    rows = torch.arange(start, end, device=q.device)[:, None]
+                    mask = torch.arange(end, device=q.device)[None, :] <= rows
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                      enable_gqa=self.group > 1)
+        # decode, windows, soft caps and CUDA graphs: over the storage in place
+        return self._read(store, q, start, scale, window, softcap)
+
+
+class _QuantizedKVCache(KVCache):
+    """What int8 and int4 share: K/V centred, keys scaled (calibration) and rotated on write; queries
+    rotated and outputs rotated back on read (see the module docstring). Subclasses say how a layer is
+    stored and which of its tensors hold scales."""
+
+    bits = 0  # code width, as the fused C++ step takes it
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device | str,
+                 kv_format: str | None = None):
+        super().__init__(cfg, max_seq_len, dtype, device, kv_format)
+        self.rotation = _rotation(cfg.head_dim, dtype, str(torch.device(device)))
+        self.centers = self.key_scales = None
+        self._kv_center_t: torch.Tensor | None = None  # the centres in the cache's dtype: subtracted on write
+        self._v_center_q: torch.Tensor | None = None  # [n_layers, 1, Hq, 1, D] in dtype: added to outputs
+        self._key_scale_t: torch.Tensor | None = None  # [n_layers, Hkv, 1, D] in dtype: keys times it on write
+        self._query_scale_t: torch.Tensor | None = None  # [n_layers, 1, Hq, 1, D] in dtype: 1 / key scale, for q
+        self._needs_calibration = True
+
+    def prepare(self, model) -> None:
+        """Before the first write: take the model's calibrated centres and key scales (kv_calibration.py,
+        computed with a float cache of this model)."""
+        if self._needs_calibration:
+            self.set_calibration(kv_calibration(
+                model, lambda n: FloatKVCache(model.config, n, model.dtype, model.device)))
+
+    def set_calibration(self, calibration: KVCalibration | None) -> None:
+        self._needs_calibration = False
+        self.centers = self.key_scales = None
+        self._kv_center_t = self._v_center_q = self._key_scale_t = self._query_scale_t = None
+        if calibration is None:
+            return
+        dtype, device = self.rotation.dtype, self.rotation.device
+        self.centers = calibration.centers.to(device=device, dtype=torch.float32)
+        self.key_scales = calibration.key_scales.to(device=device, dtype=torch.float32)
+        self._kv_center_t = self.centers.to(dtype)
+        self._v_center_q = self._kv_center_t[:, 1].repeat_interleave(self.group, 1)[:, None]
+        self._key_scale_t = self.key_scales.to(dtype)
+        self._query_scale_t = (1 / self.key_scales).repeat_interleave(self.group, 1)[:, None].to(dtype)
+
+    @staticmethod
+    def _scales(store: KVStore) -> tuple[torch.Tensor, ...]:
+        """The store's scale (and min) tensors: fp16 in the layout the C++ step reads."""
+        raise NotImplementedError
+
+    def decode_spec(self) -> list[tuple] | None:
+        """Per layer ((bits, K group, codes, scales, mins or None, sink rows), the same for V): codes with fp16
+        scales and fp32 sink rows."""
+        specs = []
+        for store in self.layers:
+            if any(t.device.type != "cpu" or not t.is_contiguous() for t in store if isinstance(t, torch.Tensor)):
+                return None
+            if any(t is not None and t.dtype != torch.float32 for t in (store.k_sink, store.v_sink)):
+                return None
+            if any(t.dtype != torch.float16 for t in self._scales(store)):
+                return None
+            gk, gv = groups(store)
+            specs.append(((self.bits, gk, store.k, store.k_scale, getattr(store, "k_min", None), store.k_sink),
+                          (self.bits, gv, store.v, store.v_scale, getattr(store, "v_min", None), store.v_sink)))
+        return specs
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int | DevicePosition) -> None:
+        if self.centers is not None:
+            c = self._kv_center_t[layer]
+            k, v = (k - c[0]) * self._key_scale_t[layer], v - c[1]
+        super().write(layer, k @ self.rotation, v @ self.rotation, start)
+
+    def attend(self, layer: int, q: torch.Tensor, start: int | DevicePosition, scale: float, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
+        """Flash-decoding over the codes in place, in the rotated basis."""
+        if self._query_scale_t is not None:  # q divided by the key scales, then rotated
             q = q * self._query_scale_t[layer]
-        return q @ self.rotation
-
-    def _unrotate(self, out: torch.Tensor, layer: int) -> torch.Tensor:
-        """A quantized cache's attention output back in the model's basis, the V centre added back."""
-        out = out @ self.rotation.T
+        out = self._read(self.layers[layer], q @ self.rotation, start, scale, window, softcap) @ self.rotation.T
         return out if self._v_center_q is None else out + self._v_center_q[layer]
+
+
+class Int8KVCache(_QuantizedKVCache):
+    """int8 codes, symmetric, one fp16 scale per token per head per group of the head dim (the whole head by
+    default), the first KV_SINK_TOKENS positions also exact."""
+
+    kind, bits = "int8", 8
+
+    def _new_store(self, cfg, max_seq_len, dtype, device, group) -> Int8KV:
+        return Int8KV.empty(cfg.n_kv_heads, max_seq_len, cfg.head_dim, group=group, scale_dtype=SCALE_DTYPE,
+                            device=device, n_sink=KV_SINK_TOKENS)
+
+    @staticmethod
+    def _scales(store: Int8KV) -> tuple[torch.Tensor, ...]:
+        return store.k_scale, store.v_scale
+
+
+class Int4KVCache(_QuantizedKVCache):
+    """int4 codes, two per byte, asymmetric (fp16 scale + min per group: keys INT4_K_GROUP, values INT4_GROUP;
+    "int4:G" sets both), the first KV_SINK_TOKENS positions also exact."""
+
+    kind, bits = "int4", 4
+
+    def _new_store(self, cfg, max_seq_len, dtype, device, group) -> Int4KV:
+        return Int4KV.empty(cfg.n_kv_heads, max_seq_len, cfg.head_dim, group=group or min(INT4_GROUP, cfg.head_dim),
+                            scale_dtype=SCALE_DTYPE, device=device, k_group=group or min(INT4_K_GROUP, cfg.head_dim),
+                            n_sink=KV_SINK_TOKENS)
+
+    @staticmethod
+    def _scales(store: Int4KV) -> tuple[torch.Tensor, ...]:
+        return store.k_scale, store.k_min, store.v_scale, store.v_min
+
+
+_CLASSES: dict[str, type[KVCache]] = {c.kind: c for c in (FloatKVCache, Int8KVCache, Int4KVCache)}

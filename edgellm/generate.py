@@ -18,6 +18,7 @@ from .device import now, peak_memory_bytes, reset_peak_memory
 from .errors import ContextOverflowError
 from .options import Options
 from .sampling import Sampler, SamplingSettings
+from .speculative import Drafting
 
 PREFILL_CHUNK = 512  # bounds activation/mask memory of long prompts; big enough for full GEMM speed
 
@@ -207,119 +208,33 @@ class Engine:
     # ------------------------------------------------------------------------------------------
     def generate(self, prompt: list[int], settings: GenerationSettings | None = None,
                  stop: threading.Event | None = None) -> Iterator[Event]:
+        """Prefill, then rounds until a finish: each round emits its tokens one by one through the stop checks,
+        then computes the next ones. Plain decoding is speculation with zero drafts: without a proposer (or
+        when it guesses nothing) a round is the one-token step and one sample; with guesses, one target pass
+        over [last token + guesses] verifies them (speculative.py) and the cache is rolled back to the
+        accepted ones. Either way the cache ends holding exactly what plain decoding of the emitted tokens
+        leaves (every emitted token but the last; all of them after EOS)."""
         settings = settings or GenerationSettings()
-        if self.draft is not None:
-            yield from self._generate_speculative(prompt, settings, stop)
-            return
-        self.check_fits(len(prompt))
-        stats = GenerationStats(prompt_tokens=len(prompt))
-        sampler = Sampler(settings.sampling, self.device)
-        penalty = settings.sampling.repeat_penalty != 1.0
-        last_n = settings.sampling.repeat_last_n
-        eos = set() if settings.ignore_eos else self.tokenizer.eos_ids
-        detok = self.tokenizer.stream()
-        stops = StopStringMatcher(settings.stop_strings)
-        out_ids: list[int] = []
-        text_parts: list[str] = []
-        token_buf = torch.empty((1, 1), dtype=torch.long, device=self.device)
-
-        reset_peak_memory(self.device)
-        t0 = now(self.device)
-        reused = self._reuse_prefix(prompt)
-        stats.reused_tokens, stats.prefill_tokens = reused, len(prompt) - reused
-        logits = self.prefill(prompt)
-
-        def recent() -> torch.Tensor | None:
-            if not penalty:
-                return None
-            ids = (prompt + out_ids)[-last_n:]
-            return torch.tensor(ids, dtype=torch.long, device=self.device)
-
-        t_prev = t0
-        t_first = t0
-        finish = "length"
-        try:
-            while len(out_ids) < settings.max_tokens:
-                next_id = sampler(logits, recent())
-                tid = int(next_id)  # the one host sync per token: we must see the id to stream it
-                t = now()
-                if not out_ids:
-                    t_first = t
-                    stats.ttft_s = stats.prefill_s = t - t0
-                else:
-                    stats.token_latencies_s.append(t - t_prev)
-                t_prev = t
-                if tid in eos:
-                    finish = "eos"
-                    break
-                out_ids.append(tid)
-                piece = stops.feed(detok.push(tid))
-                text_parts.append(piece)
-                yield Token(tid, piece, t - t0)
-                if stops.stopped:
-                    finish = "stop"
-                    break
-                if stop is not None and stop.is_set():
-                    finish = "stopped"
-                    break
-                if len(out_ids) >= settings.max_tokens:
-                    break
-                if self.cache.length >= self.max_seq_len:
-                    finish = "context"
-                    break
-                token_buf.fill_(tid)
-                logits = self.step(token_buf)
-                self.cached_ids.append(tid)
-        finally:
-            # an interrupt mid-forward leaves K/V past `length`: harmless, but keep ids in step
-            del self.cached_ids[self.cache.length:]
-        if not stops.stopped:
-            tail = stops.feed(detok.flush()) + stops.flush()
-            if tail:
-                text_parts.append(tail)
-                yield Token(-1, tail, now() - t0)  # trailing text (no new token)
-        self._finish_stats(stats, finish, len(out_ids), t0, t_first, t_prev)
-        yield Done(stats, "".join(text_parts), out_ids)
-
-    def _finish_stats(self, stats: GenerationStats, finish: str, generated: int, t0: float, t_first: float,
-                      t_prev: float) -> None:
-        """The totals of a finished generation: rates from its timestamps (t0 start, t_first the first
-        token, t_prev the last one), and the peak memory."""
-        stats.finish_reason = finish
-        stats.generated_tokens = generated
-        if not generated:
-            stats.ttft_s = stats.prefill_s = now(self.device) - t0
-        stats.prefill_tok_s = stats.prefill_tokens / stats.prefill_s if stats.prefill_s > 0 else 0.0
-        stats.decode_s = t_prev - t_first
-        n_decoded = len(stats.token_latencies_s)
-        stats.decode_tok_s = n_decoded / stats.decode_s if stats.decode_s > 0 else 0.0
-        stats.peak_memory_bytes = peak_memory_bytes(self.device)
-
-    # ------------------------------------------------------------------------------------------
-    def _generate_speculative(self, prompt: list[int], settings: GenerationSettings,
-                              stop: threading.Event | None) -> Iterator[Event]:
-        """The plain loop's contract (events, stops, stats, cache state at the end), a round at a time:
-        the proposer guesses γ tokens, one target pass over [last token + guesses] checks them, and
-        the accepted guesses plus the target's own next token go through the plain path's stop checks
-        one by one. The cache then holds exactly what plain decoding of the emitted tokens leaves."""
-        from .speculative import GammaController, verify_greedy, verify_sampled
-
         self.check_fits(len(prompt))
         s = settings.sampling
-        stats = GenerationStats(prompt_tokens=len(prompt), draft=getattr(self.draft, "name", "draft"))
+        stats = GenerationStats(prompt_tokens=len(prompt))
         sampler = Sampler(s, self.device)
-        gamma_ctl = GammaController(self.draft_tokens, hi=self.draft_max, costs=self.draft_costs,
-                                    kind_prior=getattr(self.draft, "kind_prior", None),
-                                    free=self.draft.free_proposals)
+        drafting = None if self.draft is None else Drafting(self, prompt, s, sampler, stats)
         penalty = s.repeat_penalty != 1.0
         eos = set() if settings.ignore_eos else self.tokenizer.eos_ids
         detok = self.tokenizer.stream()
         stops = StopStringMatcher(settings.stop_strings)
         P = len(prompt)
         out_ids: list[int] = []
-        context = list(prompt)  # prompt + out_ids, grown as tokens are emitted (proposers only read it)
+        context = list(prompt)  # prompt + out_ids, grown as tokens are emitted
         text_parts: list[str] = []
         token_buf = torch.empty((1, 1), dtype=torch.long, device=self.device)
+
+        def sample(logits: torch.Tensor) -> int:
+            """The next token from one position's logits: the one host sync of a plain step (we must see the
+            id to stream it)."""
+            recent = torch.tensor(context[-s.repeat_last_n:], dtype=torch.long, device=self.device) if penalty else None
+            return int(sampler(logits, recent))
 
         reset_peak_memory(self.device)
         t0 = now(self.device)
@@ -327,19 +242,17 @@ class Engine:
         stats.reused_tokens, stats.prefill_tokens = reused, P - reused
         with torch.no_grad():
             logits = self.prefill(prompt)
-        recent = None
-        if penalty:
-            recent = torch.tensor(prompt[-s.repeat_last_n:], dtype=torch.long, device=self.device)
-        pending: list[tuple[int, bool]] = [(int(sampler(logits, recent)), False)]  # (token, from a draft)
+        pending: list[tuple[int, bool]] = []  # this round's tokens: (id, from a draft)
+        finish = "length"
+        if settings.max_tokens > 0:
+            pending, finish = [(sample(logits), False)], ""
         t_prev = t_first = t0
-        finish = ""
-        begun = False
+        first_round = True
         try:
-            while True:
-                # -- emit this round's tokens exactly as the plain loop would --------------------
+            while not finish:
+                # -- emit this round's tokens, each through the stop checks --------------------------
                 t_round = now()
                 share = (t_round - t_prev) / len(pending)  # a round's time, spread over its tokens
-                first_round = not stats.ttft_s
                 if first_round:
                     t_first = t_round
                     stats.ttft_s = stats.prefill_s = t_round - t0
@@ -362,79 +275,69 @@ class Engine:
                         finish = "stopped"
                     elif len(out_ids) >= settings.max_tokens:
                         finish = "length"
-                    elif P + len(out_ids) - 1 >= self.max_seq_len:  # the plain loop's cache.length check
+                    elif P + len(out_ids) - 1 >= self.max_seq_len:  # the cache is full
                         finish = "context"
                     if finish:
                         if not first_round:
                             stats.token_latencies_s[-1] = t_round - t_prev - share * i
                         break
+                first_round = False
                 t_prev = t_round
                 if finish:
                     break
-                # -- one round: propose, verify, roll back -----------------------------------------
+                # -- the next round: guesses verified in one pass, or the one-token step -------------
                 start = len(context) - 1  # the last token is not in the cache yet
-                if not begun:
-                    self.draft.begin(prompt, s, sampler)
-                    begun = True
-                room = min(settings.max_tokens - len(out_ids) - 1, self.max_seq_len - len(context))
-                free = self.draft.free_proposals and gamma_ctl.fixed is None
-                gamma = min(gamma_ctl.hi if free else gamma_ctl.gamma, room)
-                t_a = now(self.device)
                 drafts: list[int] = []
-                q = None
-                kind = None
-                if gamma > 0:
+                if drafting is not None:
+                    drafts = drafting.propose(context, min(settings.max_tokens - len(out_ids) - 1,
+                                                           self.max_seq_len - len(context)))
+                if drafts:
                     with torch.no_grad():
-                        d, q = self.draft.propose(context, gamma)
-                    kind = self.draft.kind
-                    if free:  # as many as pay for this kind of guess
-                        gamma = min(gamma_ctl.gamma_for(kind), gamma)
-                    drafts = d.tolist()[:gamma]
-                    if q is not None:
-                        q = q[:len(drafts)]
-                t_b = now(self.device)
-                with torch.no_grad():
-                    if drafts:
                         x = torch.tensor([[context[-1]] + drafts], dtype=torch.long, device=self.device)
                         logits = self.verify_logits(x, start)
-                    else:  # nothing to verify (no guess, or γ 0): the plain loop's step
-                        token_buf.fill_(context[-1])
-                        logits = self._decoder(token_buf, self.cache, start, self.compile_mode)[None]
-                history = context[-s.repeat_last_n:] if penalty else []
-                if s.greedy:
-                    n_ok, next_id = verify_greedy(logits, drafts, history, s)
+                    n_ok, next_id = drafting.verify(logits, drafts, context)
+                    self.cache.truncate(start + n_ok + 1)  # keep [last, accepted drafts]; drop the rest
+                    self.cached_ids.extend(([context[-1]] + drafts)[:n_ok + 1])
+                    pending = [(t, True) for t in drafts[:n_ok]] + [(next_id, False)]
                 else:
-                    n_ok, next_id = verify_sampled(logits, drafts, q, history, s, sampler)
-                t_c = now(self.device)
-                self.cache.truncate(start + n_ok + 1)  # keep [last, accepted drafts]; drop the rest
-                self.cached_ids.extend(([context[-1]] + drafts)[:n_ok + 1])
-                gamma_ctl.update(len(drafts), n_ok, t_b - t_a, t_c - t_b, kind)
-                stats.draft_s += t_b - t_a
-                stats.verify_s += t_c - t_b
-                stats.draft_gamma_history.append(gamma)
-                if drafts:
-                    stats.draft_rounds += 1
-                    stats.draft_proposed += len(drafts)
-                    stats.draft_accepted += n_ok
-                pending = [(t, True) for t in drafts[:n_ok]] + [(next_id, False)]
+                    n_ok = 0
+                    if self.cache.length > start:  # a shared-cache draft's guesses past it (self-draft)
+                        self.cache.truncate(start)
+                    token_buf.fill_(context[-1])
+                    pending = [(sample(self.step(token_buf)), False)]
+                    self.cached_ids.append(context[-1])
+                if drafting is not None:
+                    drafting.end_round(len(drafts), n_ok)
         finally:
-            # what plain decoding leaves: every emitted token but the last in the cache (all of them
-            # after EOS, which was computed from the last one); an interrupt (Ctrl-C inside a draft or
+            # what plain decoding leaves: every emitted token but the last in the cache (all of them after
+            # EOS, which was computed from the last one); an interrupt (Ctrl-C inside a step, draft or
             # verification pass, or the consumer closing the stream) leaves the verified prefix: a shared-
             # cache draft's guesses and unchecked verification K/V past `cached_ids` are dropped
             if finish:
-                self.cache.truncate(min(self.cache.length, P + len(out_ids) - 1 + (finish == "eos")))
+                keep = max(P, P + len(out_ids) - (finish != "eos"))
+                self.cache.truncate(min(self.cache.length, keep))
             del self.cached_ids[self.cache.length:]
             self.cache.truncate(min(self.cache.length, len(self.cached_ids)))
         if not stops.stopped:
             tail = stops.feed(detok.flush()) + stops.flush()
             if tail:
                 text_parts.append(tail)
-                yield Token(-1, tail, now() - t0)
+                yield Token(-1, tail, now() - t0)  # trailing text (no new token)
         self._finish_stats(stats, finish, len(out_ids), t0, t_first, t_prev)
-        if stats.draft_proposed:
-            stats.acceptance_rate = stats.draft_accepted / stats.draft_proposed
-            stats.mean_accepted_length = stats.draft_accepted / max(stats.draft_rounds, 1)
-        stats.draft_gamma = gamma_ctl.gamma
-        stats.speedup_estimate = gamma_ctl.speedup_estimate()
+        if drafting is not None:
+            drafting.finish()
         yield Done(stats, "".join(text_parts), out_ids)
+
+    def _finish_stats(self, stats: GenerationStats, finish: str, generated: int, t0: float, t_first: float,
+                      t_prev: float) -> None:
+        """The totals of a finished generation: rates from its timestamps (t0 start, t_first the first
+        token, t_prev the last one), and the peak memory."""
+        stats.finish_reason = finish
+        stats.generated_tokens = generated
+        if not generated:
+            stats.ttft_s = stats.prefill_s = now(self.device) - t0
+        stats.prefill_tok_s = stats.prefill_tokens / stats.prefill_s if stats.prefill_s > 0 else 0.0
+        stats.decode_s = t_prev - t_first
+        n_decoded = len(stats.token_latencies_s)
+        stats.decode_tok_s = n_decoded / stats.decode_s if stats.decode_s > 0 else 0.0
+        stats.peak_memory_bytes = peak_memory_bytes(self.device)

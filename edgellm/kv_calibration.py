@@ -24,6 +24,7 @@ with a quantized cache (one prefill of the text: ~0.3 s for the bundled model) a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -97,41 +98,52 @@ def key_scales(q_energy: torch.Tensor, k_energy: torch.Tensor) -> torch.Tensor:
     return s.clamp(1 / KEY_SCALE_LIMIT, KEY_SCALE_LIMIT).float()
 
 
-def kv_calibration(model) -> KVCalibration | None:
+class _Recorder:
+    """Passes a model's writes and reads through to a float cache, keeping each layer's K, V (post-RoPE) and
+    the energy of its queries per KV head and channel."""
+
+    def __init__(self, cache, n_kv_heads: int, group: int):
+        self.cache, self.n_kv_heads, self.group = cache, n_kv_heads, group
+        self.max_seq_len = cache.max_seq_len
+        self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.q_energy: dict[int, torch.Tensor] = {}
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        self.cache.length = n
+
+    def write(self, layer, k, v, start):
+        self.kv[layer] = k.float(), v.float()
+        self.cache.write(layer, k, v, start)
+
+    def attend(self, layer, q, start, scale, **kw):
+        self.q_energy[layer] = q[0].float().pow(2).mean(1).view(self.n_kv_heads, self.group, -1).mean(1)  # [Hkv, D]
+        return self.cache.attend(layer, q, start, scale, **kw)
+
+
+def kv_calibration(model, float_cache: Callable[[int], Any]) -> KVCalibration | None:
     """The model's KV centres and key scales over the calibration text (computed once, kept on the model),
-    or None when the model has no calibration ids."""
+    or None when the model has no calibration ids. `float_cache(n)`: a float KV cache of n positions for
+    this model (edgellm.cache passes its own, so this module imports no cache)."""
     cached = getattr(model, "_kv_calibration", None)
     if cached is not None:
         return cached
     ids = list(getattr(model, "calibration_ids", None) or [])[: max(0, model.rope_len - 1)]
     if len(ids) < 2:
         return None
-    from .cache import KVCache
-
     cfg = model.config
-    group = cfg.n_heads // cfg.n_kv_heads
-
-    class Probe(KVCache):
-        """A float cache that also records each layer's K, V and q (post-RoPE)."""
-
-        def write(self, layer, k, v, start):
-            kv[layer] = k.float(), v.float()
-            super().write(layer, k, v, start)
-
-        def attend(self, layer, q, start, scale, **kw):
-            q_energy[layer] = q[0].float().pow(2).mean(1).view(cfg.n_kv_heads, group, -1).mean(1)  # [Hkv, D]
-            return super().attend(layer, q, start, scale, **kw)
-
-    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    q_energy: dict[int, torch.Tensor] = {}
-    probe = Probe(cfg, len(ids), model.dtype, model.device)
+    probe = _Recorder(float_cache(len(ids)), cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads)
     with torch.no_grad():
         model(torch.tensor([ids], dtype=torch.long, device=model.device), probe, 0)
     centers, scales = [], []
     for i in range(cfg.n_layers):
-        k, v = kv[i]  # [Hkv, T, D]
+        k, v = probe.kv[i]  # [Hkv, T, D]
         ck, cv = k.mean(1, keepdim=True), v.mean(1, keepdim=True)
         centers.append(torch.stack((ck, cv)))
-        scales.append(key_scales(q_energy[i], (k - ck).pow(2).mean(1))[:, None])
+        scales.append(key_scales(probe.q_energy[i], (k - ck).pow(2).mean(1))[:, None])
     model._kv_calibration = KVCalibration(torch.stack(centers), torch.stack(scales))
     return model._kv_calibration

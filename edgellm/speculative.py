@@ -18,9 +18,11 @@ Proposers (one interface, `propose(context_ids, k) -> (tokens [k'], probs [k', V
                        K/V for the guessed positions there, which the verification pass then overwrites.
   PromptLookupProposer n-gram match of the last tokens against prompt + text so far; no model, one-hot q.
 
-The engine (generate.py) owns the loop: it asks a `GammaController` how many drafts to request, runs
-the verification pass, rolls the cache back with `truncate`, and emits tokens through the same stop
-checks as the plain path, so stops inside an accepted run behave exactly as without speculation.
+The engine (generate.py) owns the one loop, plain decoding being speculation with no drafts; `Drafting`
+is an answer's speculative side: it asks a `GammaController` how many drafts to request, gets them from
+the proposer and verifies them; the engine runs the verification pass, rolls the cache back with
+`truncate`, and emits tokens through the same stop checks as a plain step's, so stops inside an accepted
+run behave exactly as without speculation.
 """
 from __future__ import annotations
 
@@ -34,13 +36,14 @@ import torch.nn.functional as F
 
 from .cache import KVCache
 from .decode_step import Decoder
+from .device import now
 from .errors import EdgeLLMError
 from .quant.linear import set_kernel_options
 from .sampling import Sampler, SamplingSettings, apply_repeat_penalty, argmax, probabilities
 
 __all__ = ["Proposer", "DraftModelProposer", "SelfDraftProposer", "PromptLookupProposer", "GammaController",
-           "VerifyCosts", "make_proposer", "build_self_draft", "check_tokenizers", "residual", "verify_greedy",
-           "verify_sampled", "max_draft_tokens", "GAMMA_MIN", "GAMMA_MAX", "GAMMA_START"]
+           "VerifyCosts", "Drafting", "make_proposer", "build_self_draft", "check_tokenizers", "residual",
+           "verify_greedy", "verify_sampled", "max_draft_tokens", "GAMMA_MIN", "GAMMA_MAX", "GAMMA_START"]
 
 GAMMA_START, GAMMA_MIN, GAMMA_MAX = 4, 1, 16
 DRAFT_PREFILL_CHUNK = 512
@@ -751,6 +754,81 @@ class GammaController:
         if self.c_draft is None:
             return 1.0
         return self.rate(self.gamma) * self.verify_cost(1)
+
+
+# ------------------------------------------------------------------------------------------------
+# One answer's rounds
+# ------------------------------------------------------------------------------------------------
+class Drafting:
+    """The speculative side of one answer (Engine.generate's loop): each round `propose` asks the proposer
+    for up to γ guesses, `verify` checks them against the target's logits of [last token + guesses], and
+    `end_round` records the round (the γ controller's costs and acceptance, the answer's stats). A round
+    whose proposal is empty takes the engine's plain one-token step instead of a verification pass."""
+
+    def __init__(self, engine: Any, prompt: list[int], settings: SamplingSettings, sampler: Sampler, stats: Any):
+        proposer = engine.draft
+        self.proposer, self.prompt, self.settings, self.sampler, self.stats = proposer, prompt, settings, sampler, stats
+        self.device = engine.device
+        self.ctl = GammaController(engine.draft_tokens, hi=engine.draft_max, costs=engine.draft_costs,
+                                   kind_prior=getattr(proposer, "kind_prior", None), free=proposer.free_proposals)
+        stats.draft = getattr(proposer, "name", "draft")
+        self.begun = False  # proposer.begin runs before the first round (an answer that ends at once never asks)
+        self.gamma, self.q, self.kind = 0, None, None  # this round's γ, draft distributions, kind of guess
+        self.t_propose = self.t_verify = 0.0
+
+    def propose(self, context: list[int], room: int) -> list[int]:
+        """Up to min(γ, room) guessed next tokens after `context` (maybe none)."""
+        if not self.begun:
+            self.proposer.begin(self.prompt, self.settings, self.sampler)
+            self.begun = True
+        ctl = self.ctl
+        free = self.proposer.free_proposals and ctl.fixed is None
+        gamma = min(ctl.hi if free else ctl.gamma, room)
+        self.t_propose = now(self.device)
+        drafts: list[int] = []
+        self.q = self.kind = None
+        if gamma > 0:
+            with torch.no_grad():
+                d, q = self.proposer.propose(context, gamma)
+            self.kind = self.proposer.kind
+            if free:  # as many as pay for this kind of guess
+                gamma = min(ctl.gamma_for(self.kind), gamma)
+            drafts = d.tolist()[:gamma]
+            self.q = None if q is None else q[:len(drafts)]
+        self.gamma = gamma
+        self.t_verify = now(self.device)
+        return drafts
+
+    def verify(self, logits: torch.Tensor, drafts: list[int], context: list[int]) -> tuple[int, int]:
+        """logits [γ+1, V] of [context[-1]] + drafts → (drafts accepted, the target's next token)."""
+        s = self.settings
+        history = context[-s.repeat_last_n:] if s.repeat_penalty != 1.0 else []
+        if s.greedy:
+            return verify_greedy(logits, drafts, history, s)
+        return verify_sampled(logits, drafts, self.q, history, s, self.sampler)
+
+    def end_round(self, proposed: int, accepted: int) -> None:
+        """After the round's verification (or plain step) and its token: time it, and let γ follow."""
+        t_done = now(self.device)
+        draft_s, verify_s = self.t_verify - self.t_propose, t_done - self.t_verify
+        self.ctl.update(proposed, accepted, draft_s, verify_s, self.kind)
+        stats = self.stats
+        stats.draft_s += draft_s
+        stats.verify_s += verify_s
+        stats.draft_gamma_history.append(self.gamma)
+        if proposed:
+            stats.draft_rounds += 1
+            stats.draft_proposed += proposed
+            stats.draft_accepted += accepted
+
+    def finish(self) -> None:
+        """The answer's acceptance figures and the γ controller's last word, into the stats."""
+        stats = self.stats
+        if stats.draft_proposed:
+            stats.acceptance_rate = stats.draft_accepted / stats.draft_proposed
+            stats.mean_accepted_length = stats.draft_accepted / max(stats.draft_rounds, 1)
+        stats.draft_gamma = self.ctl.gamma
+        stats.speedup_estimate = self.ctl.speedup_estimate()
 
 
 # ------------------------------------------------------------------------------------------------

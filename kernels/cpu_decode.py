@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from . import matmul as K
-from .attention import groups
 
 
 class NotFused(Exception):
@@ -62,29 +61,6 @@ def _linear_spec(mod) -> tuple | None:
     if w is None or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
         return None
     return (0, 0, w.detach().contiguous(), None, None, bias)
-
-
-def _kv_specs(store, cache) -> tuple | None:
-    """(K, V) of one layer as the plan takes them: fp32 tensors, or (bits, group, codes, scales, mins, sink)
-    of an int8 / int4 store with fp16 scales and fp32 sink rows (edgellm.cache), or None (a layout the C++
-    step does not read)."""
-    kind = getattr(cache, "kind", None)
-    if kind == "fp":
-        ok = all(t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in (store.k, store.v))
-        return (store.k, store.v) if ok else None
-    tensors = [t for t in store if isinstance(t, torch.Tensor)]
-    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
-        return None
-    if any(t is not None and t.dtype != torch.float32 for t in (store.k_sink, store.v_sink)):
-        return None
-    gk, gv = groups(store)
-    if kind == "int8" and store.k_scale.dtype == torch.float16:
-        return ((8, gk, store.k, store.k_scale, None, store.k_sink),
-                (8, gv, store.v, store.v_scale, None, store.v_sink))
-    if kind == "int4" and store.k_scale.dtype == torch.float16 and store.k_min.dtype == torch.float16:
-        return ((4, gk, store.k, store.k_scale, store.k_min, store.k_sink),
-                (4, gv, store.v, store.v_scale, store.v_min, store.v_sink))
-    return None
 
 
 def _rope_table(t: torch.Tensor, S: int) -> torch.Tensor:
@@ -160,8 +136,8 @@ def fused_decode_step(model, cache, kernel: K.KernelOptions = K.DEFAULT_OPTIONS,
         raise NotFused(f"the model runs in {str(model.dtype).replace('torch.', '')} on {model.device.type} "
                        "(the fused step takes fp32 on the CPU)")
     try:
-        kv = [_kv_specs(s, cache) for s in cache.layers]
-        if any(s is None for s in kv):
+        kv = cache.decode_spec()  # per layer (K, V) as the plan takes them (edgellm/cache.py), or None
+        if kv is None:
             raise NotFused(f"the KV cache's layout ({cache.kind}) is not one the fused step reads")
         rot = getattr(cache, "rotation", None)
         if (cache.kind == "fp") != (rot is None) or (rot is not None and rot.dtype != torch.float32):

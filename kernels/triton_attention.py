@@ -16,7 +16,8 @@ Keys and values may have their own groups (GROUP / GROUP_V). A store's exact sin
 N_SINK positions, kernels/attention.py) replace the dequantized ones in the tile that holds them: their
 scores are dotted against the fp32 rows, and their probabilities go to the fp32 V rows only.
 
-Runs under TRITON_INTERPRET=1 on CPU tensors (tests); dispatch from attention.py uses it on CUDA only.
+Runs under TRITON_INTERPRET=1 on CPU tensors (tests); dispatch from attention.py uses it on CUDA only. Imports
+the storages from kv_store.py, never attention.py (which imports this module on first CUDA use).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import FloatKV, Int4KV, Int8KV, KVStore, check_attention_args, groups, n_sink, triton_supports
+from .kv_store import FloatKV, Int4KV, Int8KV, KVStore, check_attention_args, groups, n_sink, triton_supports
 
 _FLOAT, _INT8, _INT4 = 0, 1, 2
 _LOG2E = 1.4426950408889634

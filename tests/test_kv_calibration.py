@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from edgellm.cache import KVCache
+from edgellm.cache import FloatKVCache, Int4KVCache, Int8KVCache, KVCache
 from edgellm.kernels.attention import dequantize_kv, reference_attention
 from edgellm.kv_calibration import KEY_SCALE_LIMIT, KVCalibration, key_scales
 from edgellm.loading import load_model
@@ -45,8 +45,8 @@ def test_key_scales_stay_finite_and_bounded_for_dead_channels():
     assert s.min() >= 1 / KEY_SCALE_LIMIT and s.max() <= KEY_SCALE_LIMIT
 
 
-class RecordingCache(KVCache):
-    """Keeps each layer's query and attention output (the model's basis)."""
+class Recording:
+    """A cache that keeps each layer's query and attention output (the model's basis)."""
 
     def attend(self, layer, q, start, scale):
         out = super().attend(layer, q, start, scale)
@@ -55,13 +55,17 @@ class RecordingCache(KVCache):
         return out
 
 
+RECORDING = {"int8": type("RecordingInt8", (Recording, Int8KVCache), {}),
+             "int4": type("RecordingInt4", (Recording, Int4KVCache), {})}
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_scaled_keys_leave_attention_exact(tiny_llama, fmt):
     """Attention on a calibrated quantized cache equals float64 attention of the model's own queries over the
     stored K/V mapped back to the model's basis (rotated back, keys divided by their scales, centres added):
     the queries' division undoes the keys' scaling, whatever the rounding did to the codes."""
     model = load_model(tiny_llama[0]).model
-    cache = RecordingCache(model.config, 64, model.dtype, model.device, kv_format=fmt)
+    cache = RECORDING[fmt](model.config, 64, model.dtype, model.device, kv_format=fmt)
     with torch.no_grad():
         model(torch.tensor([IDS[:10]]), cache, 0)  # T > 1 against the cache
         model(torch.tensor([IDS[10:]]), cache, 10)
@@ -95,7 +99,7 @@ def test_key_scales_cut_the_int4_error_on_the_bundled_model(bundled):
     from edgellm.kv_calibration import kv_calibration
 
     ref = logprobs()
-    calibrated = kv_calibration(m)
+    calibrated = kv_calibration(m, lambda n: FloatKVCache(m.config, n, m.dtype, m.device))
     kl = {}
     for name, cal in (("scaled", calibrated),
                       ("unscaled", KVCalibration(calibrated.centers, torch.ones_like(calibrated.key_scales)))):

@@ -35,16 +35,6 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("cli", ["edgellm.cli"]),
 ]
 
-# Edges other helpers of issue 24 remove in their own branches, named with who removes them. The integrator
-# deletes this table (and re-places any module they moved) after merging: every other edge must already pass.
-ALLOWED_FOR_NOW: dict[tuple[str, str], str] = {
-    # cacheloop: one cache class per KV format; the calibration no longer builds a cache, nor the portable
-    # attention dispatch import the Triton kernel that imports it
-    ("edgellm.kv_calibration", "edgellm.cache"): "cacheloop",
-    ("edgellm.kernels.attention", "edgellm.kernels.triton_attention"): "cacheloop",
-}
-
-
 # ------------------------------------------------------------------------------------------------
 # The graph
 # ------------------------------------------------------------------------------------------------
@@ -161,10 +151,6 @@ def _path_through(graph: dict[str, dict[str, str]], component: set[str]) -> list
     raise AssertionError(f"no cycle through {start}")  # pragma: no cover - a component of > 1 has one
 
 
-def _without_allowed(graph: dict[str, dict[str, str]]) -> dict[str, dict[str, str]]:
-    return {a: {b: how for b, how in deps.items() if (a, b) not in ALLOWED_FOR_NOW} for a, deps in graph.items()}
-
-
 # ------------------------------------------------------------------------------------------------
 # The tests
 # ------------------------------------------------------------------------------------------------
@@ -191,7 +177,7 @@ def test_package_inits_import_nothing():
 
 
 def test_no_import_cycles():
-    found = cycles(_without_allowed(import_graph()))
+    found = cycles(import_graph())
     assert not found, "import cycles:\n" + "\n".join("  " + " -> ".join(c) for c in found)
 
 
@@ -202,29 +188,8 @@ def test_dependencies_point_down():
         here = layer_of(module)
         for dep, how in sorted(deps.items()):
             there = layer_of(dep)
-            if here is None or there is None or there <= here or (module, dep) in ALLOWED_FOR_NOW:
+            if here is None or there is None or there <= here:
                 continue
             violations.append(f"  {module} ({LAYERS[here][0]}) imports {dep} ({LAYERS[there][0]}), {how}")
     assert not violations, f"{len(violations)} imports point up:\n" + "\n".join(violations)
 
-
-def test_allowlist_is_not_stale():
-    """Each allowed edge still exists and still breaks a rule (points up, or closes a cycle: its target reaches
-    back to its source): once a helper's fix lands, its entry goes."""
-    graph = import_graph()
-
-    def breaks_a_rule(a: str, b: str) -> bool:
-        return (layer_of(b) or 0) > (layer_of(a) or 0) or a in _reachable(graph, b)
-
-    stale = [(a, b) for a, b in ALLOWED_FOR_NOW if b not in graph.get(a, {}) or not breaks_a_rule(a, b)]
-    assert not stale, f"allowed edges that no longer exist or break no rule (delete them): {stale}"
-
-
-def _reachable(graph: dict[str, dict[str, str]], start: str) -> set[str]:
-    seen, todo = {start}, [start]
-    while todo:
-        for w in graph.get(todo.pop(), {}):
-            if w not in seen:
-                seen.add(w)
-                todo.append(w)
-    return seen

@@ -1,4 +1,4 @@
-"""Speculative decoding (edgellm/speculative.py, Engine._generate_speculative) is exact.
+"""Speculative decoding (edgellm/speculative.py, Engine.generate with a proposer) is exact.
 
 Greedy: every proposer gives plain decoding's tokens, token for token, across γ boundaries, max-token
 limits, stops and the end of the context, and leaves the cache plain decoding leaves. Sampling: the
