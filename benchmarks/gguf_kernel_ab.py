@@ -7,7 +7,8 @@ Builds benchmarks/gguf_kernel_ab.cpp with two copies of cpu_gguf.cpp: git revisi
 edgellm_old) and the working tree's, then multiplies every quantized tensor of the file (the linears and the output
 head, memory-mapped, as the model reads them per token) by M rows of x with each build in turn, rounds alternating
 which build goes first. On a machine loaded by other work both builds see the same load, so the ratio holds where
-the absolute figures do not. GB/s = the tensors' bytes / the best round's time.
+the absolute figures do not (with --threads 1 the harness counts its thread's CPU time, not wall time, so time
+the core spends on other processes is left out). GB/s = the tensors' bytes / the best round's time.
 
 --hot: one tensor per kind, cut to its first rows that fit in 192 KiB (L2), multiplied 50 times a round: the
 kernels' compute speed without DRAM, the figure least blurred by other work on the machine.

@@ -641,78 +641,153 @@ inline float f16c(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
+// One decoded K-quant super-block: codes, int16 scales per 32 values (madd's operand), the fp32 d (and dmin).
+struct KqBlock {
+  __m256i u[8], sc[8];
+  __m256i scall;  // Q6_K: its 16 scales as int16 (the -32 offset's weights)
+  __m128i mins;   // Q4_K / Q5_K: the 8 mins as int16
+  float dw, dmin;
+};
+
+template <int TYPE>
+inline void kq_decode(const uint8_t* b, KqBlock& w) {
+  if (TYPE == GGUF_Q6_K) {
+    w.dw = f16c(b + 208);
+    w.dmin = 0.0f;
+    const __m128i s8 = _mm_loadu_si128((const __m128i*)(b + 192));
+    w.scall = _mm256_cvtepi8_epi16(s8);
+    w.mins = _mm_setzero_si128();
+    q6k_scales(s8, w.sc);
+  } else {
+    uint32_t v[3];
+    std::memcpy(v, b + 4, 12);  // ggml's get_scale_min_k4, in registers: [sc0..7 | m0..7] as bytes
+    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+    const __m128i s8 = _mm_setr_epi32((int)(v[0] & k1), (int)((v[2] & k2) | (((v[0] >> 6) & k3) << 4)),
+                                      (int)(v[1] & k1), (int)(((v[2] >> 4) & k2) | (((v[1] >> 6) & k3) << 4)));
+    const __m256i s16 = _mm256_cvtepu8_epi16(s8);
+    w.mins = _mm256_extracti128_si256(s16, 1);
+    w.scall = _mm256_setzero_si256();
+    const __m256i lo = _mm256_permute2x128_si256(s16, s16, 0x00);
+    for (int j = 0; j < 8; ++j) w.sc[j] = _mm256_shuffle_epi8(lo, _mm256_set1_epi16((short)(((2 * j + 1) << 8) | (2 * j))));
+    w.dw = f16c(b);
+    w.dmin = f16c(b + 2);
+  }
+  kq_codes<TYPE>(b, w.u);
+}
+
+// sub-block j's contribution to a super-block's int32 lanes
+inline __m256i kq_dot(__m256i u, __m256i sc, const int8_t* x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i*)x)), sc);
+}
+
+// A super-block's int32 lanes (sumi) against activation row m, into the row's accumulators.
+template <int TYPE>
+inline void kq_accumulate(const KqBlock& w, __m256i sumi, const GgufActs& a, int64_t m, int64_t c, __m256& acc,
+                          __m128& accm) {
+  const float dx = a.kd[m * a.nsb + c];
+  if (TYPE == GGUF_Q6_K) {
+    const __m256i s16 = _mm256_loadu_si256((const __m256i*)(a.ks16 + m * (a.K / 16) + c * 16));
+    sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(w.scall, s16), 5));
+  } else {
+    const __m128i s32 = _mm_loadu_si128((const __m128i*)(a.ks32 + m * a.nb + c * 8));
+    accm = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(w.mins, s32)), _mm_set1_ps(w.dmin * dx), accm);
+  }
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(w.dw * dx), acc);
+}
+
 template <int TYPE, int T>
 void row_kq_avx2(const GgufActs& a, int64_t m0, const uint8_t* row, float* y, int64_t ldy, int64_t col) {
   using F = Fmt<TYPE>;
-  constexpr bool Q6 = TYPE == GGUF_Q6_K;
-  const int64_t nsb = a.nsb, K = a.K;
   __m256 acc[T];
   __m128 accm[T];
   for (int t = 0; t < T; ++t) { acc[t] = _mm256_setzero_ps(); accm[t] = _mm_setzero_ps(); }
-  for (int64_t c = 0; c < nsb; ++c) {
-    const uint8_t* b = row + c * F::BYTES;
-    __m256i u[8], sc[8], scall = _mm256_setzero_si256();
-    __m128i mins = _mm_setzero_si128();
-    float dw, dmin = 0.0f;
-    if (Q6) {
-      dw = f16c(b + 208);
-      const __m128i s8 = _mm_loadu_si128((const __m128i*)(b + 192));
-      scall = _mm256_cvtepi8_epi16(s8);
-      q6k_scales(s8, sc);
-    } else {
-      uint32_t v[3];
-      std::memcpy(v, b + 4, 12);  // ggml's get_scale_min_k4, in registers: [sc0..7 | m0..7] as bytes
-      const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-      const __m128i s8 = _mm_setr_epi32((int)(v[0] & k1), (int)((v[2] & k2) | (((v[0] >> 6) & k3) << 4)),
-                                        (int)(v[1] & k1), (int)(((v[2] >> 4) & k2) | (((v[1] >> 6) & k3) << 4)));
-      const __m256i s16 = _mm256_cvtepu8_epi16(s8);
-      mins = _mm256_extracti128_si256(s16, 1);
-      const __m256i lo = _mm256_permute2x128_si256(s16, s16, 0x00);
-      for (int j = 0; j < 8; ++j) sc[j] = _mm256_shuffle_epi8(lo, _mm256_set1_epi16((short)(((2 * j + 1) << 8) | (2 * j))));
-      dw = f16c(b);
-      dmin = f16c(b + 2);
-    }
-    kq_codes<TYPE>(b, u);
+  KqBlock w;
+  for (int64_t c = 0; c < a.nsb; ++c) {
+    kq_decode<TYPE>(row + c * F::BYTES, w);
     for (int t = 0; t < T; ++t) {
-      const int64_t m = m0 + t;
-      const int8_t* xq = a.kq + m * K + c * 256;
-      __m256i sumi = _mm256_madd_epi16(_mm256_maddubs_epi16(u[0], _mm256_loadu_si256((const __m256i*)xq)), sc[0]);
-      for (int j = 1; j < 8; ++j)
-        sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(
-            _mm256_maddubs_epi16(u[j], _mm256_loadu_si256((const __m256i*)(xq + 32 * j))), sc[j]));
-      const float dx = a.kd[m * nsb + c];
-      if (Q6) {
-        const __m256i s16 = _mm256_loadu_si256((const __m256i*)(a.ks16 + m * (K / 16) + c * 16));
-        sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(scall, s16), 5));
-      } else {
-        const __m128i s32 = _mm_loadu_si128((const __m128i*)(a.ks32 + m * a.nb + c * 8));
-        accm[t] = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(mins, s32)), _mm_set1_ps(dmin * dx), accm[t]);
-      }
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(dw * dx), acc[t]);
+      const int8_t* xq = a.kq + (m0 + t) * a.K + c * 256;
+      __m256i sumi = kq_dot(w.u[0], w.sc[0], xq);
+      for (int j = 1; j < 8; ++j) sumi = _mm256_add_epi32(sumi, kq_dot(w.u[j], w.sc[j], xq + 32 * j));
+      kq_accumulate<TYPE>(w, sumi, a, m0 + t, c, acc[t], accm[t]);
     }
   }
   for (int t = 0; t < T; ++t) y[(m0 + t) * ldy + col] = hsum_ps(acc[t]) - hsum_ps128(accm[t]);
+}
+
+// Two weight rows against 4 activation rows (prompts): 8 int32 super-block sums stay in registers while each
+// activation load serves both weight rows.  Per (weight row, activation row) the same operations in the same
+// order as row_kq_avx2, hence the same bits.
+template <int TYPE>
+void rows2_kq_avx2(const GgufActs& a, int64_t m0, const uint8_t* r0, const uint8_t* r1, float* y, int64_t ldy,
+                   int64_t c0, int64_t c1) {
+  using F = Fmt<TYPE>;
+  constexpr int T = 4;
+  __m256 acc[2][T];
+  __m128 accm[2][T];
+  for (int t = 0; t < T; ++t)
+    for (int r = 0; r < 2; ++r) { acc[r][t] = _mm256_setzero_ps(); accm[r][t] = _mm_setzero_ps(); }
+  KqBlock w0, w1;
+  for (int64_t c = 0; c < a.nsb; ++c) {
+    kq_decode<TYPE>(r0 + c * F::BYTES, w0);
+    kq_decode<TYPE>(r1 + c * F::BYTES, w1);
+    const int8_t* xq = a.kq + m0 * a.K + c * 256;
+    __m256i s0[T], s1[T];
+    for (int t = 0; t < T; ++t) {
+      s0[t] = kq_dot(w0.u[0], w0.sc[0], xq + t * a.K);
+      s1[t] = kq_dot(w1.u[0], w1.sc[0], xq + t * a.K);
+    }
+    for (int j = 1; j < 8; ++j)
+      for (int t = 0; t < T; ++t) {
+        s0[t] = _mm256_add_epi32(s0[t], kq_dot(w0.u[j], w0.sc[j], xq + t * a.K + 32 * j));
+        s1[t] = _mm256_add_epi32(s1[t], kq_dot(w1.u[j], w1.sc[j], xq + t * a.K + 32 * j));
+      }
+    for (int t = 0; t < T; ++t) {
+      kq_accumulate<TYPE>(w0, s0[t], a, m0 + t, c, acc[0][t], accm[0][t]);
+      kq_accumulate<TYPE>(w1, s1[t], a, m0 + t, c, acc[1][t], accm[1][t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) {
+    y[(m0 + t) * ldy + c0] = hsum_ps(acc[0][t]) - hsum_ps128(accm[0][t]);
+    y[(m0 + t) * ldy + c1] = hsum_ps(acc[1][t]) - hsum_ps128(accm[1][t]);
+  }
 }
 #endif  // EDGELLM_G_AVX2
 
 // Activation rows per pass over a weight row: the rows after the first tile re-read it from L1, not memory.
 constexpr int64_t TILE = 4;
 
+// Weight rows n0..n1 against activation rows m0..m1 (one cache block), tile by tile.
 template <int TYPE>
-void rows_range(const GgufActs& a, const uint8_t* blocks, int64_t n0, int64_t n1, float* y, int64_t ldy,
-                const int32_t* out_index) {
+void rows_block(const GgufActs& a, const uint8_t* blocks, int64_t n0, int64_t n1, int64_t m0, int64_t m1, float* y,
+                int64_t ldy, const int32_t* out_index, bool prefetch_next) {
   constexpr bool KQ = Fmt<TYPE>::QV == 256;  // the K-quants take the per-256 activations
   const int64_t rb = a.K / Fmt<TYPE>::QV * Fmt<TYPE>::BYTES;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = blocks + n * rb;
-    if (n + 1 < n1)
+    if (prefetch_next && n + 1 < n1)
       for (int64_t o = 0; o < rb; o += 64) prefetch(row + PREFETCH_BYTES + o);
     const int64_t col = out_index ? out_index[n] : n;
 #ifdef EDGELLM_G_AVX2
-    int64_t m = 0;
+    int64_t m = m0;
     if (KQ) {
-      for (; m + TILE <= a.M; m += TILE) row_kq_avx2<TYPE, TILE>(a, m, row, y, ldy, col);
-      switch (a.M - m) {
+      if (n + 1 < n1 && m1 - m0 >= TILE) {  // two weight rows at once over the full tiles
+        const int64_t col1 = out_index ? out_index[n + 1] : n + 1;
+        for (; m + TILE <= m1; m += TILE) rows2_kq_avx2<TYPE>(a, m, row, row + rb, y, ldy, col, col1);
+        for (int64_t r = 0; r < 2; ++r) {
+          const uint8_t* rr = row + r * rb;
+          const int64_t cc = r ? col1 : col;
+          switch (m1 - m) {
+            case 3: row_kq_avx2<TYPE, 3>(a, m, rr, y, ldy, cc); break;
+            case 2: row_kq_avx2<TYPE, 2>(a, m, rr, y, ldy, cc); break;
+            case 1: row_kq_avx2<TYPE, 1>(a, m, rr, y, ldy, cc); break;
+            default: break;
+          }
+        }
+        ++n;
+        continue;
+      }
+      for (; m + TILE <= m1; m += TILE) row_kq_avx2<TYPE, TILE>(a, m, row, y, ldy, col);
+      switch (m1 - m) {
         case 3: row_kq_avx2<TYPE, 3>(a, m, row, y, ldy, col); break;
         case 2: row_kq_avx2<TYPE, 2>(a, m, row, y, ldy, col); break;
         case 1: row_kq_avx2<TYPE, 1>(a, m, row, y, ldy, col); break;
@@ -720,20 +795,39 @@ void rows_range(const GgufActs& a, const uint8_t* blocks, int64_t n0, int64_t n1
       }
       continue;
     }
-    for (; m + TILE <= a.M; m += TILE) row_avx2<TYPE, TILE>(a, m, row, y, ldy, col);
-    switch (a.M - m) {
+    for (; m + TILE <= m1; m += TILE) row_avx2<TYPE, TILE>(a, m, row, y, ldy, col);
+    switch (m1 - m) {
       case 3: row_avx2<TYPE, 3>(a, m, row, y, ldy, col); break;
       case 2: row_avx2<TYPE, 2>(a, m, row, y, ldy, col); break;
       case 1: row_avx2<TYPE, 1>(a, m, row, y, ldy, col); break;
       default: break;
     }
 #else
-    for (int64_t m = 0; m < a.M; m += 16) {
-      if (KQ) row_portable_kq<TYPE>(a, m, std::min<int64_t>(16, a.M - m), row, y, ldy, col);
-      else row_portable<TYPE>(a, m, std::min<int64_t>(16, a.M - m), row, y, ldy, col);
+    for (int64_t m = m0; m < m1; m += 16) {
+      if (KQ) row_portable_kq<TYPE>(a, m, std::min<int64_t>(16, m1 - m), row, y, ldy, col);
+      else row_portable<TYPE>(a, m, std::min<int64_t>(16, m1 - m), row, y, ldy, col);
     }
 #endif
   }
+}
+
+// Cache blocking for prompts: a block of weight rows (<= 32 KiB) meets a chunk of activation rows (<= 96 KiB of
+// int8 codes), both staying in L2, instead of every weight row sweeping all of x from L3.  Decode (M <= TILE) is
+// one block: the rows stream once, prefetched ahead.
+template <int TYPE>
+void rows_range(const GgufActs& a, const uint8_t* blocks, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                const int32_t* out_index) {
+  if (a.M <= TILE) {
+    rows_block<TYPE>(a, blocks, n0, n1, 0, a.M, y, ldy, out_index, true);
+    return;
+  }
+  const int64_t rb = a.K / Fmt<TYPE>::QV * Fmt<TYPE>::BYTES;
+  const int64_t nblk = std::max<int64_t>(2, 32768 / rb);
+  const int64_t mc = std::max<int64_t>(TILE, 98304 / a.K / TILE * TILE);
+  for (int64_t b0 = n0; b0 < n1; b0 += nblk)
+    for (int64_t m0 = 0; m0 < a.M; m0 += mc)
+      rows_block<TYPE>(a, blocks, b0, std::min(n1, b0 + nblk), m0, std::min(a.M, m0 + mc), y, ldy, out_index,
+                       false);
 }
 
 // ------------------------------------------------------------------------------------------------ dequantize
