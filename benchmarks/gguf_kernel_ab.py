@@ -117,6 +117,10 @@ def main() -> None:
         for off, typ, n, k, kind in tensors:
             nbytes[kind] = nbytes.get(kind, 0) + n * row_bytes(typ, k) * repeats
         nbytes["TOTAL"] = sum(nbytes.values())
+        bw = subprocess.run([str(exe), "read", str(args.threads), "10"], check=True, capture_output=True,
+                            text=True).stdout.split()[1]
+        read_gbps = float(bw)
+        print(f"streaming read, {args.threads} threads: {read_gbps:.2f} GB/s (the ceiling: bytes per token / this)")
         out = subprocess.run([str(exe), args.gguf, str(lst), str(args.threads), str(args.rounds), args.m,
                               str(repeats)],
                              check=True, capture_output=True, text=True).stdout
@@ -144,7 +148,8 @@ def main() -> None:
                "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                            "flags": sorted(x for x in open("/proc/cpuinfo").read().split("flags", 1)[1]
                                            .split("\n", 1)[0].split() if x.startswith(("avx", "fma", "f16c")))},
-               "load_average": os.getloadavg(), "threads": args.threads, "hot": args.hot, "file": args.gguf, "compile_flags": flags,
+               "load_average": os.getloadavg(), "threads": args.threads, "hot": args.hot,
+               "read_GBps": read_gbps, "file": args.gguf, "compile_flags": flags,
                "rows": table}
         tmp = Path(args.json).with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n")

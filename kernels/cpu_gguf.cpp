@@ -14,15 +14,18 @@
 //   Q6_K  ql[128], qh[64], scales int8[16], d fp16: value 128h + 32j + l = (ql[64h + 32 (j&1) + l] >> 4 (j>>1)
 //         & 15) | ((qh[32h + l] >> 2j) & 3) << 4, minus 32; w = (d sc_(v/16)) q
 //
-// The product (llama.cpp's approach, as cpu_kernels.cpp's int4/int8 kernels): every 32 values of x are rounded to
-// int8 with one fp32 scale d_x = max|x| / 127 (GgufActs, computed once per input and shared by the parts of a
-// fused linear), the weight codes meet them in exact integer dot products, and each 32-value sub-block's int32
-// sum is scaled in fp32: acc += isum * (w_scale * d_x) (+ w_min * d_x sum(q_x)).  Per-32 activation scales
-// rather than llama.cpp's Q8_K (one scale per 256): the same activation blocks then serve the 32-block types and
-// the K-quants alike, and round x no coarser than the existing int kernels do (2^-8 of each 32 values' largest,
-// not of each 256's).  The cost is one fp32 FMA per 32 values and row (the AVX2 kernel does 8 at once per
-// super-block), which the memory-bound decode does not see: benchmarks/gguf_kernels_cpu.py.
-//
+// The product (llama.cpp's approach, as cpu_kernels.cpp's int4/int8 kernels): x is rounded to int8 and the weight
+// codes meet it in exact integer dot products.  The 32-block types see x per 32 values (one fp32 scale d_x =
+// max|x| / 127 each; acc += isum * (w_scale * d_x) (+ w_min * d_x sum(q_x)) per block).  The K-quants see x per
+// 256 values (llama.cpp's Q8_K: one scale per super-block, with the int sums of every 16 and 32 values), so a
+// super-block's 8 sub-block dots are weighted by their 6-bit (Q6_K: 8-bit) scales in integers (madd) and summed
+// in int32 lanes: one convert and one FMA per super-block and row, no horizontal reduction before the row's end.
+// That halves the K-quants' instructions per weight byte against per-32 activation scales (the 8 int sums then
+// needed their own fp32 scales); x is rounded as coarsely as llama.cpp rounds it.  GgufActs carries both roundings
+// (computed once per input and shared by the parts of a fused linear, e.g. Q4_K_M's Q4_K + Q6_K + Q5_0 mixes).
+// Prompts: cache-blocked (weight rows x activation rows in L2) and, for the K-quants, 2 weight rows x 4 activation
+// rows per register tile.
+
 // Offsets: Q4_0 / Q5_0's -8 / -16 and Q6_K's -32 come off the integer sums exactly (8 sum(q_x) per block; 32
 // sum(sc q_x) over each 16 values), so the unsigned codes go straight into maddubs / vpdpbusd.
 //
@@ -714,14 +717,13 @@ void row_kq_avx2(const GgufActs& a, int64_t m0, const uint8_t* row, float* y, in
   for (int t = 0; t < T; ++t) y[(m0 + t) * ldy + col] = hsum_ps(acc[t]) - hsum_ps128(accm[t]);
 }
 
-// Two weight rows against 4 activation rows (prompts): 8 int32 super-block sums stay in registers while each
-// activation load serves both weight rows.  Per (weight row, activation row) the same operations in the same
-// order as row_kq_avx2, hence the same bits.
-template <int TYPE>
+// Two weight rows against T <= 4 activation rows: up to 8 int32 super-block sums stay in registers while each
+// activation load serves both weight rows, and two row streams are in flight at once (decode).  Per (weight row,
+// activation row) the same operations in the same order as row_kq_avx2, hence the same bits.
+template <int TYPE, int T>
 void rows2_kq_avx2(const GgufActs& a, int64_t m0, const uint8_t* r0, const uint8_t* r1, float* y, int64_t ldy,
                    int64_t c0, int64_t c1) {
   using F = Fmt<TYPE>;
-  constexpr int T = 4;
   __m256 acc[2][T];
   __m128 accm[2][T];
   for (int t = 0; t < T; ++t)
@@ -770,18 +772,16 @@ void rows_block(const GgufActs& a, const uint8_t* blocks, int64_t n0, int64_t n1
 #ifdef EDGELLM_G_AVX2
     int64_t m = m0;
     if (KQ) {
-      if (n + 1 < n1 && m1 - m0 >= TILE) {  // two weight rows at once over the full tiles
+      if (n + 1 < n1) {  // two weight rows at once
         const int64_t col1 = out_index ? out_index[n + 1] : n + 1;
-        for (; m + TILE <= m1; m += TILE) rows2_kq_avx2<TYPE>(a, m, row, row + rb, y, ldy, col, col1);
-        for (int64_t r = 0; r < 2; ++r) {
-          const uint8_t* rr = row + r * rb;
-          const int64_t cc = r ? col1 : col;
-          switch (m1 - m) {
-            case 3: row_kq_avx2<TYPE, 3>(a, m, rr, y, ldy, cc); break;
-            case 2: row_kq_avx2<TYPE, 2>(a, m, rr, y, ldy, cc); break;
-            case 1: row_kq_avx2<TYPE, 1>(a, m, rr, y, ldy, cc); break;
-            default: break;
-          }
+        if (prefetch_next)
+          for (int64_t o = rb; o < 2 * rb; o += 64) prefetch(row + PREFETCH_BYTES + o);
+        for (; m + TILE <= m1; m += TILE) rows2_kq_avx2<TYPE, TILE>(a, m, row, row + rb, y, ldy, col, col1);
+        switch (m1 - m) {
+          case 3: rows2_kq_avx2<TYPE, 3>(a, m, row, row + rb, y, ldy, col, col1); break;
+          case 2: rows2_kq_avx2<TYPE, 2>(a, m, row, row + rb, y, ldy, col, col1); break;
+          case 1: rows2_kq_avx2<TYPE, 1>(a, m, row, row + rb, y, ldy, col, col1); break;
+          default: break;
         }
         ++n;
         continue;
