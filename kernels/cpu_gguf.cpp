@@ -717,8 +717,8 @@ void row_kq_avx2(const GgufActs& a, int64_t m0, const uint8_t* row, float* y, in
   for (int t = 0; t < T; ++t) y[(m0 + t) * ldy + col] = hsum_ps(acc[t]) - hsum_ps128(accm[t]);
 }
 
-// Two weight rows against T <= 4 activation rows: up to 8 int32 super-block sums stay in registers while each
-// activation load serves both weight rows, and two row streams are in flight at once (decode).  Per (weight row,
+// Two weight rows against T activation rows (prompts): 8 int32 super-block sums stay in registers while each
+// activation load serves both weight rows.  Per (weight row,
 // activation row) the same operations in the same order as row_kq_avx2, hence the same bits.
 template <int TYPE, int T>
 void rows2_kq_avx2(const GgufActs& a, int64_t m0, const uint8_t* r0, const uint8_t* r1, float* y, int64_t ldy,
@@ -772,16 +772,20 @@ void rows_block(const GgufActs& a, const uint8_t* blocks, int64_t n0, int64_t n1
 #ifdef EDGELLM_G_AVX2
     int64_t m = m0;
     if (KQ) {
-      if (n + 1 < n1) {  // two weight rows at once
+      // prompts: two weight rows at once over the full tiles (decode keeps one row stream per thread: pairing
+      // the rows there measured slower, benchmarks/gguf_kernel_ab.py)
+      if (n + 1 < n1 && m1 - m0 >= TILE) {
         const int64_t col1 = out_index ? out_index[n + 1] : n + 1;
-        if (prefetch_next)
-          for (int64_t o = rb; o < 2 * rb; o += 64) prefetch(row + PREFETCH_BYTES + o);
         for (; m + TILE <= m1; m += TILE) rows2_kq_avx2<TYPE, TILE>(a, m, row, row + rb, y, ldy, col, col1);
-        switch (m1 - m) {
-          case 3: rows2_kq_avx2<TYPE, 3>(a, m, row, row + rb, y, ldy, col, col1); break;
-          case 2: rows2_kq_avx2<TYPE, 2>(a, m, row, row + rb, y, ldy, col, col1); break;
-          case 1: rows2_kq_avx2<TYPE, 1>(a, m, row, row + rb, y, ldy, col, col1); break;
-          default: break;
+        for (int64_t r = 0; r < 2; ++r) {
+          const uint8_t* rr = row + r * rb;
+          const int64_t cc = r ? col1 : col;
+          switch (m1 - m) {
+            case 3: row_kq_avx2<TYPE, 3>(a, m, rr, y, ldy, cc); break;
+            case 2: row_kq_avx2<TYPE, 2>(a, m, rr, y, ldy, cc); break;
+            case 1: row_kq_avx2<TYPE, 1>(a, m, rr, y, ldy, cc); break;
+            default: break;
+          }
         }
         ++n;
         continue;
