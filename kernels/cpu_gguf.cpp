@@ -757,6 +757,9 @@ void rows2_kq_avx2(const GgufActs& a, int64_t m0, const uint8_t* r0, const uint8
 
 // Activation rows per pass over a weight row: the rows after the first tile re-read it from L1, not memory.
 constexpr int64_t TILE = 4;
+// Prompt blocks of at least this many activation rows take two weight rows per pass (~5-8% on whole prompts);
+// fewer rows (verification) stream their weights from memory, where two row streams at once measured 0.7x.
+constexpr int64_t PAIR_MIN_ROWS = 16;
 
 // Weight rows n0..n1 against activation rows m0..m1 (one cache block), tile by tile.
 template <int TYPE>
@@ -772,9 +775,9 @@ void rows_block(const GgufActs& a, const uint8_t* blocks, int64_t n0, int64_t n1
 #ifdef EDGELLM_G_AVX2
     int64_t m = m0;
     if (KQ) {
-      // prompts: two weight rows at once over the full tiles (decode keeps one row stream per thread: pairing
-      // the rows there measured slower, benchmarks/gguf_kernel_ab.py)
-      if (n + 1 < n1 && m1 - m0 >= TILE) {
+      // prompts: two weight rows at once over the full tiles (decode and verification keep one row stream per
+      // thread: pairing the rows there measured slower, benchmarks/gguf_kernel_ab.py)
+      if (n + 1 < n1 && m1 - m0 >= PAIR_MIN_ROWS) {
         const int64_t col1 = out_index ? out_index[n + 1] : n + 1;
         for (; m + TILE <= m1; m += TILE) rows2_kq_avx2<TYPE, TILE>(a, m, row, row + rb, y, ldy, col, col1);
         for (int64_t r = 0; r < 2; ++r) {
