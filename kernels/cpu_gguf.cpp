@@ -14,18 +14,15 @@
 //   Q6_K  ql[128], qh[64], scales int8[16], d fp16: value 128h + 32j + l = (ql[64h + 32 (j&1) + l] >> 4 (j>>1)
 //         & 15) | ((qh[32h + l] >> 2j) & 3) << 4, minus 32; w = (d sc_(v/16)) q
 //
-// The product (llama.cpp's approach, as cpu_kernels.cpp's int4/int8 kernels): x is rounded to int8 and the weight
-// codes meet it in exact integer dot products.  The 32-block types see x per 32 values (one fp32 scale d_x =
-// max|x| / 127 each; acc += isum * (w_scale * d_x) (+ w_min * d_x sum(q_x)) per block).  The K-quants see x per
-// 256 values (llama.cpp's Q8_K: one scale per super-block, with the int sums of every 16 and 32 values), so a
-// super-block's 8 sub-block dots are weighted by their 6-bit (Q6_K: 8-bit) scales in integers (madd) and summed
-// in int32 lanes: one convert and one FMA per super-block and row, no horizontal reduction before the row's end.
-// That halves the K-quants' instructions per weight byte against per-32 activation scales (the 8 int sums then
-// needed their own fp32 scales); x is rounded as coarsely as llama.cpp rounds it.  GgufActs carries both roundings
-// (computed once per input and shared by the parts of a fused linear, e.g. Q4_K_M's Q4_K + Q6_K + Q5_0 mixes).
-// Prompts: cache-blocked (weight rows x activation rows in L2) and, for the K-quants, 2 weight rows x 4 activation
-// rows per register tile.
-
+// The product (llama.cpp's approach, as cpu_kernels.cpp's int4/int8 kernels): every 32 values of x are rounded to
+// int8 with one fp32 scale d_x = max|x| / 127 (GgufActs, computed once per input and shared by the parts of a
+// fused linear), the weight codes meet them in exact integer dot products, and each 32-value sub-block's int32
+// sum is scaled in fp32: acc += isum * (w_scale * d_x) (+ w_min * d_x sum(q_x)).  Per-32 activation scales
+// rather than llama.cpp's Q8_K (one scale per 256): the same activation blocks then serve the 32-block types and
+// the K-quants alike, and round x no coarser than the existing int kernels do (2^-8 of each 32 values' largest,
+// not of each 256's).  The cost is one fp32 FMA per 32 values and row (the AVX2 kernel does 8 at once per
+// super-block), which the memory-bound decode does not see: benchmarks/gguf_kernels_cpu.py.
+//
 // Offsets: Q4_0 / Q5_0's -8 / -16 and Q6_K's -32 come off the integer sums exactly (8 sum(q_x) per block; 32
 // sum(sc q_x) over each 16 values), so the unsigned codes go straight into maddubs / vpdpbusd.
 //
@@ -170,70 +167,49 @@ inline void decode_sub(const uint8_t* b, int j, int8_t w[32], float* fs, float* 
 }
 
 // ------------------------------------------------------------------------------------------------ activations
-// The largest |x| of n floats (n % 32 == 0): max is exact, so any order gives the same value.
-inline float absmax(const float* x, int64_t n) {
+// Quantize one block of 32 floats into q[0..31]; returns d, stores sum(q) and its two 16-value halves.
+inline float quantize_block32(const float* x, int8_t* q, int32_t* sum, int16_t* s16) {
 #ifdef EDGELLM_G_AVX2
+  const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8), v2 = _mm256_loadu_ps(x + 16),
+               v3 = _mm256_loadu_ps(x + 24);
   const __m256 sgn = _mm256_set1_ps(-0.0f);
-  __m256 mx = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; i += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sgn, _mm256_loadu_ps(x + i)));
+  const __m256 mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sgn, v0), _mm256_andnot_ps(sgn, v1)),
+                                  _mm256_max_ps(_mm256_andnot_ps(sgn, v2), _mm256_andnot_ps(sgn, v3)));
   __m128 m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  return _mm_cvtss_f32(m4);
-#else
-  float amax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-  return amax;
-#endif
-}
-
-// q[0..31] = round_half_even(x * id); s16 = the int sums of its two 16-value halves.
-inline void round32(const float* x, float inv, int8_t* q, int16_t* s16) {
-#ifdef EDGELLM_G_AVX2
-  const __m256 id = _mm256_set1_ps(inv);
-  const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), id));
-  const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), id));
-  const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16), id));
-  const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 24), id));
+  const float amax = _mm_cvtss_f32(m4);
+  const __m256 id = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, id)), i1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, id));
+  const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, id)), i3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, id));
   const __m256i lo = _mm256_add_epi32(i0, i1), hi = _mm256_add_epi32(i2, i3);
   // [lo lanes 0-3 + 4-7 | hi lanes 0-3 + 4-7] then two horizontal steps: [sum lo, sum hi] in lanes 0 and 1
   __m128i s = _mm_hadd_epi32(_mm_add_epi32(_mm256_castsi256_si128(lo), _mm256_extracti128_si256(lo, 1)),
                              _mm_add_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1)));
   s = _mm_hadd_epi32(s, s);
-  s16[0] = (int16_t)_mm_cvtsi128_si32(s);
-  s16[1] = (int16_t)_mm_extract_epi32(s, 1);
+  const int32_t a = _mm_cvtsi128_si32(s), c = _mm_extract_epi32(s, 1);
+  s16[0] = (int16_t)a;
+  s16[1] = (int16_t)c;
+  *sum = a + c;
   __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
   p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256((__m256i*)q, p);
+  return amax / 127.0f;
 #else
+  float amax = 0.0f;
+  for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
   int32_t h[2] = {0, 0};
   for (int i = 0; i < 32; ++i) {
-    const int v = (int)std::nearbyint(x[i] * inv);
+    const int v = (int)std::nearbyint(x[i] * id);
     q[i] = (int8_t)v;
     h[i / 16] += v;
   }
   s16[0] = (int16_t)h[0];
   s16[1] = (int16_t)h[1];
+  *sum = h[0] + h[1];
+  return amax / 127.0f;
 #endif
-}
-
-// Quantize one block of 32 floats into q[0..31]; returns d, stores sum(q) and its two 16-value halves.
-inline float quantize_block32(const float* x, int8_t* q, int32_t* sum, int16_t* s16) {
-  const float amax = absmax(x, 32);
-  round32(x, amax > 0.0f ? 127.0f / amax : 0.0f, q, s16);
-  *sum = (int32_t)s16[0] + s16[1];
-  return amax / 127.0f;
-}
-
-// The same with one scale for 256 values (the K-quants' activations); per-16 and per-32 sums.
-inline float quantize_block256(const float* x, int8_t* q, int16_t* s16, int16_t* s32) {
-  const float amax = absmax(x, 256);
-  const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-  for (int g = 0; g < 8; ++g) {
-    round32(x + 32 * g, inv, q + 32 * g, s16 + 2 * g);
-    s32[g] = (int16_t)(s16[2 * g] + s16[2 * g + 1]);  // |.| <= 32 * 127
-  }
-  return amax / 127.0f;
 }
 
 uint8_t* acts_buffer(size_t bytes) {
@@ -298,43 +274,6 @@ void row_portable(const GgufActs& a, int64_t m0, int64_t T, const uint8_t* row, 
     }
   }
   for (int64_t t = 0; t < T; ++t) y[(m0 + t) * ldy + col] = acc[t];
-}
-
-// The K-quants, portably, with the per-256 activations: per super-block an int32 sum of sc_j * dot_j (Q6_K: per
-// 16 values) and one of m_j * sum32_j (the mins), each scaled once in fp32.
-template <int TYPE>
-void row_portable_kq(const GgufActs& a, int64_t m0, int64_t T, const uint8_t* row, float* y, int64_t ldy, int64_t col) {
-  using F = Fmt<TYPE>;
-  const int64_t K = a.K, nsb = a.nsb;
-  float acc[16], accm[16];
-  for (int64_t t = 0; t < T; ++t) acc[t] = accm[t] = 0.0f;
-  alignas(16) int8_t w[8][32];
-  for (int64_t c = 0; c < nsb; ++c) {
-    const uint8_t* b = row + c * F::BYTES;
-    uint8_t sm[16] = {0};
-    int sc2[8][2] = {{0}};
-    float fs, fm;
-    for (int j = 0; j < 8; ++j) decode_sub<TYPE>(b, j, w[j], &fs, &fm, sc2[j]);
-    const bool q6 = TYPE == GGUF_Q6_K;
-    if (!q6) kquant_scales(b + 4, sm);
-    const float dw = f16(q6 ? b + 208 : b), dmin = q6 ? 0.0f : f16(b + 2);
-    for (int64_t t = 0; t < T; ++t) {
-      const int64_t m = m0 + t;
-      const int8_t* xq = a.kq + m * K + c * 256;
-      int32_t isum = 0, msum = 0;
-      for (int j = 0; j < 8; ++j) {
-        if (q6) isum += sc2[j][0] * dot16(w[j], xq + 32 * j) + sc2[j][1] * dot16(w[j] + 16, xq + 32 * j + 16);
-        else {
-          isum += (int32_t)sm[j] * dot32(w[j], xq + 32 * j);
-          msum += (int32_t)sm[8 + j] * a.ks32[m * a.nb + c * 8 + j];
-        }
-      }
-      const float dx = a.kd[m * nsb + c];
-      acc[t] += (float)isum * (dw * dx);
-      if (!q6) accm[t] += (float)msum * (dmin * dx);
-    }
-  }
-  for (int64_t t = 0; t < T; ++t) y[(m0 + t) * ldy + col] = acc[t] - accm[t];
 }
 
 #ifdef EDGELLM_G_AVX2
@@ -440,50 +379,6 @@ inline __m256i codes32(const uint8_t* b) {
   return _mm256_loadu_si256((const __m256i*)(b + 2));  // Q8_0
 }
 
-// The 256 codes of a K-quant super-block as u8 in x's order (Q6_K: 0..63, its -32 offset not taken off).
-template <int TYPE>
-inline void kq_codes(const uint8_t* b, __m256i u[8]) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  if (TYPE == GGUF_Q6_K) {
-    const __m256i m3 = _mm256_set1_epi8(0x30);
-    for (int h = 0; h < 2; ++h) {
-      const __m256i l0 = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
-      const __m256i l1 = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32));
-      const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
-      // bits 2jj, 2jj+1 of each qh byte to bits 4, 5 (16-bit shifts: what crosses bytes misses bits 4-5)
-      u[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m3));
-      u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m3));
-      u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m3));
-      u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
-                                     _mm256_and_si256(_mm256_srli_epi16(qh, 2), m3));
-    }
-    return;
-  }
-  const uint8_t* qs = b + (TYPE == GGUF_Q4_K ? 16 : 48);
-  __m256i qh = _mm256_setzero_si256();
-  if (TYPE == GGUF_Q5_K) qh = _mm256_loadu_si256((const __m256i*)(b + 16));
-  const __m256i b4 = _mm256_set1_epi8(0x10);
-  for (int k = 0; k < 4; ++k) {
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * k));
-    u[2 * k] = _mm256_and_si256(v, m4);
-    u[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-    if (TYPE == GGUF_Q5_K) {  // bit i of each qh byte to bit 4 (16-bit shifts: the bits crossing bytes miss bit 4)
-      const int i0 = 2 * k, i1 = 2 * k + 1;
-      const __m256i h0 = i0 < 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - i0)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(i0 - 4));
-      const __m256i h1 = i1 < 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - i1)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(i1 - 4));
-      u[i0] = _mm256_or_si256(u[i0], _mm256_and_si256(h0, b4));
-      u[i1] = _mm256_or_si256(u[i1], _mm256_and_si256(h1, b4));
-    }
-  }
-}
-
-// Q6_K's 16 int8 scales as 8 int16 vectors [sc_2j x8 | sc_2j+1 x8] (one per 32 values, madd's second operand).
-inline void q6k_scales(__m128i sc, __m256i out[8]) {
-  const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-  for (int j = 0; j < 8; ++j)
-    out[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_add_epi8(pick, _mm_set1_epi8((char)(2 * j)))));
-}
-
 // One decoded super-block (or chunk of 8 blocks): codes, per-sub-block scales and mins, Q6_K's int16 scales.
 struct Chunk {
   __m256i u[8];
@@ -527,18 +422,46 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     // -(dmin m_j): the kernels add fm * d_x sum(q_x)
     const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(s8, 8))));
     ch.fm = _mm256_xor_ps(dm, _mm256_set1_ps(-0.0f));
-    kq_codes<TYPE>(b, ch.u);
+    const uint8_t* qs = b + (TYPE == GGUF_Q4_K ? 16 : 48);
+    __m256i qh = _mm256_setzero_si256();
+    if (TYPE == GGUF_Q5_K) qh = _mm256_loadu_si256((const __m256i*)(b + 16));
+    const __m256i b4 = _mm256_set1_epi8(0x10);
+    for (int k = 0; k < 4; ++k) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * k));
+      ch.u[2 * k] = _mm256_and_si256(v, m4);
+      ch.u[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+      if (TYPE == GGUF_Q5_K) {  // bit i of each qh byte to bit 4 (16-bit shifts: the bits crossing bytes miss bit 4)
+        const int i0 = 2 * k, i1 = 2 * k + 1;
+        const __m256i h0 = i0 < 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - i0)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(i0 - 4));
+        const __m256i h1 = i1 < 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - i1)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(i1 - 4));
+        ch.u[i0] = _mm256_or_si256(ch.u[i0], _mm256_and_si256(h0, b4));
+        ch.u[i1] = _mm256_or_si256(ch.u[i1], _mm256_and_si256(h1, b4));
+      }
+    }
     return;
   }
   // Q6_K
   ch.fs = _mm256_set1_ps(f16(b + 208));
   const __m128i sc = _mm_loadu_si128((const __m128i*)(b + 192));
   ch.scall = _mm256_cvtepi8_epi16(sc);
-  q6k_scales(sc, ch.sc16);
-  kq_codes<TYPE>(b, ch.u);
+  const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  for (int j = 0; j < 8; ++j)
+    ch.sc16[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_add_epi8(pick, _mm_set1_epi8((char)(2 * j)))));
+  const __m256i m3 = _mm256_set1_epi8(0x30);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i l0 = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
+    const __m256i l1 = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32));
+    const __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
+    // bits 2jj, 2jj+1 of each qh byte to bits 4, 5 (16-bit shifts: what crosses bytes misses bits 4-5)
+    ch.u[4 * h + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m3));
+    ch.u[4 * h + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m3));
+    ch.u[4 * h + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m3));
+    ch.u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
+                                      _mm256_and_si256(_mm256_srli_epi16(qh, 2), m3));
+  }
 }
 
-// The 8 block integer sums of one chunk of a 32-block type against activation row m (offsets taken off).
+// The 8 sub-block integer sums of one chunk against activation row m (offsets taken off).
 template <int TYPE>
 inline __m256i chunk_isums(const Chunk& ch, const GgufActs& a, int64_t m, int64_t c) {
   if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1) {  // cpu_kernels.cpp's int4 reduction over paired blocks
@@ -570,6 +493,8 @@ inline __m256i chunk_isums(const Chunk& ch, const GgufActs& a, int64_t m, int64_
     const __m256i x = _mm256_load_si256((const __m256i*)(xq + 32 * j));
     if (TYPE == GGUF_Q8_0) {
       p[j] = dot_u8s8(_mm256_sign_epi8(ch.u[j], ch.u[j]), _mm256_sign_epi8(x, ch.u[j]));
+    } else if (TYPE == GGUF_Q6_K) {  // per-16 int scales: madd with [sc_a x8 | sc_b x8]
+      p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(ch.u[j], x), ch.sc16[j]);
     } else {
 #ifdef EDGELLM_G_VNNI
       p[j] = dot_u8s8(ch.u[j], x);
@@ -581,12 +506,16 @@ inline __m256i chunk_isums(const Chunk& ch, const GgufActs& a, int64_t m, int64_
 #ifdef EDGELLM_G_VNNI
   __m256i isum = reduce8(p);
 #else
-  __m256i isum = TYPE == GGUF_Q8_0 ? reduce8(p) : reduce8_i16(p);
+  __m256i isum = TYPE == GGUF_Q8_0 || TYPE == GGUF_Q6_K ? reduce8(p) : reduce8_i16(p);
 #endif
   const int64_t o = m * a.nb + c * 8;
   if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q5_0)
     isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sum32 + o)),
                                                     TYPE == GGUF_Q4_0 ? 3 : 4));
+  if (TYPE == GGUF_Q6_K) {  // 32 sum(sc q_x) per 16 values, paired per sub-block by madd
+    const __m256i s16 = _mm256_loadu_si256((const __m256i*)(a.sum16 + 2 * o));
+    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(ch.scall, s16), 5));
+  }
   return isum;
 }
 
@@ -626,215 +555,33 @@ void row_avx2(const GgufActs& a, int64_t m0, const uint8_t* row, float* y, int64
   }
   for (int t = 0; t < T; ++t) y[(m0 + t) * ldy + col] = hsum_ps(acc[t]) + tail[t];
 }
-// The K-quants against the per-256 activations (a.kq): per super-block the 8 sub-block dots are scaled by their
-// int 6-bit (Q6_K: 8-bit, per 16 values) scales with madd and summed in int32 lanes, so one convert and one FMA
-// with d_w * d_x per super-block and row (llama.cpp's ggml_vec_dot_q4_K_q8_K layout), and no horizontal
-// reduction before the row's end.  Q4_K / Q5_K's mins meet the per-32 sums of the activations in one madd; Q6_K's
-// -32 offset comes off exactly as 32 sum(sc sum16(q_x)).  VNNI builds run the same instructions (same bits).
-// |lane| per super-block: Q5_K 8 * 2 * (2 * 31 * 127) * 63 < 2^23; Q6_K 8 * 2 * (2 * 63 * 127) * 128 < 2^25.
-inline float hsum_ps128(__m128 s) {
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-inline float f16c(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
-// One decoded K-quant super-block: codes, int16 scales per 32 values (madd's operand), the fp32 d (and dmin).
-struct KqBlock {
-  __m256i u[8], sc[8];
-  __m256i scall;  // Q6_K: its 16 scales as int16 (the -32 offset's weights)
-  __m128i mins;   // Q4_K / Q5_K: the 8 mins as int16
-  float dw, dmin;
-};
-
-template <int TYPE>
-inline void kq_decode(const uint8_t* b, KqBlock& w) {
-  if (TYPE == GGUF_Q6_K) {
-    w.dw = f16c(b + 208);
-    w.dmin = 0.0f;
-    const __m128i s8 = _mm_loadu_si128((const __m128i*)(b + 192));
-    w.scall = _mm256_cvtepi8_epi16(s8);
-    w.mins = _mm_setzero_si128();
-    q6k_scales(s8, w.sc);
-  } else {
-    uint32_t v[3];
-    std::memcpy(v, b + 4, 12);  // ggml's get_scale_min_k4, in registers: [sc0..7 | m0..7] as bytes
-    const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-    const __m128i s8 = _mm_setr_epi32((int)(v[0] & k1), (int)((v[2] & k2) | (((v[0] >> 6) & k3) << 4)),
-                                      (int)(v[1] & k1), (int)(((v[2] >> 4) & k2) | (((v[1] >> 6) & k3) << 4)));
-    const __m256i s16 = _mm256_cvtepu8_epi16(s8);
-    w.mins = _mm256_extracti128_si256(s16, 1);
-    w.scall = _mm256_setzero_si256();
-    const __m256i lo = _mm256_permute2x128_si256(s16, s16, 0x00);
-    for (int j = 0; j < 8; ++j) w.sc[j] = _mm256_shuffle_epi8(lo, _mm256_set1_epi16((short)(((2 * j + 1) << 8) | (2 * j))));
-    w.dw = f16c(b);
-    w.dmin = f16c(b + 2);
-  }
-  kq_codes<TYPE>(b, w.u);
-}
-
-// sub-block j's contribution to a super-block's int32 lanes
-inline __m256i kq_dot(__m256i u, __m256i sc, const int8_t* x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_loadu_si256((const __m256i*)x)), sc);
-}
-
-// A super-block's int32 lanes (sumi) against activation row m, into the row's accumulators.
-template <int TYPE>
-inline void kq_accumulate(const KqBlock& w, __m256i sumi, const GgufActs& a, int64_t m, int64_t c, __m256& acc,
-                          __m128& accm) {
-  const float dx = a.kd[m * a.nsb + c];
-  if (TYPE == GGUF_Q6_K) {
-    const __m256i s16 = _mm256_loadu_si256((const __m256i*)(a.ks16 + m * (a.K / 16) + c * 16));
-    sumi = _mm256_sub_epi32(sumi, _mm256_slli_epi32(_mm256_madd_epi16(w.scall, s16), 5));
-  } else {
-    const __m128i s32 = _mm_loadu_si128((const __m128i*)(a.ks32 + m * a.nb + c * 8));
-    accm = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_madd_epi16(w.mins, s32)), _mm_set1_ps(w.dmin * dx), accm);
-  }
-  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sumi), _mm256_set1_ps(w.dw * dx), acc);
-}
-
-template <int TYPE, int T>
-void row_kq_avx2(const GgufActs& a, int64_t m0, const uint8_t* row, float* y, int64_t ldy, int64_t col) {
-  using F = Fmt<TYPE>;
-  __m256 acc[T];
-  __m128 accm[T];
-  for (int t = 0; t < T; ++t) { acc[t] = _mm256_setzero_ps(); accm[t] = _mm_setzero_ps(); }
-  KqBlock w;
-  for (int64_t c = 0; c < a.nsb; ++c) {
-    kq_decode<TYPE>(row + c * F::BYTES, w);
-    for (int t = 0; t < T; ++t) {
-      const int8_t* xq = a.kq + (m0 + t) * a.K + c * 256;
-      __m256i sumi = kq_dot(w.u[0], w.sc[0], xq);
-      for (int j = 1; j < 8; ++j) sumi = _mm256_add_epi32(sumi, kq_dot(w.u[j], w.sc[j], xq + 32 * j));
-      kq_accumulate<TYPE>(w, sumi, a, m0 + t, c, acc[t], accm[t]);
-    }
-  }
-  for (int t = 0; t < T; ++t) y[(m0 + t) * ldy + col] = hsum_ps(acc[t]) - hsum_ps128(accm[t]);
-}
-
-// Two weight rows against T activation rows (prompts): 8 int32 super-block sums stay in registers while each
-// activation load serves both weight rows.  Per (weight row,
-// activation row) the same operations in the same order as row_kq_avx2, hence the same bits.
-template <int TYPE, int T>
-void rows2_kq_avx2(const GgufActs& a, int64_t m0, const uint8_t* r0, const uint8_t* r1, float* y, int64_t ldy,
-                   int64_t c0, int64_t c1) {
-  using F = Fmt<TYPE>;
-  __m256 acc[2][T];
-  __m128 accm[2][T];
-  for (int t = 0; t < T; ++t)
-    for (int r = 0; r < 2; ++r) { acc[r][t] = _mm256_setzero_ps(); accm[r][t] = _mm_setzero_ps(); }
-  KqBlock w0, w1;
-  for (int64_t c = 0; c < a.nsb; ++c) {
-    kq_decode<TYPE>(r0 + c * F::BYTES, w0);
-    kq_decode<TYPE>(r1 + c * F::BYTES, w1);
-    const int8_t* xq = a.kq + m0 * a.K + c * 256;
-    __m256i s0[T], s1[T];
-    for (int t = 0; t < T; ++t) {
-      s0[t] = kq_dot(w0.u[0], w0.sc[0], xq + t * a.K);
-      s1[t] = kq_dot(w1.u[0], w1.sc[0], xq + t * a.K);
-    }
-    for (int j = 1; j < 8; ++j)
-      for (int t = 0; t < T; ++t) {
-        s0[t] = _mm256_add_epi32(s0[t], kq_dot(w0.u[j], w0.sc[j], xq + t * a.K + 32 * j));
-        s1[t] = _mm256_add_epi32(s1[t], kq_dot(w1.u[j], w1.sc[j], xq + t * a.K + 32 * j));
-      }
-    for (int t = 0; t < T; ++t) {
-      kq_accumulate<TYPE>(w0, s0[t], a, m0 + t, c, acc[0][t], accm[0][t]);
-      kq_accumulate<TYPE>(w1, s1[t], a, m0 + t, c, acc[1][t], accm[1][t]);
-    }
-  }
-  for (int t = 0; t < T; ++t) {
-    y[(m0 + t) * ldy + c0] = hsum_ps(acc[0][t]) - hsum_ps128(accm[0][t]);
-    y[(m0 + t) * ldy + c1] = hsum_ps(acc[1][t]) - hsum_ps128(accm[1][t]);
-  }
-}
 #endif  // EDGELLM_G_AVX2
 
 // Activation rows per pass over a weight row: the rows after the first tile re-read it from L1, not memory.
 constexpr int64_t TILE = 4;
-// Prompt blocks of at least this many activation rows take two weight rows per pass (~5-8% on whole prompts);
-// fewer rows (verification) stream their weights from memory, where two row streams at once measured 0.7x.
-constexpr int64_t PAIR_MIN_ROWS = 16;
 
-// Weight rows n0..n1 against activation rows m0..m1 (one cache block), tile by tile.
 template <int TYPE>
-void rows_block(const GgufActs& a, const uint8_t* blocks, int64_t n0, int64_t n1, int64_t m0, int64_t m1, float* y,
-                int64_t ldy, const int32_t* out_index, bool prefetch_next) {
-  constexpr bool KQ = Fmt<TYPE>::QV == 256;  // the K-quants take the per-256 activations
+void rows_range(const GgufActs& a, const uint8_t* blocks, int64_t n0, int64_t n1, float* y, int64_t ldy,
+                const int32_t* out_index) {
   const int64_t rb = a.K / Fmt<TYPE>::QV * Fmt<TYPE>::BYTES;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = blocks + n * rb;
-    if (prefetch_next && n + 1 < n1)
+    if (n + 1 < n1)
       for (int64_t o = 0; o < rb; o += 64) prefetch(row + PREFETCH_BYTES + o);
     const int64_t col = out_index ? out_index[n] : n;
 #ifdef EDGELLM_G_AVX2
-    int64_t m = m0;
-    if (KQ) {
-      // prompts: two weight rows at once over the full tiles (decode and verification keep one row stream per
-      // thread: pairing the rows there measured slower, benchmarks/gguf_kernel_ab.py)
-      if (n + 1 < n1 && m1 - m0 >= PAIR_MIN_ROWS) {
-        const int64_t col1 = out_index ? out_index[n + 1] : n + 1;
-        for (; m + TILE <= m1; m += TILE) rows2_kq_avx2<TYPE, TILE>(a, m, row, row + rb, y, ldy, col, col1);
-        for (int64_t r = 0; r < 2; ++r) {
-          const uint8_t* rr = row + r * rb;
-          const int64_t cc = r ? col1 : col;
-          switch (m1 - m) {
-            case 3: row_kq_avx2<TYPE, 3>(a, m, rr, y, ldy, cc); break;
-            case 2: row_kq_avx2<TYPE, 2>(a, m, rr, y, ldy, cc); break;
-            case 1: row_kq_avx2<TYPE, 1>(a, m, rr, y, ldy, cc); break;
-            default: break;
-          }
-        }
-        ++n;
-        continue;
-      }
-      for (; m + TILE <= m1; m += TILE) row_kq_avx2<TYPE, TILE>(a, m, row, y, ldy, col);
-      switch (m1 - m) {
-        case 3: row_kq_avx2<TYPE, 3>(a, m, row, y, ldy, col); break;
-        case 2: row_kq_avx2<TYPE, 2>(a, m, row, y, ldy, col); break;
-        case 1: row_kq_avx2<TYPE, 1>(a, m, row, y, ldy, col); break;
-        default: break;
-      }
-      continue;
-    }
-    for (; m + TILE <= m1; m += TILE) row_avx2<TYPE, TILE>(a, m, row, y, ldy, col);
-    switch (m1 - m) {
+    int64_t m = 0;
+    for (; m + TILE <= a.M; m += TILE) row_avx2<TYPE, TILE>(a, m, row, y, ldy, col);
+    switch (a.M - m) {
       case 3: row_avx2<TYPE, 3>(a, m, row, y, ldy, col); break;
       case 2: row_avx2<TYPE, 2>(a, m, row, y, ldy, col); break;
       case 1: row_avx2<TYPE, 1>(a, m, row, y, ldy, col); break;
       default: break;
     }
 #else
-    for (int64_t m = m0; m < m1; m += 16) {
-      if (KQ) row_portable_kq<TYPE>(a, m, std::min<int64_t>(16, m1 - m), row, y, ldy, col);
-      else row_portable<TYPE>(a, m, std::min<int64_t>(16, m1 - m), row, y, ldy, col);
-    }
+    for (int64_t m = 0; m < a.M; m += 16) row_portable<TYPE>(a, m, std::min<int64_t>(16, a.M - m), row, y, ldy, col);
 #endif
   }
-}
-
-// Cache blocking for prompts: a block of weight rows (<= 32 KiB) meets a chunk of activation rows (<= 96 KiB of
-// int8 codes), both staying in L2, instead of every weight row sweeping all of x from L3.  Decode (M <= TILE) is
-// one block: the rows stream once, prefetched ahead.
-template <int TYPE>
-void rows_range(const GgufActs& a, const uint8_t* blocks, int64_t n0, int64_t n1, float* y, int64_t ldy,
-                const int32_t* out_index) {
-  if (a.M <= TILE) {
-    rows_block<TYPE>(a, blocks, n0, n1, 0, a.M, y, ldy, out_index, true);
-    return;
-  }
-  const int64_t rb = a.K / Fmt<TYPE>::QV * Fmt<TYPE>::BYTES;
-  const int64_t nblk = std::max<int64_t>(2, 32768 / rb);
-  const int64_t mc = std::max<int64_t>(TILE, 98304 / a.K / TILE * TILE);
-  for (int64_t b0 = n0; b0 < n1; b0 += nblk)
-    for (int64_t m0 = 0; m0 < a.M; m0 += mc)
-      rows_block<TYPE>(a, blocks, b0, std::min(n1, b0 + nblk), m0, std::min(a.M, m0 + mc), y, ldy, out_index,
-                       false);
 }
 
 // ------------------------------------------------------------------------------------------------ dequantize
@@ -1010,11 +757,9 @@ GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K) {
   a.M = M;
   a.K = K;
   a.nb = K / QK;
-  a.nsb = K % 256 == 0 ? K / 256 : 0;
   const size_t per = (size_t)(M * a.nb);
-  // q [M, K] (K % 32 == 0: every row 32-byte aligned), then d, s, sum32 (4 bytes each), sum16 (2 x 2 bytes), q2
-  // [M, K] (64-aligned); then kq [M, K], kd, ks16 [M, K / 16], ks32 [M, K / 32]
-  uint8_t* base = acts_buffer(per * 64 + per * 16 + 128 + (a.nsb ? per * 32 + per + per * 4 + per * 2 + 64 : 0));
+  // q [M, K] (K % 32 == 0: every row 32-byte aligned), then d, s, sum32 (4 bytes each), sum16 (2 x 2 bytes)
+  uint8_t* base = acts_buffer(per * 64 + per * 16 + 64);
   int8_t* q = reinterpret_cast<int8_t*>(base);
   float* d = reinterpret_cast<float*>(base + per * 32);
   float* s = d + per;
@@ -1026,9 +771,8 @@ GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K) {
       d[o] = quantize_block32(x + m * K + b * QK, q + m * K + b * QK, &s32[o], &s16[2 * o]);
       s[o] = d[o] * (float)s32[o];
     }
-  uint8_t* next = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(s16 + 2 * per) + 63) & ~uintptr_t(63));
 #ifdef EDGELLM_G_AVX2
-  int8_t* q2 = reinterpret_cast<int8_t*>(next);
+  int8_t* q2 = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(s16 + 2 * per) + 63) & ~uintptr_t(63));
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < a.nb; ++b) {
       int8_t* dst = q2 + m * K + (b >> 1) * 64 + (b & 1) * 16;
@@ -1037,21 +781,6 @@ GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K) {
     }
   a.q2 = q2;
 #endif
-  next += per * 32;
-  if (a.nsb) {
-    int8_t* kq = reinterpret_cast<int8_t*>(next);
-    float* kd = reinterpret_cast<float*>(kq + per * 32);
-    int16_t* k16 = reinterpret_cast<int16_t*>(kd + M * a.nsb);
-    int16_t* k32 = k16 + per * 2;
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t c = 0; c < a.nsb; ++c)
-        kd[m * a.nsb + c] = quantize_block256(x + m * K + c * 256, kq + m * K + c * 256, k16 + m * (K / 16) + c * 16,
-                                              k32 + m * a.nb + c * 8);
-    a.kq = kq;
-    a.kd = kd;
-    a.ks16 = k16;
-    a.ks32 = k32;
-  }
   a.q = q;
   a.d = d;
   a.s = s;

@@ -29,15 +29,6 @@ struct GgufActs {
   // 2p + 1 = [2p: x0..15 | 2p+1: x0..15 | 2p: x16..31 | 2p+1: x16..31]), so that one 32-byte load of Q4_0 / Q4_1
   // codes serves two blocks; null elsewhere
   const int8_t* q2 = nullptr;    // [M, K]
-  // The K-quants' activations (llama.cpp's Q8_K): per row m and 256-block c, one scale for 256 values,
-  // kq = round_half_even(x * 127 / amax_256), kd = amax_256 / 127, and the int sums of kq per 16 and per 32 values
-  // (Q6_K's -32 offset; Q4_K / Q5_K's mins), so a super-block's 8 sub-block dots add up in integers and meet one
-  // fp32 scale.  Null where K % 256 != 0.
-  int64_t nsb = 0;                // K / 256
-  const int8_t* kq = nullptr;     // [M, K]
-  const float* kd = nullptr;      // [M, nsb]
-  const int16_t* ks16 = nullptr;  // [M, K / 16]
-  const int16_t* ks32 = nullptr;  // [M, K / 32]
 };
 GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K);
 

@@ -3,21 +3,18 @@
 `ext.gguf_linear(x, parts, n_total)` multiplies GGUF blocks in place (x rounded to int8 per 32 values, once for all
 parts); `ext.gguf_dequantize(raw, type, n, k, out)` gives gguf.quants' fp32 rows bit for bit. For a prompt chunk
 of M rows the int-dot kernel re-decodes each weight row for every 4 activation rows, while dequantize + an fp32
-GEMM pays the decoding once and then runs at GEMM speed: past some M the second may win.
+GEMM pays the decoding once and then runs at GEMM speed: past some M the second wins.
 """
 from __future__ import annotations
 
 # GGML type ids (gguf.GGMLQuantizationType) the kernels multiply natively.
 GGUF_NATIVE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
 
-# The largest M (rows of x) for which the int-dot kernel takes a product rather than gguf_dequantize + F.linear.
-# The K-quants' kernel (per-256 activations, 2 x 4 register tile, cache-blocked) beat dequantize + GEMM on whole
-# prompts: benchmarks/gguf_prefill_ab.py on random1b.Q4_K_M (Llama-3.2-1B shapes), 512-token TTFT 0.82x of
-# the previous table's {Q4_K: 64, Q5_K: 32, Q6_K: 32}, runs interleaved in one process (result in
-# benchmarks/results/gguf-prefill-ab.json). 512 = edgellm's prefill chunk (generate.PREFILL_CHUNK), so every
-# prompt row takes the kernel. The 32-block types (re-decoding their blocks per 4 activation rows, with a
-# horizontal reduction per 8 blocks) take it for decode and verification only.
-GGUF_KERNEL_MAX_ROWS = {"Q4_K": 512, "Q5_K": 512, "Q6_K": 512}
+# The largest M (rows of x) for which the int-dot kernel beat gguf_dequantize + F.linear, per K-quant, measured by
+# benchmarks/gguf_kernels_cpu.py (prefill table: Llama-3.2-1B's 2048 x 2048 projection, M = 16 .. 512; result in
+# benchmarks/results/gguf-kernels-cpu.json, `gguf_kernel_max_rows`). Above it, dequantize into a reused buffer
+# and run the GEMM. The 32-block types (not measured past 16 rows) take the kernel for decode and verification only.
+GGUF_KERNEL_MAX_ROWS = {"Q4_K": 64, "Q5_K": 32, "Q6_K": 32}
 _DEFAULT_MAX_ROWS = 16  # the decode / verification passes (<= 16 rows) take the kernel in any case
 
 

@@ -1,8 +1,8 @@
 """The C++ GGUF kernels (kernels/cpu_gguf.cpp) against gguf.quants, the GGUF reference in numpy.
 
 - gguf_dequantize must equal gguf.quants.dequantize bit for bit.
-- gguf_linear rounds each 32 values of x to int8 (one fp32 scale, as the int4/int8 kernels do; for the K-quants
-  each 256 values, as llama.cpp's Q8_K), so it is checked twice: to 1e-5 against a float64 product of the dequantized weights with x rounded that way
+- gguf_linear rounds each 32 values of x to int8 (one fp32 scale, as the int4/int8 kernels do), so it is
+  checked twice: to 1e-5 against a float64 product of the dequantized weights with x rounded that way
   (emulated here in numpy: only fp32 summation order separates the two), and to 1e-2 against the exact fp32 x
   (the int8 rounding's own error, ~0.5% on Gaussian x).
 Weights: the 32-block types quantized from random floats by gguf.quants.quantize; the K-quants (which this gguf
@@ -54,12 +54,10 @@ def dequant_ref(raw: np.ndarray, qtype: Q) -> np.ndarray:
     return quants.dequantize(raw, qtype)
 
 
-def emulate_int8_x(x: np.ndarray, qtype: Q | None = None) -> np.ndarray:
-    """x as the kernels see it: per block of 32 values (the K-quants: 256, llama.cpp's Q8_K), q =
-    round_half_even(x * (127 / amax)), times amax / 127, fp32."""
-    block = 256 if qtype in K_QUANTS else 32
+def emulate_int8_x(x: np.ndarray) -> np.ndarray:
+    """x as the kernels see it: per 32 values, q = round_half_even(x * (127 / amax)), times amax / 127, fp32."""
     m, k = x.shape
-    xb = x.astype(np.float32).reshape(m, k // block, block)
+    xb = x.astype(np.float32).reshape(m, k // 32, 32)
     amax = np.abs(xb).max(axis=2, keepdims=True)
     with np.errstate(divide="ignore"):
         inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
@@ -79,7 +77,7 @@ def check_linear(ext, qtype, m, n, k, seed):
     x = np.random.default_rng(seed + 1).standard_normal((m, k)).astype(np.float32)
     y = ext.gguf_linear(torch.from_numpy(x), [(torch.from_numpy(raw), int(qtype), n, None)], n).numpy()
     assert y.shape == (m, n)
-    e_q = rel_err(y, emulate_int8_x(x, qtype) @ w.T)
+    e_q = rel_err(y, emulate_int8_x(x) @ w.T)
     e_x = rel_err(y, x.astype(np.float64) @ w.T)
     assert e_q <= TOL_EMULATED, (qtype.name, m, n, k, e_q)
     assert e_x <= TOL_EXACT, (qtype.name, m, n, k, e_x)
@@ -153,10 +151,7 @@ def test_multi_part_with_out_index(ext):
     w[perm[:24].numpy()] = dequant_ref(a, Q.Q4_K)
     w[perm[24:].numpy()] = dequant_ref(b, Q.Q6_K)
     w[40:] = dequant_ref(c, Q.Q8_0)
-    # the K-quant parts see x per 256 values, the Q8_0 part per 32
-    ref = emulate_int8_x(x.numpy(), Q.Q4_K) @ w[:40].T
-    assert rel_err(y[:, :40], ref) <= TOL_EMULATED
-    assert rel_err(y[:, 40:], emulate_int8_x(x.numpy(), Q.Q8_0) @ w[40:].T) <= TOL_EMULATED
+    assert rel_err(y, emulate_int8_x(x.numpy()) @ w.T) <= TOL_EMULATED
     # each part alone gives the same bits as inside the fused call
     ya = ext.gguf_linear(x, [(torch.from_numpy(a), int(Q.Q4_K), 24, None)], 24)
     assert torch.equal(torch.from_numpy(y)[:, perm[:24].long()], ya)
@@ -177,7 +172,7 @@ def test_read_only_memory_mapped_and_non_contiguous_inputs(ext, tmp_path):
     assert torch.equal(y, y2)
     assert np.array_equal(np.asarray(mm), raw.reshape(-1))  # untouched
     w = dequant_ref(raw, Q.Q5_K).astype(np.float64)
-    assert rel_err(y.numpy(), emulate_int8_x(xt.numpy(), Q.Q5_K) @ w.T) <= TOL_EMULATED
+    assert rel_err(y.numpy(), emulate_int8_x(xt.numpy()) @ w.T) <= TOL_EMULATED
     d = ext.gguf_dequantize(t, int(Q.Q5_K), 12, 512)
     np.testing.assert_array_equal(d.numpy(), dequant_ref(raw, Q.Q5_K))
 
@@ -320,7 +315,7 @@ def test_isa_builds_match_reference(isa_builds, isa):
     for (t, m, n, k), (raw, x, w, y, y1) in run_isa(folder, jobs, isa).items():
         want = dequant_ref(raw, t)
         np.testing.assert_array_equal(w.view(np.uint32), want.view(np.uint32), err_msg=f"{isa} {t.name}")
-        e_q = rel_err(y, emulate_int8_x(x, t) @ want.astype(np.float64).T)
+        e_q = rel_err(y, emulate_int8_x(x) @ want.astype(np.float64).T)
         assert e_q <= TOL_EMULATED, (isa, t.name, m, n, k, e_q)
         assert np.array_equal(y.view(np.uint32), y1.view(np.uint32)), (isa, t.name, m, "rows differ from M = 1")
 
@@ -370,9 +365,7 @@ class FakeGGUFLinear(torch.nn.Module):
         if self.embedding:
             return self.w[x]
         shape = x.shape
-        kinds = {Q(p.type) in K_QUANTS for p in self.gguf_parts}
-        assert len(kinds) == 1, "the recipes keep K-quants and 32-block types in separate modules"
-        xq = emulate_int8_x(x.reshape(-1, shape[-1]).detach().float().numpy(), Q(self.gguf_parts[0].type))
+        xq = emulate_int8_x(x.reshape(-1, shape[-1]).detach().float().numpy())
         y = torch.from_numpy(xq @ self.w.double().numpy().T).float().reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
