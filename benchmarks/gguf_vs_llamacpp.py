@@ -118,6 +118,8 @@ def main() -> None:
     ap.add_argument("files", nargs="*")
     ap.add_argument("--peer-python", default="/tmp/peer/bin/python")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the --json file's rows of other files (each row carries its own date and load)")
     ap.add_argument("--child", nargs=2, metavar=("ENGINE", "FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -128,7 +130,9 @@ def main() -> None:
     for f in args.files:
         ours = measure(sys.executable, "edgellm", f)
         theirs = measure(args.peer_python, "llama.cpp", f)
-        row = {"file": Path(f).name, "file_bytes": Path(f).stat().st_size, "edgellm": ours, "llama.cpp": theirs}
+        row = {"file": Path(f).name, "file_bytes": Path(f).stat().st_size, "edgellm": ours, "llama.cpp": theirs,
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "load_average": [round(v, 2) for v in os.getloadavg()]}
         if "error" not in ours and "error" not in theirs:
             row["ratio"] = {"decode": ours["decode_tok_s"] / theirs["decode_tok_s"],
                             "ttft_512": ours["ttft_512_s"] / theirs["ttft_512_s"],
@@ -137,6 +141,9 @@ def main() -> None:
                             "load": ours["load_s"] / theirs["load_s"]}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if args.json and args.merge and Path(args.json).exists():
+        done = {r["file"] for r in rows}
+        rows = [r for r in json.loads(Path(args.json).read_text())["rows"] if r["file"] not in done] + rows
     doc = {"command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
