@@ -158,7 +158,7 @@ class Transformer(nn.Module):
         at positions [start_pos, start_pos+T) and sets cache.length to start_pos+T.
 
         A `DevicePosition` start (one token, the position held on the device) is what a CUDA graph
-        captures: nothing here reads it on the host, and the caller (decode_graph.py) keeps
+        captures: nothing here reads it on the host, and the caller (decode_step.py) keeps
         cache.length and the bounds."""
         if getattr(cache, "_needs_calibration", False):  # a quantized cache's first use: its calibration (kv_calibration.py)
             cache.prepare(self)
