@@ -37,7 +37,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from edgellm.bench import run_once
-    from edgellm.cli import build_parser, engine_from_args, load_from_args
+    from edgellm.args import engine_from_args, load_from_args
+    from edgellm.cli import build_parser
     from edgellm.kernels import gguf_ops
 
     cli = build_parser().parse_args(["run", "x", "-m", args.model, "--ctx", str(args.tokens + 64), "--threads",

@@ -33,7 +33,8 @@ def child_edgellm(path: str) -> dict:
 
     t0 = time.perf_counter()
     from edgellm.bench import run_once
-    from edgellm.cli import build_parser, engine_from_args, load_from_args
+    from edgellm.args import engine_from_args, load_from_args
+    from edgellm.cli import build_parser
 
     args = build_parser().parse_args(["run", "x", "-m", path, "--ctx", str(CTX), "--threads", str(THREADS)])
     loaded = load_from_args(args)
@@ -48,7 +49,7 @@ def child_edgellm(path: str) -> dict:
     ttft2048 = [run_once(engine, text_ids[:2048], 1)[0].ttft_s for _ in range(2)]
     return {"load_s": load_s, "decode_tok_s": statistics.median(decode), "ttft_512_s": statistics.median(ttft512),
             "ttft_2048_s": statistics.median(ttft2048), "runs_as": loaded.runs_as_text(),
-            "path": getattr(engine, "decode_path", None)}
+            "path": str(engine.decode_path)}
 
 
 def child_llamacpp(path: str) -> dict:

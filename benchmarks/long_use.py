@@ -54,7 +54,8 @@ def slope_per_100(rows: list[dict], key: str, x: str) -> float:
 
 
 def many_runs(args, loaded) -> tuple[list[dict], dict]:
-    from edgellm.cli import build_parser, engine_from_args, prompt_ids, sampling_from_args
+    from edgellm.args import engine_from_args, sampling_from_args
+    from edgellm.cli import build_parser, prompt_ids
     from edgellm.generate import Done, GenerationSettings
 
     prompts = sentences(args.runs, args.max_words)
@@ -83,7 +84,8 @@ def many_runs(args, loaded) -> tuple[list[dict], dict]:
 
 
 def long_chat(args, loaded) -> tuple[list[dict], dict]:
-    from edgellm.cli import build_parser, engine_from_args
+    from edgellm.args import engine_from_args
+    from edgellm.cli import build_parser
     from edgellm.generate import Done
     from edgellm.tui.history import Conversation, Message, load_conversation, save_conversation
     from edgellm.tui.session import ChatSession, ChatSettings

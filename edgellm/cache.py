@@ -284,7 +284,9 @@ class _QuantizedKVCache(KVCache):
 
     def decode_spec(self) -> list[tuple] | None:
         """Per layer ((bits, K group, codes, scales, mins or None, sink rows), the same for V): codes with fp16
-        scales and fp32 sink rows."""
+        scales and fp32 sink rows, and the [D, D] rotation (`self.rotation`) in fp32."""
+        if self.rotation.dtype != torch.float32 or self.rotation.device.type != "cpu":
+            return None
         specs = []
         for store in self.layers:
             if any(t.device.type != "cpu" or not t.is_contiguous() for t in store if isinstance(t, torch.Tensor)):

@@ -19,11 +19,10 @@ def command(name: str):
     return register
 
 
-# The shared options live in args.py (the commands import them from there); re-exported for callers of old.
-from .args import (add_format_options, add_model_options, add_quant_options, add_sampling_options,  # noqa: E402,F401
-                   debug_requested, engine_from_args, engine_from_options, kv_format_arg, load_from_args,
-                   load_from_options, options_from_args, sampling_from_args, show_decode_path)
-from .options import COMPILE_MODES, DEFAULT_CTX, WEIGHT_FORMATS  # noqa: E402,F401
+# The options every command shares live in args.py, which the commands import directly.
+from .args import (add_format_options, add_model_options, add_quant_options, add_sampling_options,  # noqa: E402
+                   debug_requested, engine_from_options, load_from_options, options_from_args, sampling_from_args,
+                   show_decode_path)
 
 
 def prompt_ids(args: argparse.Namespace, tokenizer, text: str) -> list[int]:

@@ -139,9 +139,7 @@ def fused_decode_step(model, cache, kernel: K.KernelOptions = K.DEFAULT_OPTIONS,
         kv = cache.decode_spec()  # per layer (K, V) as the plan takes them (edgellm/cache.py), or None
         if kv is None:
             raise NotFused(f"the KV cache's layout ({cache.kind}) is not one the fused step reads")
-        rot = getattr(cache, "rotation", None)
-        if (cache.kind == "fp") != (rot is None) or (rot is not None and rot.dtype != torch.float32):
-            raise NotFused("the KV cache's rotation does not match its format")
+        rot = cache.rotation  # a quantized cache's [D, D] fp32 rotation (checked by decode_spec), None for floats
         emb = model.tok_embeddings
         if hasattr(emb, "codes") and emb.dtype != torch.float32:
             raise NotFused("the quantized embedding is not fp32")

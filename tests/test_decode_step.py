@@ -150,7 +150,8 @@ def test_fused_many_rows_equal_one_token_steps_long_context(tmp_path, kv, weight
 def test_compile_modes_from_the_command_line(tiny_models):
     """--compile off / --no-compile run the eager model (same logits as transformers); inductor on the
     CPU is the fused step, as auto."""
-    from edgellm.cli import build_parser, engine_from_args
+    from edgellm.args import engine_from_args
+    from edgellm.cli import build_parser
 
     folder = str(tiny_models["llama_gqa"][0])
     loaded = load_model(folder, max_seq_len=64)
@@ -340,13 +341,12 @@ def test_decode_path_names_each_fallback_and_its_reason(tiny_models, capsys, mon
     assert path(Options(decode=DecodeOptions(compile="off"))) == DecodePath("eager", "--compile off")
     bf16 = load_model(folder, max_seq_len=64, dtype=torch.bfloat16).model
     assert path(m=bf16).name == "eager" and "bfloat16" in path(m=bf16).reason
-    saved = dict(matmul._cpu_ext_state)
+    saved = matmul.cpu_extension()
     matmul.set_cpu_extension(None)
     try:
         no_ext = path()
     finally:
-        matmul._cpu_ext_state.clear()
-        matmul._cpu_ext_state.update(saved)
+        matmul.set_cpu_extension(saved)
     assert no_ext == DecodePath("eager", "the C++ CPU extension is off or did not build")
     assert str(no_ext) == "eager (the C++ CPU extension is off or did not build)"
 

@@ -17,7 +17,8 @@ def handles():
 
 
 def test_many_generations_and_a_long_chat_leak_nothing(tiny_llama, tmp_path):
-    from edgellm.cli import build_parser, engine_from_args, prompt_ids, sampling_from_args
+    from edgellm.args import engine_from_args, sampling_from_args
+    from edgellm.cli import build_parser, prompt_ids
     from edgellm.generate import Done, GenerationSettings
     from edgellm.tui.history import Conversation, Message, load_conversation, save_conversation
     from edgellm.tui.session import ChatSession, ChatSettings

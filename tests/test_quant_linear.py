@@ -22,11 +22,10 @@ FP32_PREFILL = matmul.KernelOptions(prefill_bf16=False)  # every dequantize + GE
 def float_path():
     """Run without the C++ CPU kernel; returns the kernel options without bf16 prefill GEMMs: the float path,
     exact to the dequantized reference."""
-    saved = dict(matmul._cpu_ext_state)
+    saved = matmul.cpu_extension()
     matmul.set_cpu_extension(None)
     yield FP32_PREFILL
-    matmul._cpu_ext_state.clear()
-    matmul._cpu_ext_state.update(saved)
+    matmul.set_cpu_extension(saved)
 
 
 def test_bf16_prefill_gemm_close_and_only_for_many_rows():

@@ -19,6 +19,7 @@ import openai
 import pytest
 
 from edgellm import cli
+from edgellm.args import engine_from_args
 
 KEY = "sk-test-edgellm"
 CTX = 2048  # the session's bundled model (tests/conftest.py) is loaded with this context
@@ -366,7 +367,7 @@ def test_draft_counts_in_timings_and_same_greedy_text(bundled):
     prompt = "Repeat this sentence exactly: the quick brown fox jumps over the lazy dog near the river bank."
     plain = edgellm_run(bundled, prompt, "-n", "24")
     args = argparse.Namespace(kv="fp", draft="lookup", draft_tokens=None, compile="auto")
-    server = Server(cli.engine_from_args(args, bundled), "bundled", ChatSettings(max_tokens=None))
+    server = Server(engine_from_args(args, bundled), "bundled", ChatSettings(max_tokens=None))
     with TestClient(server.app()) as http:
         r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": prompt}],
                                                     "max_tokens": 24})
