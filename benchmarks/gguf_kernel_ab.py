@@ -64,6 +64,8 @@ def build(old_rev: str, folder: Path, flags: list[str]) -> Path:
     objs = []
     for src, inc, extra in ((old / "cpu_gguf.cpp", old, ["-Dedgellm=edgellm_old"]),
                             (KERNELS / "cpu_gguf.cpp", KERNELS, []),
+                            *(((KERNELS / "cpu_gguf_x8.cpp", KERNELS, []),) if (KERNELS / "cpu_gguf_x8.cpp").exists()
+                              else ()),
                             (ROOT / "benchmarks" / "gguf_kernel_ab.cpp", KERNELS, [])):
         obj = folder / (src.stem + ("_old" if extra else "") + ".o")
         subprocess.run(["g++", "-O3", "-std=c++17", *flags, f"-I{inc}", *extra, "-c", str(src), "-o", str(obj)],

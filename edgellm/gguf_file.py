@@ -298,6 +298,19 @@ class GGUFFile:
         if end > start:
             self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
+    def release_view(self, view) -> None:
+        """`release` for any view of the mapped file (a numpy array or a CPU tensor from `data`); others are left."""
+        address = view.data_ptr() if hasattr(view, "data_ptr") else view.ctypes.data
+        nbytes = view.numel() * view.element_size() if hasattr(view, "numel") else view.nbytes
+        base = np.frombuffer(self._map, dtype=np.uint8).ctypes.data
+        offset = address - base
+        if not hasattr(mmap, "MADV_DONTNEED") or offset < 0 or offset + nbytes > len(self._map):
+            return
+        page = mmap.PAGESIZE
+        start, end = -(-offset // page) * page, (offset + nbytes) // page * page
+        if end > start:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
     def close(self) -> None:
         """Unmap the file (no view from data() may be alive)."""
         self._map.close()

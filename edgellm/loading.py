@@ -597,7 +597,8 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
         if gguf_parts:
             from .quant.gguf_linear import install_gguf
 
-            install_gguf(model, gguf_parts, state, dtype, device)
+            install_gguf(model, gguf_parts, state, dtype, device,
+                         release=getattr(getattr(src, "file", None), "release_view", None))
         if qtensors or gguf_parts:
             from .quant.convert import install_quantized
 

@@ -178,6 +178,7 @@ GgufPartView gguf_part(const py::handle& item, int64_t K, const char* what) {
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() &&
                   (raw.dim() == 1 || raw.dim() == 2), what, ": raw blocks must be a contiguous uint8 CPU tensor, got ",
               raw.scalar_type(), " ", raw.sizes());
+  TORCH_CHECK(p.type < edgellm::GGUF_X8 || p.N % 8 == 0, what, ": an x8 part holds a multiple of 8 rows, not ", p.N);
   const int64_t rb = edgellm::gguf_row_bytes(p.type, K);
   TORCH_CHECK(p.N >= 0 && raw.numel() == p.N * rb && (raw.dim() == 1 || raw.size(1) == rb), what, ": ", raw.numel(),
               " raw bytes ", raw.sizes(), " do not hold ", p.N, " rows of ", rb, " bytes (type ", p.type, ", K=", K, ")");
@@ -249,6 +250,31 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t N, int64
     edgellm::gguf_dequantize_rows(p.data, p.type, N, K, o);
   }
   return out;
+}
+
+// x8: a K-quant's rows repacked 8 at a time (cpu_gguf_x8.cpp); raw [N, row bytes] -> x8 [N, x8 row bytes] and back.
+at::Tensor gguf_x8_convert(const at::Tensor& src, int64_t type, int64_t N, int64_t K, bool to_x8) {
+  TORCH_CHECK(edgellm::gguf_x8_supported((int)type), "edgellm gguf_repack: type ", type, " has no x8 kernels in this build");
+  TORCH_CHECK(N > 0 && N % 8 == 0 && K > 0 && K % 256 == 0, "edgellm gguf_repack: N=", N, " must be a multiple of 8 "
+              "and K=", K, " of 256");
+  const int64_t rb = edgellm::gguf_row_bytes((int)type, K), xb = edgellm::gguf_row_bytes((int)type + edgellm::GGUF_X8, K);
+  TORCH_CHECK(src.device().is_cpu() && src.scalar_type() == at::kByte && src.is_contiguous() &&
+                  src.numel() == N * (to_x8 ? rb : xb), "edgellm gguf_repack: expected a contiguous uint8 CPU tensor of ",
+              N * (to_x8 ? rb : xb), " bytes, got ", src.scalar_type(), " ", src.sizes());
+  at::Tensor out = at::empty({N, to_x8 ? xb : rb}, src.options());
+  {
+    py::gil_scoped_release nogil;
+    if (to_x8) edgellm::gguf_repack_x8(src.data_ptr<uint8_t>(), (int)type, N, K, out.data_ptr<uint8_t>());
+    else edgellm::gguf_unrepack_x8(src.data_ptr<uint8_t>(), (int)type, N, K, out.data_ptr<uint8_t>());
+  }
+  return out;
+}
+
+std::vector<int> gguf_x8_types() {
+  std::vector<int> r;
+  for (int t = 0; t < 64; ++t)
+    if (edgellm::gguf_x8_supported(t)) r.push_back(t);
+  return r;
 }
 
 std::vector<int> gguf_types() {
@@ -520,6 +546,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize", &gguf_dequantize, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
         py::arg("out") = py::none(), "GGUF blocks -> fp32 [n, k], bit-identical to gguf.quants.dequantize");
   m.def("gguf_types", &gguf_types, "the GGML type ids this build multiplies natively");
+  m.def("gguf_x8_types", &gguf_x8_types, "the GGML type ids this build also multiplies repacked 8 rows at a time "
+        "(their type id + 1000)");
+  m.def("gguf_repack", [](const at::Tensor& raw, int64_t type, int64_t n, int64_t k) {
+          return gguf_x8_convert(raw, type, n, k, true); }, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
+        "GGUF blocks [n, row bytes] -> the x8 layout [n, x8 row bytes] (type + 1000), the same bytes reordered");
+  m.def("gguf_unrepack", [](const at::Tensor& x8, int64_t type, int64_t n, int64_t k) {
+          return gguf_x8_convert(x8, type, n, k, false); }, py::arg("x8"), py::arg("type"), py::arg("n"), py::arg("k"),
+        "the x8 layout -> the GGUF blocks as stored, bit for bit");
   m.def("isa", &isa, "the instruction set the kernels were compiled for");
   m.def("dequant_out", &dequant_out, py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("group_size"),
         py::arg("bits"), py::arg("buf"),

@@ -38,7 +38,7 @@ from typing import Iterator
 import torch
 
 _NAME = "edgellm_cpu_kernels"
-_SOURCES = ("cpu_kernels.cpp", "cpu_decode.cpp", "cpu_gguf.cpp", "cpu_bindings.cpp")
+_SOURCES = ("cpu_kernels.cpp", "cpu_decode.cpp", "cpu_gguf.cpp", "cpu_gguf_x8.cpp", "cpu_bindings.cpp")
 _HEADERS = ("cpu_decode.h", "cpu_gguf.h", "half.h")  # hashed with the sources: a change rebuilds
 _BUILD_VERSION = "1"  # bump to force a rebuild when the flags logic changes
 

@@ -731,6 +731,7 @@ template <int TYPE> struct DequantOp {
 bool gguf_supported(int type) { return gguf_block_values(type) != 0; }
 
 int64_t gguf_block_values(int type) {
+  if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? 256 : 0;
   switch (type) {
     case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q5_0: case GGUF_Q5_1: case GGUF_Q8_0: return 32;
     case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: return 256;
@@ -739,6 +740,7 @@ int64_t gguf_block_values(int type) {
 }
 
 int64_t gguf_block_bytes(int type) {
+  if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? gguf_x8_bytes(type - GGUF_X8) / 8 : 0;
   switch (type) {
     case GGUF_Q4_0: return Fmt<GGUF_Q4_0>::BYTES;
     case GGUF_Q4_1: return Fmt<GGUF_Q4_1>::BYTES;
@@ -792,11 +794,22 @@ GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K) {
 void gguf_gemm(const GgufActs& acts, const uint8_t* blocks, int type, int64_t N, int64_t K, float* y, int64_t ldy,
                const int32_t* out_index) {
   if (N <= 0 || acts.M <= 0 || K != acts.K || !gguf_supported(type) || K % gguf_block_values(type) != 0) return;
+  if (type > GGUF_X8) {
+    if (N % 8 == 0) gguf_gemm_x8(acts, blocks, type - GGUF_X8, N, y, ldy, out_index);
+    return;
+  }
   dispatch<GemmOp>(type, acts, blocks, N, y, ldy, out_index);
 }
 
 void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K, float* out) {
   if (N <= 0 || !gguf_supported(type) || K % gguf_block_values(type) != 0) return;
+  if (type > GGUF_X8) {  // back to the stored layout, then as stored (a fallback path: exports, other devices)
+    if (N % 8 != 0) return;
+    std::vector<uint8_t> raw((size_t)gguf_row_bytes(type - GGUF_X8, K) * (size_t)N);
+    gguf_unrepack_x8(blocks, type - GGUF_X8, N, K, raw.data());
+    dispatch<DequantOp>(type - GGUF_X8, raw.data(), N, K, out);
+    return;
+  }
   dispatch<DequantOp>(type, blocks, N, K, out);
 }
 

@@ -9,9 +9,13 @@ namespace edgellm {
 enum GgufType { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8,
                 GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14 };
 
+// A type id plus GGUF_X8: that K-quant's rows repacked 8 at a time (cpu_gguf_x8.cpp), N a multiple of 8.
+constexpr int GGUF_X8 = 1000;
+
 bool gguf_supported(int type);
 int64_t gguf_block_values(int type);  // 32 or 256 (0: unsupported type)
 int64_t gguf_block_bytes(int type);
+// (an x8 type: its bytes per row, one eighth of an 8-row group's)
 inline int64_t gguf_row_bytes(int type, int64_t K) { return K / gguf_block_values(type) * gguf_block_bytes(type); }
 
 // The activations of one input, quantized once and shared by every part of a fused linear: per row m and 32-block
@@ -40,5 +44,15 @@ void gguf_gemm(const GgufActs& acts, const uint8_t* blocks, int type, int64_t N,
 
 // W [N, K] fp32, bit-identical to gguf.quants.dequantize.
 void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K, float* out);
+
+// The x8 layout (cpu_gguf_x8.cpp): whether this build multiplies it for a base type (Q4_K, Q5_K, Q6_K with the
+// AVX2 kernels), its bytes per 8-row super-block (0: no x8 layout), the conversions either way (N % 8 == 0, K %
+// 256 == 0; bit for bit), and the product, as gguf_gemm (rows' results bit-identical whatever M).
+bool gguf_x8_supported(int base_type);
+int64_t gguf_x8_bytes(int base_type);
+void gguf_repack_x8(const uint8_t* raw, int base_type, int64_t N, int64_t K, uint8_t* x8);
+void gguf_unrepack_x8(const uint8_t* x8, int base_type, int64_t N, int64_t K, uint8_t* raw);
+void gguf_gemm_x8(const GgufActs& acts, const uint8_t* x8, int base_type, int64_t N, float* y, int64_t ldy,
+                  const int32_t* out_index);
 
 }  // namespace edgellm

@@ -15,10 +15,11 @@ GGUF_NATIVE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_
 # benchmarks/results/gguf-kernels-cpu.json, `gguf_kernel_max_rows`). Above it, dequantize into a reused buffer
 # and run the GEMM. The 32-block types (not measured past 16 rows) take the kernel for decode and verification only.
 GGUF_KERNEL_MAX_ROWS = {"Q4_K": 64, "Q5_K": 32, "Q6_K": 32}
-_DEFAULT_MAX_ROWS = 16  # the decode / verification passes (<= 16 rows) take the kernel in any case
+_DEFAULT_MAX_ROWS = 16
+X8 = 1000  # a K-quant's type id + X8: its rows repacked 8 at a time (kernels/cpu_gguf_x8.cpp); same thresholds  # the decode / verification passes (<= 16 rows) take the kernel in any case
 
 
 def use_kernel(qtype: int, rows: int) -> bool:
     """True where the int-dot kernel is the faster way to multiply `rows` activation rows by a `qtype` tensor."""
     names = {v: k for k, v in GGUF_NATIVE_TYPES.items()}
-    return rows <= GGUF_KERNEL_MAX_ROWS.get(names.get(qtype, ""), _DEFAULT_MAX_ROWS)
+    return rows <= GGUF_KERNEL_MAX_ROWS.get(names.get(qtype % X8, ""), _DEFAULT_MAX_ROWS)

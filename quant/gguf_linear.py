@@ -5,6 +5,12 @@ Q6_K in a Q4_K_M file), usually read-only views of the memory-mapped file, so th
 with no second copy. Where the source rows are stored in another order than ours (llama.cpp permutes Q/K rows
 for RoPE), `out_index` says which output column each stored row feeds: the rows are never moved.
 
+On a CPU whose kernel build has them (AVX2), K-quant parts are repacked at load into the x8 layout
+(kernels/cpu_gguf_x8.cpp): the same bytes, 8 rows interleaved so that the integer dots need no horizontal sums,
+which makes decode memory-bound rather than compute-bound (llama.cpp repacks its Q4_K likewise). The mapped
+pages of the original are then dropped from RSS, so the process still holds one copy; a part's last rows % 8
+stay as stored.
+
 How the product is computed:
   CPU with the C++ kernels: up to a measured number of rows per type (decode, verification, short prompts:
       kernels/gguf_ops.py) the int8-activation kernels run on the blocks (kernels/cpu_gguf.cpp); longer prompts
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +35,22 @@ from ..kernels.gguf_ops import use_kernel
 from .gguf_tensor import dequantize_blocks
 from .linear import _move_packed
 
-__all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "raw_tensor", "install_gguf", "weight_formats"]
+__all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "raw_tensor", "install_gguf", "weight_formats", "repack_for_cpu"]
+
+X8 = 1000  # a type id + X8: that K-quant repacked 8 rows at a time (kernels/cpu_gguf.h GGUF_X8)
+X8_GROUP_BYTES = {12: 1184, 13: 1440, 14: 1680}  # Q4_K, Q5_K, Q6_K: bytes of 8 rows x 256 values
+
+
+def part_row_bytes(type_id: int, k: int) -> int:
+    """Bytes per row of a part: a GGUF type's, or an x8 type's (one eighth of its 8-row groups)."""
+    if type_id >= X8:
+        return k // 256 * X8_GROUP_BYTES[type_id - X8] // 8
+    return row_bytes(type_id, k)
+
+
+def stored_type(type_id: int) -> int:
+    """The GGUF type a part's blocks are (an x8 part: the type it was repacked from)."""
+    return type_id - X8 if type_id >= X8 else type_id
 
 
 @dataclass
@@ -56,8 +78,8 @@ class _GGUFWeight(nn.Module):
         self.part_types = [int(p.type) for p in parts]
         self.part_rows = [int(p.rows) for p in parts]
         for i, p in enumerate(parts):
-            if tuple(p.raw.shape) != (p.rows, row_bytes(p.type, in_features)) or p.raw.dtype != torch.uint8:
-                raise ValueError(f"GGUF part {i}: expected uint8 [{p.rows}, {row_bytes(p.type, in_features)}], "
+            if tuple(p.raw.shape) != (p.rows, part_row_bytes(p.type, in_features)) or p.raw.dtype != torch.uint8:
+                raise ValueError(f"GGUF part {i}: expected uint8 [{p.rows}, {part_row_bytes(p.type, in_features)}], "
                                  f"got {p.raw.dtype} {list(p.raw.shape)}")
             self.register_buffer(f"raw{i}", p.raw)
             self.register_buffer(f"index{i}", p.out_index)
@@ -97,7 +119,7 @@ class _GGUFWeight(nn.Module):
         return sum(p.raw.numel() for p in self.gguf_parts)
 
     def type_names(self) -> list[str]:
-        return [gguf_type(t).name for t in self.part_types]
+        return [gguf_type(stored_type(t)).name for t in self.part_types]
 
     def _fmt(self) -> str:
         return "+".join(dict.fromkeys(self.type_names()))
@@ -107,6 +129,9 @@ def _dequantize(p: GGUFPart, k: int, dtype: torch.dtype) -> torch.Tensor:
     ext = K.cpu_extension() if p.raw.device.type == "cpu" else None
     if ext is not None and hasattr(ext, "gguf_dequantize") and p.type in _native_types(ext):
         return ext.gguf_dequantize(p.raw, p.type, p.rows, k, None).to(dtype)
+    if p.type >= X8:
+        raise RuntimeError("these GGUF blocks were repacked for the CPU kernels (x8 layout), which are not loaded "
+                           "now: load the model again for this device or without the C++ kernels")
     return dequantize_blocks(p.raw, p.type, (p.rows, k), dtype)
 
 
@@ -116,7 +141,9 @@ _native: dict[int, frozenset[int]] = {}
 def _native_types(ext) -> frozenset[int]:
     key = id(ext)
     if key not in _native:
-        _native[key] = frozenset(int(t) for t in ext.gguf_types()) if hasattr(ext, "gguf_types") else frozenset()
+        types = {int(t) for t in ext.gguf_types()} if hasattr(ext, "gguf_types") else set()
+        types |= {int(t) + X8 for t in getattr(ext, "gguf_x8_types", list)()}
+        _native[key] = frozenset(types)
     return _native[key]
 
 
@@ -182,10 +209,37 @@ class GGUFEmbedding(_GGUFWeight):
         return f"{self.num_embeddings}, {self.embedding_dim}, gguf {self._fmt()}"
 
 
+def repack_for_cpu(parts: list[GGUFPart], k: int,
+                   release: Callable[[torch.Tensor], None] | None = None) -> list[GGUFPart]:
+    """The parts with their K-quant rows in the x8 layout where this CPU's kernel build multiplies it (a part's
+    first rows // 8 * 8 rows; the rest stay as stored, with their out_index entries). `release(raw)` is called on
+    each repacked original (the loader drops its mapped pages)."""
+    ext = K.cpu_extension()
+    types = set(getattr(ext, "gguf_x8_types", list)()) if ext is not None else set()
+    out = []
+    for p in parts:
+        n8 = p.rows // 8 * 8
+        if p.type not in types or n8 == 0 or k % 256 or p.raw.device.type != "cpu":
+            out.append(p)
+            continue
+        head = p.raw[:n8].contiguous()
+        x8 = ext.gguf_repack(head, p.type, n8, k)
+        index = p.out_index
+        out.append(GGUFPart(x8, p.type + X8, n8, None if index is None else index[:n8].contiguous()))
+        if n8 < p.rows:
+            out.append(GGUFPart(p.raw[n8:], p.type, p.rows - n8, None if index is None else index[n8:].contiguous()))
+        if release is not None and head.data_ptr() == p.raw.data_ptr():
+            release(head)
+    return out
+
+
 def install_gguf(model: nn.Module, parts: dict[str, list[GGUFPart]], state: dict[str, torch.Tensor],
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 release: Callable[[torch.Tensor], None] | None = None) -> None:
     """Swap GGUFLinear / GGUFEmbedding modules in for the parameters kept as GGUF blocks (taking their
-    biases out of `state`). A tied LM head multiplies the embedding's own blocks."""
+    biases out of `state`). A tied LM head multiplies the embedding's own blocks (on a CPU with the x8 kernels, a
+    repacked copy of them: the embedding's lookups read the mapped file, a row at a time). `release(raw)`: the
+    loader's hook for blocks copied into the x8 layout."""
     for name, ps in parts.items():
         module_name = name.rsplit(".", 1)[0]
         parent_name, _, attr = module_name.rpartition(".")
@@ -197,10 +251,15 @@ def install_gguf(model: nn.Module, parts: dict[str, list[GGUFPart]], state: dict
             new: nn.Module = GGUFEmbedding(ps[0], old.embedding_dim, dtype)
         else:
             bias = state.pop(module_name + ".bias", None)
+            if device.type == "cpu":
+                ps = repack_for_cpu(ps, old.in_features, release)
             new = GGUFLinear(ps, old.in_features, bias)
         setattr(parent, attr, new)
     if model.config.tie_embeddings and "tok_embeddings.weight" in parts:
-        model.output = GGUFLinear(model.tok_embeddings.gguf_parts, model.tok_embeddings.embedding_dim)
+        ps, dim = model.tok_embeddings.gguf_parts, model.tok_embeddings.embedding_dim
+        if device.type == "cpu":
+            ps = repack_for_cpu(ps, dim, release)
+        model.output = GGUFLinear(ps, dim)
         state.pop("output.weight", None)
 
 

@@ -289,7 +289,9 @@ def test_fused_family_step_long_context(tmp_path, family, kv):
         for i, t in enumerate(tokens[:3]):
             fused = engine.step(torch.tensor([[t]])).clone()
             eager = model(torch.tensor([[t]]), twin, len(prompt) + i)[0, -1]
-            torch.testing.assert_close(fused, eager, atol=1e-4, rtol=1e-4)
+            # fp32 sums in another order (C++ tiles vs torch's kernels, which differ between AVX2 and AVX-512
+            # builds): 1e-4 held on AVX2, phi4_partial-int8 reached 2.4e-4 on AVX-512
+            torch.testing.assert_close(fused, eager, atol=5e-4, rtol=1e-4)
             twin = copy.deepcopy(cache)  # the next step reads identical contents again
         if kv == "fp":
             a, b = (Engine(model, loaded.tokenizer, cache=KVCache(model.config, 1024, torch.float32, "cpu"))

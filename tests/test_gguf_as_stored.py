@@ -16,8 +16,10 @@ import torch
 
 from edgellm.cache import KVCache
 from edgellm.kernels import matmul
+from edgellm.kernels.matmul import KernelOptions
 from edgellm.loading import load_model
-from edgellm.quant.gguf_linear import GGUFEmbedding, GGUFLinear
+from edgellm.options import Options
+from edgellm.quant.gguf_linear import X8, GGUFEmbedding, GGUFLinear
 from edgellm.gguf_file import GGUF_TYPES
 from edgellm.quant.gguf_tensor import dequantize_blocks
 from edgellm.quant.linear import QuantLinear
@@ -85,14 +87,36 @@ def test_auto_keeps_every_block_in_place(quant_files, name):
     assert a.wqkv.type_names() == [stored["blk.0.attn_q.weight"], stored["blk.0.attn_k.weight"],
                                    stored["blk.0.attn_v.weight"]]
     assert isinstance(model.tok_embeddings, GGUFEmbedding)
-    if name == "tied":
-        assert model.output.gguf_parts[0].raw is model.tok_embeddings.gguf_parts[0].raw  # one table
-    # the blocks are views of the memory-mapped file, byte for byte the stored tensor
+    emb = model.tok_embeddings.gguf_parts[0]
+    assert mapped_file(emb.raw.data_ptr()) == str(quant_files[name].resolve())  # lookups read the file in place
+    if name == "tied":  # the head multiplies the same blocks: the table itself, or its x8 repacking
+        assert_same_blocks(model.output.gguf_parts, emb.raw.numpy(), emb.type, model.config.dim, quant_files[name])
+    # the blocks are the stored tensor byte for byte: views of the memory-mapped file, or (K-quants, on a CPU with
+    # the x8 kernels) its rows 8 at a time in the x8 layout and the last rows % 8 in place
     t = next(t for t in loaded_tensors(quant_files[name]) if t.name == "blk.1.ffn_down.weight")
-    part = model.layers[1].feed_forward.w2.gguf_parts[0]
-    assert np.array_equal(part.raw.numpy().reshape(-1), np.asarray(t.data).reshape(-1))
-    assert mapped_file(part.raw.data_ptr()) == str(quant_files[name].resolve())  # used in place, not copied
+    w2 = model.layers[1].feed_forward.w2
+    assert_same_blocks(w2.gguf_parts, np.asarray(t.data), int(t.tensor_type), w2.in_features, quant_files[name])
     assert loaded.runs_as[stored["blk.0.attn_v.weight"]] >= 1
+
+
+def assert_same_blocks(parts, stored: np.ndarray, type_id: int, k: int, path) -> None:
+    """The parts hold `stored` (a GGUF tensor's rows) bit for bit: x8 parts through gguf_unrepack, the rest as
+    views of the file at `path`."""
+    ext = matmul.cpu_extension()
+    stored = stored.reshape(sum(p.rows for p in parts), -1)
+    start = 0
+    for p in parts:
+        rows = stored[start:start + p.rows]
+        if p.type >= X8:
+            assert p.type == type_id + X8 and type_id in ext.gguf_x8_types()
+            back = ext.gguf_unrepack(p.raw, type_id, p.rows, k).numpy()
+        else:
+            assert p.type == type_id
+            assert mapped_file(p.raw.data_ptr()) == str(path.resolve())  # used in place, not copied
+            back = p.raw.numpy()
+        assert np.array_equal(back.reshape(-1), rows.reshape(-1))
+        start += p.rows
+    assert start == stored.shape[0]
 
 
 def mapped_file(address: int) -> str | None:
@@ -175,11 +199,17 @@ def test_fused_cpu_step_runs_gguf_models(quant_files, name):
     fused_cache = KVCache(model.config, model.rope_len, model.dtype, model.device)
     eager_cache = KVCache(model.config, model.rope_len, model.dtype, model.device)
     step = fused_decode_step(model, fused_cache)  # raises NotFused (with the reason) where it does not apply
+    close = []
     with torch.no_grad():
-        for pos, tok in enumerate([5, 17, 33, 101, 7, 250]):
+        for pos, tok in enumerate([5, 17, 33, 101, 7, 250, 42, 40, 21, 17, 6, 18]):
             fused = step(torch.tensor([[tok]]), pos)
             eager = model(torch.tensor([[tok]]), eager_cache, pos)[0, -1]
-            torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+            # Both round each linear's input to int8 per 32 values; their last-bit differences (C++ vs torch
+            # norms) flip a rounding now and then, and this tiny random model moves its logits by up to ~2% for
+            # one flip. Wiring errors (a part, its order, a bias) move every step by far more.
+            assert (fused - eager).abs().max() <= 0.05 * eager.abs().max(), pos
+            close.append(torch.allclose(fused, eager, rtol=1e-4, atol=1e-4))
+    assert sum(close) >= len(close) - 2, close
 
 
 FAMILY_MIX = {"attn_q.weight": "Q5_0", "attn_k.weight": "Q5_1", "attn_v.weight": "Q8_0", "attn_qkv.weight": "Q5_0",
@@ -200,7 +230,9 @@ def test_every_family_runs_its_gguf_blocks_as_stored(tmp_path, variant):
     saved = matmul.cpu_extension()
     matmul.set_cpu_extension(None)
     try:
-        auto = load_model(path, weights="auto")
+        # the exact comparison keeps the int4/int8 linears' prompt GEMM in fp32 (by default it is bf16 on CPUs with
+        # native bf16, AVX-512 BF16 among them)
+        auto = load_model(path, weights="auto", options=Options(kernel=KernelOptions(prefill_bf16=False)))
         assert any(isinstance(m, GGUFLinear) for m in auto.model.modules())
         for a, b in zip(_logits(auto, ids), fp):
             assert torch.equal(a, b)

@@ -272,7 +272,8 @@ def isa_builds(tmp_path_factory):
     src.write_text(HARNESS)
     jobs = start_builds(folder, "gguf", lambda cxx, flags, exe: [
         cxx, "-O2", "-std=c++17", "-DEDGELLM_STANDALONE", f"-I{KERNELS}", *flags, str(src),
-        str(KERNELS / "cpu_gguf.cpp"), str(KERNELS / "cpu_kernels.cpp"), "-o", str(exe)])
+        str(KERNELS / "cpu_gguf.cpp"), str(KERNELS / "cpu_gguf_x8.cpp"), str(KERNELS / "cpu_kernels.cpp"), "-o",
+        str(exe)])
     yield folder, jobs
     stop_builds(jobs)
 

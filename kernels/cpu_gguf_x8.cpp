@@ -1,0 +1,387 @@
+// K-quant rows repacked eight at a time ("x8"): the same codes, scales and d's bit for bit, reordered so that one
+// 32-byte load holds 4 consecutive values of each of 8 rows.  The int8 dot products then land in one int32 lane
+// per row (vpdpbusd / maddubs with the activation's 4 bytes broadcast), and no horizontal reduction is left: a
+// super-block of 8 rows costs ~35 vector instructions per row against ~80 for the per-row kernel in
+// cpu_gguf.cpp, which made decode compute-bound (benchmarks/gguf_kernel_ab.py).  llama.cpp repacks its Q4_K for
+// the same reason.  The activations are the same per-32 int8 blocks (GgufActs), and the arithmetic per row is
+// the per-row kernel's: int sums per 32 values (Q6_K: per 16, times its int8 scale), one fp32 FMA per 32.
+//
+// Layouts (one "x8 super-block" = 256 values of 8 rows r; g = group of 4 values, i = byte in the group):
+//   Q4_K (1184 bytes): d[r] fp16 | dmin[r] fp16 | sc[j][r] u8 (the 6-bit scales of sub-blocks j = 0..7, unpacked)
+//        | m[j][r] u8 | qs[k][g][r][i] = row r's qs[32k + 4g + i] (low nibble: sub-block 2k, high: 2k + 1)
+//   Q5_K (1440): Q4_K's 1184 bytes, then qh[g][r][i] = row r's qh[4g + i] (bit j: bit 4 of sub-block j)
+//   Q6_K (1680): d[r] fp16 | sc[t][r] int8 (t = 16-value sub-block) | then for each half h and group g, 96 bytes:
+//        ql[q][r][i] = ql[64h + 32q + 4g + i] for q = 0, 1 (low nibble: sub-block 4h + q, high: 4h + q + 2), and
+//        qh[r][i] = qh[32h + 4g + i] (bits 2j', 2j' + 1: bits 4, 5 of sub-block 4h + j'): one stream in the
+//        order the kernel reads it (two streams 1 KiB apart left the prefetchers behind: 9 GB/s against 26)
+// The unpacked Q4_K / Q5_K scales cost 32 bytes per 8 super-blocks (2.8%) and save the 6-bit unpacking per row.
+// Rows are taken in groups of 8: a tensor's first N / 8 * 8 rows (the loader keeps the rest as stored).
+#include <algorithm>
+#include <cstring>
+#include <functional>
+#include <vector>
+
+#include "cpu_gguf.h"
+#include "half.h"
+
+#if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || (defined(__FMA__) && defined(__F16C__)))
+#define EDGELLM_X8 1
+#include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define EDGELLM_X8_VNNI 1
+#endif
+#endif
+
+namespace edgellm {
+
+void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
+
+namespace {
+
+// The raw super-block: bytes, and where its parts lie.
+template <int TYPE> struct Raw;
+template <> struct Raw<GGUF_Q4_K> { static constexpr int64_t BYTES = 144, XB = 1184, QS = 16; };
+template <> struct Raw<GGUF_Q5_K> { static constexpr int64_t BYTES = 176, XB = 1440, QS = 48, QH = 16; };
+template <> struct Raw<GGUF_Q6_K> { static constexpr int64_t BYTES = 210, XB = 1680, QS = 0; };
+
+// ggml's get_scale_min_k4 for all 8 sub-blocks: out[0..7] scales, out[8..15] mins
+inline void kquant_scales6(const uint8_t* s, uint8_t out[16]) {
+  for (int j = 0; j < 4; ++j) {
+    out[j] = s[j] & 63;
+    out[8 + j] = s[j + 4] & 63;
+    out[4 + j] = (uint8_t)((s[j + 8] & 0xF) | ((s[j] >> 6) << 4));
+    out[12 + j] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+  }
+}
+
+// The inverse: 8 scales and 8 mins (6 bits each) back into the 12 packed bytes.
+inline void kquant_pack6(const uint8_t* sc, const uint8_t* mn, uint8_t s[12]) {
+  for (int j = 0; j < 4; ++j) {
+    s[j] = (uint8_t)((sc[j] & 63) | ((sc[4 + j] >> 4) << 6));
+    s[j + 4] = (uint8_t)((mn[j] & 63) | ((mn[4 + j] >> 4) << 6));
+    s[j + 8] = (uint8_t)((sc[4 + j] & 15) | ((mn[4 + j] & 15) << 4));
+  }
+}
+
+// Copy 4-byte groups between the raw rows and the x8 layout: raw row r's bytes [raw + 4g, +4) <-> x8 [x8 + g * stride,
+// +4) (the caller adds 4 r), for g < n / 4.
+template <bool TO_X8>
+inline void groups(uint8_t* x8, uint8_t* raw, int64_t n, int64_t stride = 32) {
+  for (int64_t g = 0; g < n / 4; ++g) {
+    if (TO_X8) std::memcpy(x8 + g * stride, raw + 4 * g, 4);
+    else std::memcpy(raw + 4 * g, x8 + g * stride, 4);
+  }
+}
+
+// One super-block of 8 rows, either way (TO_X8: raw -> x8).  raw[r] = row r's super-block.
+template <int TYPE, bool TO_X8>
+void convert_sb(uint8_t* const raw[8], uint8_t* o) {
+  for (int r = 0; r < 8; ++r) {
+    uint8_t* b = raw[r];
+    if (TYPE == GGUF_Q6_K) {
+      if (TO_X8) std::memcpy(o + 2 * r, b + 208, 2);
+      else std::memcpy(b + 208, o + 2 * r, 2);
+      for (int t = 0; t < 16; ++t) {
+        if (TO_X8) o[16 + t * 8 + r] = b[192 + t];
+        else b[192 + t] = o[16 + t * 8 + r];
+      }
+      for (int h = 0; h < 2; ++h) {  // [h][g]: ql (q = 0), ql (q = 1), qh, 32 bytes each
+        for (int q = 0; q < 2; ++q) groups<TO_X8>(o + 144 + h * 768 + 32 * q + 4 * r, b + 64 * h + 32 * q, 32, 96);
+        groups<TO_X8>(o + 144 + h * 768 + 64 + 4 * r, b + 128 + 32 * h, 32, 96);
+      }
+      continue;
+    }
+    constexpr int64_t QS = Raw<TYPE>::QS;
+    if (TO_X8) {
+      std::memcpy(o + 2 * r, b, 2);
+      std::memcpy(o + 16 + 2 * r, b + 2, 2);
+      uint8_t sm[16];
+      kquant_scales6(b + 4, sm);
+      for (int j = 0; j < 8; ++j) {
+        o[32 + j * 8 + r] = sm[j];
+        o[96 + j * 8 + r] = sm[8 + j];
+      }
+    } else {
+      std::memcpy(b, o + 2 * r, 2);
+      std::memcpy(b + 2, o + 16 + 2 * r, 2);
+      uint8_t sc[8], mn[8];
+      for (int j = 0; j < 8; ++j) {
+        sc[j] = o[32 + j * 8 + r];
+        mn[j] = o[96 + j * 8 + r];
+      }
+      kquant_pack6(sc, mn, b + 4);
+    }
+    for (int k = 0; k < 4; ++k) groups<TO_X8>(o + 160 + k * 256 + 4 * r, b + QS + 32 * k, 32);
+    if (TYPE == GGUF_Q5_K) groups<TO_X8>(o + 1184 + 4 * r, b + 16, 32);
+  }
+}
+
+template <int TYPE, bool TO_X8>
+void convert(uint8_t* raw, uint8_t* x8, int64_t N, int64_t K) {
+  using R = Raw<TYPE>;
+  const int64_t nsb = K / 256, rb = nsb * R::BYTES;
+  parallel_run(0, N / 8, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t grp = g0; grp < g1; ++grp)
+      for (int64_t s = 0; s < nsb; ++s) {
+        uint8_t* rows[8];
+        for (int r = 0; r < 8; ++r) rows[r] = raw + (grp * 8 + r) * rb + s * R::BYTES;
+        convert_sb<TYPE, TO_X8>(rows, x8 + (grp * nsb + s) * R::XB);
+      }
+  });
+}
+
+#ifdef EDGELLM_X8
+// ------------------------------------------------------------------------------------------------ AVX2 / VNNI
+inline __m256i bcast4(const int8_t* p) {  // 4 activation bytes in every lane
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// The stream 4 KiB ahead, a super-block at a time (the hardware prefetcher stops at each page).
+template <int64_t BYTES, int64_t DIST = 4096>
+inline void prefetch_sb(const uint8_t* o) {
+  for (int64_t b = 0; b < BYTES; b += 64) _mm_prefetch((const char*)(o + DIST + b), _MM_HINT_T0);
+}
+
+inline __m256 u8x8_ps(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+
+// acc += the int32 dot of 4 u8 codes (<= 63) and 4 int8 values, per lane
+inline __m256i dot4(__m256i acc, __m256i u, __m256i x) {
+#ifdef EDGELLM_X8_VNNI
+  return _mm256_dpbusd_epi32(acc, u, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+// Codes of the sub-block pair (2k, 2k+1), group g, of a Q4_K / Q5_K x8 super-block.
+template <int TYPE>
+inline void codes_k(const uint8_t* o, int k, int g, __m256i& lo, __m256i& hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256((const __m256i*)(o + 160 + (k * 8 + g) * 32));
+  lo = _mm256_and_si256(v, m4);
+  hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+  if (TYPE == GGUF_Q5_K) {  // bit 2k / 2k+1 of each qh byte to bit 4 (16-bit shifts; what crosses bytes is masked)
+    const __m256i h = _mm256_loadu_si256((const __m256i*)(o + 1184 + g * 32));
+    const __m256i b4 = _mm256_set1_epi8(0x10);
+    const int s0 = 4 - 2 * k, s1 = 3 - 2 * k;
+    const __m256i h0 = s0 >= 0 ? _mm256_sll_epi16(h, _mm_cvtsi32_si128(s0)) : _mm256_srl_epi16(h, _mm_cvtsi32_si128(-s0));
+    const __m256i h1 = s1 >= 0 ? _mm256_sll_epi16(h, _mm_cvtsi32_si128(s1)) : _mm256_srl_epi16(h, _mm_cvtsi32_si128(-s1));
+    lo = _mm256_or_si256(lo, _mm256_and_si256(h0, b4));
+    hi = _mm256_or_si256(hi, _mm256_and_si256(h1, b4));
+  }
+}
+
+// T activation rows m0.. against one group of 8 rows (nsb super-blocks from `w`): out[t] lane r = y[m0 + t, row r].
+template <int TYPE, int T>
+void group_k(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
+  const int64_t nsb = a.K / 256;
+  __m256 acc[T], accm[T];
+  for (int t = 0; t < T; ++t) acc[t] = accm[t] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* o = w + s * Raw<TYPE>::XB;
+    prefetch_sb<Raw<TYPE>::XB>(o);
+    __m256 sacc[T], macc[T];
+    for (int t = 0; t < T; ++t) sacc[t] = macc[t] = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+      __m256i iA[T], iB[T];
+      for (int t = 0; t < T; ++t) iA[t] = iB[t] = _mm256_setzero_si256();
+#ifdef EDGELLM_X8_VNNI
+      for (int g = 0; g < 8; ++g) {
+        __m256i lo, hi;
+        codes_k<TYPE>(o, k, g, lo, hi);
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 64 * k + 4 * g;
+          iA[t] = dot4(iA[t], lo, bcast4(xq));
+          iB[t] = dot4(iB[t], hi, bcast4(xq + 32));
+        }
+      }
+#else
+      // maddubs pair sums in int16: 4 groups of codes <= 31 stay below 4 * 2 * 31 * 127 = 31496
+      for (int g0 = 0; g0 < 8; g0 += 4) {
+        __m256i hA[T], hB[T];
+        for (int t = 0; t < T; ++t) hA[t] = hB[t] = _mm256_setzero_si256();
+        for (int g = g0; g < g0 + 4; ++g) {
+          __m256i lo, hi;
+          codes_k<TYPE>(o, k, g, lo, hi);
+          for (int t = 0; t < T; ++t) {
+            const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 64 * k + 4 * g;
+            hA[t] = _mm256_add_epi16(hA[t], _mm256_maddubs_epi16(lo, bcast4(xq)));
+            hB[t] = _mm256_add_epi16(hB[t], _mm256_maddubs_epi16(hi, bcast4(xq + 32)));
+          }
+        }
+        const __m256i ones = _mm256_set1_epi16(1);
+        for (int t = 0; t < T; ++t) {
+          iA[t] = _mm256_add_epi32(iA[t], _mm256_madd_epi16(hA[t], ones));
+          iB[t] = _mm256_add_epi32(iB[t], _mm256_madd_epi16(hB[t], ones));
+        }
+      }
+#endif
+      const __m256 scA = u8x8_ps(o + 32 + 16 * k), scB = u8x8_ps(o + 40 + 16 * k);
+      const __m256 mA = u8x8_ps(o + 96 + 16 * k), mB = u8x8_ps(o + 104 + 16 * k);
+      for (int t = 0; t < T; ++t) {
+        const int64_t b = (m0 + t) * a.nb + s * 8 + 2 * k;
+        sacc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(iA[t]), _mm256_set1_ps(a.d[b])), scA, sacc[t]);
+        sacc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(iB[t]), _mm256_set1_ps(a.d[b + 1])), scB, sacc[t]);
+        macc[t] = _mm256_fmadd_ps(mA, _mm256_set1_ps(a.s[b]), macc[t]);
+        macc[t] = _mm256_fmadd_ps(mB, _mm256_set1_ps(a.s[b + 1]), macc[t]);
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
+    const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 16)));
+    for (int t = 0; t < T; ++t) {
+      acc[t] = _mm256_fmadd_ps(sacc[t], d, acc[t]);
+      accm[t] = _mm256_fmadd_ps(macc[t], dm, accm[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t] = _mm256_sub_ps(acc[t], accm[t]);
+}
+
+template <int T>
+void group_q6k(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
+  const int64_t nsb = a.K / 256;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x30);
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* o = w + s * 1680;
+    prefetch_sb<1680>(o);
+    __m256 sacc[T];
+    for (int t = 0; t < T; ++t) sacc[t] = _mm256_setzero_ps();
+    for (int h = 0; h < 2; ++h)
+      for (int half = 0; half < 2; ++half) {  // values 16 half .. +16 of the sub-blocks 4h + j'
+        __m256i is[T][4];                     // [j']
+        for (int t = 0; t < T; ++t) is[t][0] = is[t][1] = is[t][2] = is[t][3] = _mm256_setzero_si256();
+        for (int g = 4 * half; g < 4 * half + 4; ++g) {
+          const uint8_t* p = o + 144 + (h * 8 + g) * 96;
+          const __m256i v0 = _mm256_loadu_si256((const __m256i*)p), v1 = _mm256_loadu_si256((const __m256i*)(p + 32));
+          const __m256i hq = _mm256_loadu_si256((const __m256i*)(p + 64));
+          // bits 2j', 2j'+1 of each qh byte to bits 4, 5 (16-bit shifts; what crosses bytes is masked off)
+          __m256i u[4];
+          u[0] = _mm256_or_si256(_mm256_and_si256(v0, m4), _mm256_and_si256(_mm256_slli_epi16(hq, 4), m3));
+          u[1] = _mm256_or_si256(_mm256_and_si256(v1, m4), _mm256_and_si256(_mm256_slli_epi16(hq, 2), m3));
+          u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), m4), _mm256_and_si256(hq, m3));
+          u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), m4),
+                                 _mm256_and_si256(_mm256_srli_epi16(hq, 2), m3));
+          for (int t = 0; t < T; ++t) {
+            const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 128 * h + 4 * g;
+            for (int j = 0; j < 4; ++j) is[t][j] = dot4(is[t][j], u[j], bcast4(xq + 32 * j));
+          }
+        }
+        for (int j = 0; j < 4; ++j) {
+          const int sub16 = 2 * (4 * h + j) + half;
+          const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(o + 16 + 8 * sub16)));
+          for (int t = 0; t < T; ++t) {
+            const int64_t b = (m0 + t) * a.nb + s * 8;
+            // (sum q x - 32 sum x) * sc over these 16 values (the -32 offset through the activations' sums)
+            const __m256i v = _mm256_mullo_epi32(
+                _mm256_sub_epi32(is[t][j], _mm256_set1_epi32(32 * a.sum16[2 * b + sub16])), sc);
+            sacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(a.d[b + 4 * h + j]), sacc[t]);
+          }
+        }
+      }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(sacc[t], d, acc[t]);
+  }
+  for (int t = 0; t < T; ++t) out[t] = acc[t];
+}
+
+template <int TYPE, int T>
+inline void group_rows(const GgufActs& a, int64_t m0, const uint8_t* w, float* y, int64_t ldy, const int32_t* cols,
+                       int64_t n0) {
+  __m256 out[T];
+  if (TYPE == GGUF_Q6_K) group_q6k<T>(a, m0, w, out);
+  else group_k<TYPE, T>(a, m0, w, out);
+  for (int t = 0; t < T; ++t) {
+    float* yr = y + (m0 + t) * ldy;
+    if (!cols) {
+      _mm256_storeu_ps(yr + n0, out[t]);
+    } else {
+      alignas(32) float v[8];
+      _mm256_store_ps(v, out[t]);
+      for (int r = 0; r < 8; ++r) yr[cols[n0 + r]] = v[r];
+    }
+  }
+}
+
+// Activation rows per pass over a group: the passes after the first re-read it from L1 / L2.
+constexpr int64_t X8_TILE = 4;
+
+template <int TYPE>
+void gemm_x8(const GgufActs& a, const uint8_t* x8, int64_t N, float* y, int64_t ldy, const int32_t* cols) {
+  const int64_t nsb = a.K / 256, gbytes = nsb * Raw<TYPE>::XB;
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, a.K / 8 * std::min<int64_t>(a.M, 4)));
+  parallel_run(0, N / 8, grain, [&](int64_t g0, int64_t g1) {
+    for (int64_t grp = g0; grp < g1; ++grp) {
+      const uint8_t* w = x8 + grp * gbytes;
+      int64_t m = 0;
+      for (; m + X8_TILE <= a.M; m += X8_TILE) group_rows<TYPE, X8_TILE>(a, m, w, y, ldy, cols, grp * 8);
+      switch (a.M - m) {
+        case 3: group_rows<TYPE, 3>(a, m, w, y, ldy, cols, grp * 8); break;
+        case 2: group_rows<TYPE, 2>(a, m, w, y, ldy, cols, grp * 8); break;
+        case 1: group_rows<TYPE, 1>(a, m, w, y, ldy, cols, grp * 8); break;
+        default: break;
+      }
+    }
+  });
+}
+#endif  // EDGELLM_X8
+
+}  // namespace
+
+bool gguf_x8_supported(int base_type) {
+#ifdef EDGELLM_X8
+  return base_type == GGUF_Q4_K || base_type == GGUF_Q5_K || base_type == GGUF_Q6_K;
+#else
+  (void)base_type;
+  return false;
+#endif
+}
+
+int64_t gguf_x8_bytes(int base_type) {
+  switch (base_type) {
+    case GGUF_Q4_K: return Raw<GGUF_Q4_K>::XB;
+    case GGUF_Q5_K: return Raw<GGUF_Q5_K>::XB;
+    case GGUF_Q6_K: return Raw<GGUF_Q6_K>::XB;
+    default: return 0;
+  }
+}
+
+void gguf_repack_x8(const uint8_t* raw, int base_type, int64_t N, int64_t K, uint8_t* x8) {
+  uint8_t* r = const_cast<uint8_t*>(raw);  // only read (convert<..., true> writes x8)
+  switch (base_type) {
+    case GGUF_Q4_K: convert<GGUF_Q4_K, true>(r, x8, N, K); break;
+    case GGUF_Q5_K: convert<GGUF_Q5_K, true>(r, x8, N, K); break;
+    case GGUF_Q6_K: convert<GGUF_Q6_K, true>(r, x8, N, K); break;
+    default: break;
+  }
+}
+
+void gguf_unrepack_x8(const uint8_t* x8, int base_type, int64_t N, int64_t K, uint8_t* raw) {
+  uint8_t* o = const_cast<uint8_t*>(x8);  // only read (convert<..., false> writes raw)
+  switch (base_type) {
+    case GGUF_Q4_K: convert<GGUF_Q4_K, false>(raw, o, N, K); break;
+    case GGUF_Q5_K: convert<GGUF_Q5_K, false>(raw, o, N, K); break;
+    case GGUF_Q6_K: convert<GGUF_Q6_K, false>(raw, o, N, K); break;
+    default: break;
+  }
+}
+
+void gguf_gemm_x8(const GgufActs& acts, const uint8_t* x8, int base_type, int64_t N, float* y, int64_t ldy,
+                  const int32_t* out_index) {
+#ifdef EDGELLM_X8
+  switch (base_type) {
+    case GGUF_Q4_K: gemm_x8<GGUF_Q4_K>(acts, x8, N, y, ldy, out_index); break;
+    case GGUF_Q5_K: gemm_x8<GGUF_Q5_K>(acts, x8, N, y, ldy, out_index); break;
+    case GGUF_Q6_K: gemm_x8<GGUF_Q6_K>(acts, x8, N, y, ldy, out_index); break;
+    default: break;
+  }
+#else
+  (void)acts; (void)x8; (void)base_type; (void)N; (void)y; (void)ldy; (void)out_index;
+#endif
+}
+
+}  // namespace edgellm

@@ -1,0 +1,96 @@
+"""K-quant rows repacked 8 at a time (kernels/cpu_gguf_x8.cpp) against gguf.quants.
+
+- gguf_repack / gguf_unrepack: the x8 layout holds the stored blocks bit for bit (the round trip is the identity,
+  and the repacked tensor dequantizes to gguf.quants.dequantize's floats exactly).
+- gguf_linear on x8 parts: to 1e-5 of a float64 product of gguf.quants' weights with x rounded to int8 per 32
+  values (numpy emulation, tests/test_gguf_kernels.py), with out_index, mixed with parts as stored, and each row
+  bit-identical whatever M (speculative verification).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from tests.test_cpu_kernels import ext  # noqa: F401  (the extension fixture, shared)
+from tests.test_gguf_kernels import TOL_EMULATED, TOL_EXACT, dequant_ref, emulate_int8_x, make_weights, rel_err
+
+X8 = 1000
+K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+
+
+@pytest.fixture
+def x8_ext(ext):  # noqa: F811
+    if not getattr(ext, "gguf_x8_types", lambda: [])():
+        pytest.skip("this build has no x8 kernels (they need AVX2)")
+    assert sorted(ext.gguf_x8_types()) == sorted(int(t) for t in K_QUANTS)
+    return ext
+
+
+def repacked(ext, qtype, n, k, seed):
+    raw = make_weights(qtype, n, k, seed)
+    return raw, ext.gguf_repack(torch.from_numpy(raw), int(qtype), n, k)
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+def test_repack_round_trip_and_dequantize(x8_ext, qtype):
+    n, k = 24, 768
+    raw, x8 = repacked(x8_ext, qtype, n, k, seed=int(qtype))
+    assert x8.dtype == torch.uint8 and x8.shape[0] == n
+    back = x8_ext.gguf_unrepack(x8, int(qtype), n, k).numpy()
+    np.testing.assert_array_equal(back, raw)
+    got = x8_ext.gguf_dequantize(x8.reshape(-1), int(qtype) + X8, n, k).numpy()
+    np.testing.assert_array_equal(got.view(np.uint32), dequant_ref(raw, qtype).view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("m,n,k", [(1, 64, 256), (3, 16, 512), (5, 40, 2304), (16, 8, 1024)])
+def test_linear_matches_reference(x8_ext, qtype, m, n, k):
+    raw, x8 = repacked(x8_ext, qtype, n, k, seed=int(qtype) * 100 + m + n + k)
+    w = dequant_ref(raw, qtype).astype(np.float64)
+    x = np.random.default_rng(m + n).standard_normal((m, k)).astype(np.float32)
+    y = x8_ext.gguf_linear(torch.from_numpy(x), [(x8, int(qtype) + X8, n, None)], n).numpy()
+    assert rel_err(y, emulate_int8_x(x) @ w.T) <= TOL_EMULATED
+    assert rel_err(y, x.astype(np.float64) @ w.T) <= TOL_EXACT
+
+
+def test_parts_with_out_index_and_stored_tail(x8_ext):
+    """A fused Q/K/V as the loader makes it: x8 parts routed by out_index, and a part's last N % 8 rows as stored."""
+    k = 512
+    raw_a, x8_a = repacked(x8_ext, Q.Q4_K, 16, k, seed=1)
+    raw_b = make_weights(Q.Q6_K, 13, k, seed=2)
+    x8_b = x8_ext.gguf_repack(torch.from_numpy(raw_b[:8].copy()), int(Q.Q6_K), 8, k)
+    n = 29
+    cols = torch.randperm(n, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    parts = [(x8_a, int(Q.Q4_K) + X8, 16, cols[:16].contiguous()),
+             (x8_b, int(Q.Q6_K) + X8, 8, cols[16:24].contiguous()),
+             (torch.from_numpy(raw_b[8:].copy()), int(Q.Q6_K), 5, cols[24:].contiguous())]
+    w_stored = np.concatenate([dequant_ref(raw_a, Q.Q4_K), dequant_ref(raw_b, Q.Q6_K)]).astype(np.float64)
+    w = np.empty_like(w_stored)
+    w[cols.numpy()] = w_stored
+    x = np.random.default_rng(5).standard_normal((3, k)).astype(np.float32)
+    y = x8_ext.gguf_linear(torch.from_numpy(x), parts, n).numpy()
+    assert rel_err(y, emulate_int8_x(x) @ w.T) <= TOL_EMULATED
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+def test_rows_bit_identical_whatever_m(x8_ext, qtype):
+    n, k = 40, 1536
+    _, x8 = repacked(x8_ext, qtype, n, k, seed=7)
+    x = torch.randn(17, k, generator=torch.Generator().manual_seed(int(qtype)))
+    parts = [(x8, int(qtype) + X8, n, None)]
+    singles = torch.stack([x8_ext.gguf_linear(x[i:i + 1], parts, n)[0] for i in range(17)])
+    for m in range(1, 18):
+        assert torch.equal(x8_ext.gguf_linear(x[:m], parts, n), singles[:m]), (qtype.name, m)
+
+
+def test_bad_arguments_raise(x8_ext):
+    raw = torch.from_numpy(make_weights(Q.Q4_K, 12, 256, seed=3))
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        x8_ext.gguf_repack(raw, int(Q.Q4_K), 12, 256)
+    with pytest.raises(RuntimeError, match="no x8 kernels"):
+        x8_ext.gguf_repack(raw, int(Q.Q8_0), 12, 256)
+    x8 = x8_ext.gguf_repack(raw[:8].contiguous(), int(Q.Q4_K), 8, 256)
+    with pytest.raises(RuntimeError, match="multiple of 8 rows"):
+        x8_ext.gguf_linear(torch.randn(1, 256), [(x8.reshape(-1)[:x8.numel() // 8 * 4], int(Q.Q4_K) + X8, 4, None)], 4)
