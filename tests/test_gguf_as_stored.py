@@ -153,10 +153,12 @@ def test_auto_with_the_cpu_kernels_tracks_fp(quant_files, name):
     fp = _logits(load_model(quant_files[name], weights="fp"), ids)
     auto = _logits(load_model(quant_files[name], weights="auto"), ids)
     for a, b in zip(auto, fp):
-        # int8-rounded activations (llama.cpp's numerics): close, not equal
+        # int8-rounded activations (llama.cpp's numerics), the prompt's rows included: close, not equal. This
+        # tiny random model magnifies the rounding (KL 0.015 at worst here; SmolLM2-135M Q4_K_M on GPL-3: mean
+        # 0.0013, top-1 97.6%, `edgellm perplexity --reference fp`); a wrong part or order gives KL > 0.5.
         p, q = torch.log_softmax(b.double(), -1), torch.log_softmax(a.double(), -1)
         kl = (p.exp() * (p - q)).sum(-1).max().item()
-        assert kl < 2e-3, kl
+        assert kl < 3e-2, kl
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 

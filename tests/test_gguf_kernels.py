@@ -253,6 +253,18 @@ int main(int argc, char** argv) {
     std::fwrite(w.data(), 4, w.size(), out);
     std::fwrite(y.data(), 4, y.size(), out);
     std::fwrite(y1.data(), 4, y1.size(), out);
+    // the first N / 8 * 8 rows repacked (x8) where this build multiplies that layout: n8 (as a float), y8 [M, n8]
+    const int64_t n8 = edgellm::gguf_x8_supported(type) ? N / 8 * 8 : 0;
+    std::vector<uint8_t> x8(n8 ? n8 * edgellm::gguf_row_bytes(type + edgellm::GGUF_X8, K) : 0);
+    std::vector<float> y8(M * n8);
+    if (n8) {
+      edgellm::gguf_repack_x8(raw.data(), type, n8, K, x8.data());
+      const edgellm::GgufActs a8 = edgellm::gguf_quantize_acts(x.data(), M, K);  // (a was overwritten above)
+      edgellm::gguf_gemm(a8, x8.data(), type + edgellm::GGUF_X8, n8, K, y8.data(), n8, nullptr);
+    }
+    const float n8f = (float)n8;
+    std::fwrite(&n8f, 4, 1, out);
+    std::fwrite(y8.data(), 4, y8.size(), out);
   }
   std::fclose(out);
   std::printf("done\n");
@@ -302,7 +314,9 @@ def run_isa(folder, jobs, name: str) -> dict:
         w, pos = data[pos:pos + n * k].reshape(n, k), pos + n * k
         y, pos = data[pos:pos + m * n].reshape(m, n), pos + m * n
         y1, pos = data[pos:pos + m * n].reshape(m, n), pos + m * n
-        got[key] = (raw, x, w, y, y1)
+        n8, pos = int(data[pos]), pos + 1
+        y8, pos = data[pos:pos + m * n8].reshape(m, n8), pos + m * n8
+        got[key] = (raw, x, w, y, y1, y8)
     assert pos == data.size
     return got
 
@@ -313,12 +327,17 @@ def test_isa_builds_match_reference(isa_builds, isa):
     folder, jobs = isa_builds
     if isa not in jobs:
         pytest.skip(f"no {isa} build here (needs the CPU, or aarch64-linux-gnu-g++ and qemu-aarch64 for NEON)")
-    for (t, m, n, k), (raw, x, w, y, y1) in run_isa(folder, jobs, isa).items():
+    for (t, m, n, k), (raw, x, w, y, y1, y8) in run_isa(folder, jobs, isa).items():
         want = dequant_ref(raw, t)
         np.testing.assert_array_equal(w.view(np.uint32), want.view(np.uint32), err_msg=f"{isa} {t.name}")
-        e_q = rel_err(y, emulate_int8_x(x) @ want.astype(np.float64).T)
+        ref = emulate_int8_x(x) @ want.astype(np.float64).T
+        e_q = rel_err(y, ref)
         assert e_q <= TOL_EMULATED, (isa, t.name, m, n, k, e_q)
         assert np.array_equal(y.view(np.uint32), y1.view(np.uint32)), (isa, t.name, m, "rows differ from M = 1")
+        # the x8 layout: in the AVX2 / VNNI builds for the K-quants (cpu_gguf_x8.cpp), nowhere else
+        assert y8.shape[1] == (n // 8 * 8 if isa in ("avx2", "avx512vnni") and t in K_QUANTS else 0), (isa, t.name)
+        if y8.shape[1]:
+            assert rel_err(y8, ref[:, :y8.shape[1]]) <= TOL_EMULATED, (isa, t.name, m, n, k, "x8")
 
 
 @pytest.mark.slow
@@ -329,6 +348,7 @@ def test_vnni_build_bit_identical_to_avx2(isa_builds):
     a, v = run_isa(folder, jobs, "avx2"), run_isa(folder, jobs, "avx512vnni")
     for key in a:
         assert np.array_equal(a[key][3].view(np.uint32), v[key][3].view(np.uint32)), key
+        assert np.array_equal(a[key][5].view(np.uint32), v[key][5].view(np.uint32)), (key, "x8")
 
 
 # ------------------------------------------------------------------------------------------------ fused step
@@ -455,3 +475,4 @@ def test_kernel_row_thresholds():
     for name, rows in GGUF_KERNEL_MAX_ROWS.items():
         assert use_kernel(GGUF_NATIVE_TYPES[name], rows) and not use_kernel(GGUF_NATIVE_TYPES[name], rows + 1)
     assert use_kernel(int(Q.Q4_0), 16) and not use_kernel(int(Q.Q4_0), 17)
+    assert all(use_kernel(int(t) + 1000, 4096) for t in K_QUANTS)  # the x8 layout: the kernel at every M
