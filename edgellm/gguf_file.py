@@ -62,6 +62,20 @@ GGUF_TYPES = {t.id: t for t in (
 )}
 
 
+# Every GGML type a file may hold: (name, values per block, bytes per block), as gguf.constants' GGML_QUANT_SIZES
+# (tests/test_fuzz_files.py checks the two equal), so reading a header needs no gguf-py import (~0.17 s).
+GGML_BLOCKS = {
+    0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24), 8: ("Q8_0", 32, 34), 9: ("Q8_1", 32, 40), 10: ("Q2_K", 256, 84), 11: ("Q3_K", 256, 110),
+    12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176), 14: ("Q6_K", 256, 210), 15: ("Q8_K", 256, 292),
+    16: ("IQ2_XXS", 256, 66), 17: ("IQ2_XS", 256, 74), 18: ("IQ3_XXS", 256, 98), 19: ("IQ1_S", 256, 50),
+    20: ("IQ4_NL", 32, 18), 21: ("IQ3_S", 256, 110), 22: ("IQ2_S", 256, 82), 23: ("IQ4_XS", 256, 136),
+    24: ("I8", 1, 1), 25: ("I16", 1, 2), 26: ("I32", 1, 4), 27: ("I64", 1, 8), 28: ("F64", 1, 8),
+    29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
+    39: ("MXFP4", 32, 17), 40: ("NVFP4", 64, 36), 41: ("Q1_0", 128, 18),
+}
+
+
 def gguf_type(type_id: int) -> GGUFType:
     return GGUF_TYPES[int(type_id)]
 
@@ -143,15 +157,26 @@ class _Reader:
             raise self.fail(f"{what} is not valid UTF-8 (byte {start + e.start})") from None
 
     def strings(self, count: int, what: str) -> list[str]:
-        # Vocabularies are arrays of 50k-300k strings: one tight loop, each length bounded before it is read.
-        buf, out = self.buf, []
+        # Vocabularies are arrays of 50k-300k strings: one tight loop, each length bounded before it is read; the
+        # messages are built only on the way out (formatting two per item was most of a 1B model's header time).
+        buf, pos, size, out = self.buf, self.pos, self.size, []
+        unpack, append = struct.Struct("<Q").unpack_from, out.append
         for i in range(count):
-            n = struct.unpack_from("<Q", buf, self.take(8, f"the length of {what}[{i}]"))[0]
-            start = self.take(n, f"{what}[{i}]")
+            if pos + 8 > size:
+                self.pos = pos
+                self.take(8, f"the length of {what}[{i}]")
+            n = unpack(buf, pos)[0]
+            pos += 8
+            if n > size - pos:
+                self.pos = pos
+                self.take(n, f"{what}[{i}]")
             try:
-                out.append(buf[start:start + n].decode("utf-8"))
+                append(str(buf[pos:pos + n], "utf-8"))
             except UnicodeDecodeError:
+                self.pos = pos
                 raise self.fail(f"{what}[{i}] is not valid UTF-8") from None
+            pos += n
+        self.pos = pos
         return out
 
     def value(self, key: str) -> tuple[Any, int, int | None]:
@@ -244,23 +269,18 @@ class GGUFFile:
         _check_metadata(path, self.fields, self.field_types)
 
     def _tensors(self, infos: list, data_start: int, alignment: int) -> dict[str, GGUFTensorInfo]:
-        from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
         path, size = self.path, self.size
         tensors: dict[str, GGUFTensorInfo] = {}
         for name, dims, ggml_type, offset in infos:
             if name in tensors:
                 raise file_error(path, f"duplicate tensor {name}")
-            try:
-                qtype = GGMLQuantizationType(ggml_type)
-                block, type_size = GGML_QUANT_SIZES[qtype]
-            except (ValueError, KeyError):
-                raise file_error(path, f"tensor {name} has unknown GGML type {ggml_type}",
-                                 UnsupportedModelError) from None
+            if ggml_type not in GGML_BLOCKS:
+                raise file_error(path, f"tensor {name} has unknown GGML type {ggml_type}", UnsupportedModelError)
+            type_name, block, type_size = GGML_BLOCKS[ggml_type]
             if any(d == 0 or d >= 1 << 62 for d in dims):
                 raise file_error(path, f"tensor {name} has impossible dimensions {dims}")
             if dims[0] % block:
-                raise file_error(path, f"tensor {name} of type {qtype.name} has a row of {dims[0]} values, "
+                raise file_error(path, f"tensor {name} of type {type_name} has a row of {dims[0]} values, "
                                        f"not a multiple of its block of {block}")
             n_bytes = math.prod(dims) // block * type_size
             if offset % alignment:
@@ -269,7 +289,7 @@ class GGUFFile:
             if start + n_bytes > size:
                 raise file_error(path, f"tensor {name} ({n_bytes} bytes at {start}) ends past the end of the "
                                        f"file ({size} bytes): truncated, or an offset or shape that lies")
-            tensors[name] = GGUFTensorInfo(name, ggml_type, qtype.name, tuple(dims), start, n_bytes)
+            tensors[name] = GGUFTensorInfo(name, ggml_type, type_name, tuple(dims), start, n_bytes)
         self.layout = FileLayout(path, {t.name: TensorInfo(t.shape, t.type_name, path, t.offset, t.offset + t.n_bytes)
                                         for t in tensors.values()})
         no_overlaps(self.layout)

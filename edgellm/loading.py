@@ -156,22 +156,20 @@ class GGUFSource(TensorSource):
         return list(self.tensors)
 
     def raw(self, name: str):
-        """(raw numpy data — a read-only view of the mapped file —, GGMLQuantizationType, (rows, cols))."""
-        import gguf
-
+        """(raw numpy data — a read-only view of the mapped file —, GGML type id, (rows, cols))."""
         t = self.tensors[name]
-        return self.file.data(name), gguf.GGMLQuantizationType(t.type_id), tuple(t.shape)
+        return self.file.data(name), int(t.type_id), tuple(t.shape)
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor as a float (or int) torch tensor of our shape: a private copy, dequantized if quantized."""
-        import gguf
-
         t = self.tensors[name]
         data = self.file.data(name)
         if t.type_name == "BF16":
             return torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).reshape(t.shape)
         if t.type_name in FLOAT_VIEWS:
             return torch.from_numpy(np.array(data)).reshape(t.shape)  # a private copy: the mmap is read-only
+        import gguf  # (~0.17 s: only for the types edgellm dequantizes at load)
+
         try:
             arr = gguf.quants.dequantize(data, gguf.GGMLQuantizationType(t.type_id))
         except NotImplementedError as e:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import ModelFormatError, QuantizationError
-from ..gguf_file import unpermute_rope_rows
+from ..gguf_file import GGML_BLOCKS, unpermute_rope_rows
 from .groups import GGUF_EXACT, QuantizedTensor, from_gguf, quantize
 from .linear import QuantEmbedding, QuantLinear
 
@@ -83,7 +83,7 @@ def try_exact_gguf(parts: list[tuple[Any, Any, tuple[int, int]]], fmt: tuple[int
                    permute: list[int | None]) -> QuantizedTensor | None:
     """Map raw GGUF blocks onto our format when every part has one exactly-mappable type of at most
     the bit width asked for (the group of GGUF blocks is 32 whatever was asked)."""
-    names = {p[1].name for p in parts}
+    names = {GGML_BLOCKS.get(int(p[1]), ("?",))[0] for p in parts}
     if len(names) != 1 or next(iter(names)) not in GGUF_EXACT:
         return None
     bits, sym = GGUF_EXACT[next(iter(names))]

@@ -312,15 +312,14 @@ GGUF_EXACT = {name: (bits, sym) for name, (bits, sym, _, _) in GGUF_BLOCKS.items
 
 
 def _gguf_type_name(ggml_type: Any) -> str:
-    import gguf
+    from ..gguf_file import GGML_BLOCKS
 
     if isinstance(ggml_type, str):
         name = ggml_type
     else:
-        try:
-            name = gguf.GGMLQuantizationType(int(ggml_type)).name
-        except ValueError:
-            raise QuantizationError(f"unknown GGML type {ggml_type!r}") from None
+        if int(ggml_type) not in GGML_BLOCKS:
+            raise QuantizationError(f"unknown GGML type {ggml_type!r}")
+        name = GGML_BLOCKS[int(ggml_type)][0]
     if name not in GGUF_BLOCKS:
         raise QuantizationError(f"GGML type {name} does not map onto edgellm's packed format "
                                 f"(only {', '.join(GGUF_BLOCKS)}); dequantize and requantize it")

@@ -190,7 +190,7 @@ def test_gguf_tables_and_row_layout():
     import numpy as np
     import torch
 
-    from edgellm.gguf_file import GGUF_TYPES, permute_rope_rows, unpermute_rope_rows
+    from edgellm.gguf_file import GGML_BLOCKS, GGUF_TYPES, permute_rope_rows, unpermute_rope_rows
     from edgellm.kernels.gguf_ops import GGUF_NATIVE_TYPES
     from tests.fixtures.tiny import llamacpp_permute
 
@@ -198,6 +198,10 @@ def test_gguf_tables_and_row_layout():
         qtype = gguf.GGMLQuantizationType(type_id)
         assert (t.name, (t.block_values, t.block_bytes)) == (qtype.name, gguf.GGML_QUANT_SIZES[qtype])
     assert {t.name: t.id for t in GGUF_TYPES.values()} == GGUF_NATIVE_TYPES
+    # the reader's table of every type (no gguf-py import when reading a header): gguf-py's sizes
+    known = {int(q): (q.name, *gguf.GGML_QUANT_SIZES[q]) for q in gguf.GGMLQuantizationType}
+    assert GGML_BLOCKS.items() <= known.items(), set(GGML_BLOCKS.items()) - set(known.items())
+    assert len(GGML_BLOCKS) >= 34
     w = np.arange(4 * 8 * 3, dtype=np.float32).reshape(4 * 8, 3)
     np.testing.assert_array_equal(permute_rope_rows(w, 4), llamacpp_permute(w, 4))
     wt = torch.from_numpy(w)
