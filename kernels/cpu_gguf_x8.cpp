@@ -24,9 +24,11 @@
 #include "cpu_gguf.h"
 #include "half.h"
 
+#if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__)
+#include <immintrin.h>
+#endif
 #if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || (defined(__FMA__) && defined(__F16C__)))
 #define EDGELLM_X8 1
-#include <immintrin.h>
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define EDGELLM_X8_VNNI 1
 #endif
@@ -63,20 +65,47 @@ inline void kquant_pack6(const uint8_t* sc, const uint8_t* mn, uint8_t s[12]) {
   }
 }
 
-// Copy 4-byte groups between the raw rows and the x8 layout: raw row r's bytes [raw + 4g, +4) <-> x8 [x8 + g * stride,
-// +4) (the caller adds 4 r), for g < n / 4.
+// 8 rows x 32 bytes <-> 8 groups x 32 bytes: raw row r's bytes [raw[r] + off + 4g, +4) <-> x8 [x8 + g * stride +
+// 4r, +4).  Either way it is an 8 x 8 transpose of dwords.
+inline void transpose8(const uint8_t* const in[8], uint8_t* const out[8]) {
+#if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__)
+  __m256i v[8];
+  for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_si256((const __m256i*)in[i]);
+  const __m256i a0 = _mm256_unpacklo_epi32(v[0], v[1]), a1 = _mm256_unpackhi_epi32(v[0], v[1]);
+  const __m256i a2 = _mm256_unpacklo_epi32(v[2], v[3]), a3 = _mm256_unpackhi_epi32(v[2], v[3]);
+  const __m256i a4 = _mm256_unpacklo_epi32(v[4], v[5]), a5 = _mm256_unpackhi_epi32(v[4], v[5]);
+  const __m256i a6 = _mm256_unpacklo_epi32(v[6], v[7]), a7 = _mm256_unpackhi_epi32(v[6], v[7]);
+  const __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
+  const __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
+  const __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
+  const __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
+  const __m256i w[8] = {_mm256_permute2x128_si256(b0, b4, 0x20), _mm256_permute2x128_si256(b1, b5, 0x20),
+                        _mm256_permute2x128_si256(b2, b6, 0x20), _mm256_permute2x128_si256(b3, b7, 0x20),
+                        _mm256_permute2x128_si256(b0, b4, 0x31), _mm256_permute2x128_si256(b1, b5, 0x31),
+                        _mm256_permute2x128_si256(b2, b6, 0x31), _mm256_permute2x128_si256(b3, b7, 0x31)};
+  for (int i = 0; i < 8; ++i) _mm256_storeu_si256((__m256i*)out[i], w[i]);
+#else
+  for (int i = 0; i < 8; ++i)
+    for (int j = 0; j < 8; ++j) std::memcpy(out[j] + 4 * i, in[i] + 4 * j, 4);
+#endif
+}
+
 template <bool TO_X8>
-inline void groups(uint8_t* x8, uint8_t* raw, int64_t n, int64_t stride = 32) {
-  for (int64_t g = 0; g < n / 4; ++g) {
-    if (TO_X8) std::memcpy(x8 + g * stride, raw + 4 * g, 4);
-    else std::memcpy(raw + 4 * g, x8 + g * stride, 4);
+inline void groups8(uint8_t* x8, uint8_t* const raw[8], int64_t off, int64_t stride = 32) {
+  uint8_t* rows[8];
+  uint8_t* grp[8];
+  for (int i = 0; i < 8; ++i) {
+    rows[i] = raw[i] + off;
+    grp[i] = x8 + i * stride;
   }
+  if (TO_X8) transpose8(rows, grp);
+  else transpose8(grp, rows);
 }
 
 // One super-block of 8 rows, either way (TO_X8: raw -> x8).  raw[r] = row r's super-block.
 template <int TYPE, bool TO_X8>
 void convert_sb(uint8_t* const raw[8], uint8_t* o) {
-  for (int r = 0; r < 8; ++r) {
+  for (int r = 0; r < 8; ++r) {  // the fp16 d's and the scales, a row at a time
     uint8_t* b = raw[r];
     if (TYPE == GGUF_Q6_K) {
       if (TO_X8) std::memcpy(o + 2 * r, b + 208, 2);
@@ -85,14 +114,7 @@ void convert_sb(uint8_t* const raw[8], uint8_t* o) {
         if (TO_X8) o[16 + t * 8 + r] = b[192 + t];
         else b[192 + t] = o[16 + t * 8 + r];
       }
-      for (int h = 0; h < 2; ++h) {  // [h][g]: ql (q = 0), ql (q = 1), qh, 32 bytes each
-        for (int q = 0; q < 2; ++q) groups<TO_X8>(o + 144 + h * 768 + 32 * q + 4 * r, b + 64 * h + 32 * q, 32, 96);
-        groups<TO_X8>(o + 144 + h * 768 + 64 + 4 * r, b + 128 + 32 * h, 32, 96);
-      }
-      continue;
-    }
-    constexpr int64_t QS = Raw<TYPE>::QS;
-    if (TO_X8) {
+    } else if (TO_X8) {
       std::memcpy(o + 2 * r, b, 2);
       std::memcpy(o + 16 + 2 * r, b + 2, 2);
       uint8_t sm[16];
@@ -111,9 +133,16 @@ void convert_sb(uint8_t* const raw[8], uint8_t* o) {
       }
       kquant_pack6(sc, mn, b + 4);
     }
-    for (int k = 0; k < 4; ++k) groups<TO_X8>(o + 160 + k * 256 + 4 * r, b + QS + 32 * k, 32);
-    if (TYPE == GGUF_Q5_K) groups<TO_X8>(o + 1184 + 4 * r, b + 16, 32);
   }
+  if (TYPE == GGUF_Q6_K) {
+    for (int h = 0; h < 2; ++h) {  // [h][g]: ql (q = 0), ql (q = 1), qh, 32 bytes each
+      for (int q = 0; q < 2; ++q) groups8<TO_X8>(o + 144 + h * 768 + 32 * q, raw, 64 * h + 32 * q, 96);
+      groups8<TO_X8>(o + 144 + h * 768 + 64, raw, 128 + 32 * h, 96);
+    }
+    return;
+  }
+  for (int k = 0; k < 4; ++k) groups8<TO_X8>(o + 160 + k * 256, raw, Raw<TYPE>::QS + 32 * k);
+  if (TYPE == GGUF_Q5_K) groups8<TO_X8>(o + 1184, raw, 16);
 }
 
 template <int TYPE, bool TO_X8>
