@@ -2,8 +2,10 @@
 
 `ext.gguf_linear(x, parts, n_total)` multiplies GGUF blocks in place (x rounded to int8 per 32 values, once for all
 parts); `ext.gguf_dequantize(raw, type, n, k, out)` gives gguf.quants' fp32 rows bit for bit. For a prompt chunk
-of M rows the int-dot kernel re-decodes each weight row for every 4 activation rows, while dequantize + an fp32
-GEMM pays the decoding once and then runs at GEMM speed: past some M the second wins.
+of M rows the int-dot row kernel re-decodes each weight row for every 4 activation rows; `ext.gguf_linear_prompt`
+(the same product as an int8 panel GEMM, cpu_gguf.cpp "prompt GEMM") decodes each weight once per call and runs
+~2.5-3x an fp32 GEMM's rate where it is vectorized (`ext.gguf_prompt_gemm_fast()`: AVX2, AVX-512 VNNI). Elsewhere
+(the portable and NEON builds) dequantize + an fp32 GEMM takes the long prompts, past the row counts below.
 """
 from __future__ import annotations
 
@@ -18,7 +20,25 @@ GGUF_KERNEL_MAX_ROWS = {"Q4_K": 64, "Q5_K": 32, "Q6_K": 32}
 _DEFAULT_MAX_ROWS = 16  # the decode / verification passes (<= 16 rows) take the kernel in any case
 
 
+# Where the prompt GEMM is vectorized it takes every product of more than this many rows: it beat the row kernel
+# from M = 8 up and dequantize + F.linear at every M measured (8 .. 512; benchmarks/results/gguf-prefill-gemm.json),
+# but decode and speculative verification (<= 16 rows) stay on the row kernel, whose rows are bit-identical
+# whatever M is. PROMPT_GEMM = False restores the dequantize + GEMM path (for A/B runs).
+PROMPT_GEMM_MIN_ROWS = 17
+PROMPT_GEMM = True
+
+
+def method(qtypes: list[int], rows: int, prompt_gemm_fast: bool) -> str:
+    """How to multiply `rows` activation rows by a linear whose parts have GGML types `qtypes` on the CPU with the
+    extension: "rows" (the row kernel, gguf_linear), "prompt" (the panel GEMM, gguf_linear_prompt) or
+    "dequantize" (dequantize + float GEMM)."""
+    if PROMPT_GEMM and prompt_gemm_fast:
+        return "rows" if rows < PROMPT_GEMM_MIN_ROWS else "prompt"
+    return "rows" if all(use_kernel(t, rows) for t in qtypes) else "dequantize"
+
+
 def use_kernel(qtype: int, rows: int) -> bool:
-    """True where the int-dot kernel is the faster way to multiply `rows` activation rows by a `qtype` tensor."""
+    """(Builds without a vectorized prompt GEMM) True where the int-dot row kernel is the faster way to multiply
+    `rows` activation rows by a `qtype` tensor."""
     names = {v: k for k, v in GGUF_NATIVE_TYPES.items()}
     return rows <= GGUF_KERNEL_MAX_ROWS.get(names.get(qtype, ""), _DEFAULT_MAX_ROWS)
