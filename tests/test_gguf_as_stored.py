@@ -129,10 +129,13 @@ def test_auto_with_the_cpu_kernels_tracks_fp(quant_files, name):
     fp = _logits(load_model(quant_files[name], weights="fp"), ids)
     auto = _logits(load_model(quant_files[name], weights="auto"), ids)
     for a, b in zip(auto, fp):
-        # int8-rounded activations (llama.cpp's numerics): close, not equal
+        # int8-rounded activations (llama.cpp's numerics): close, not equal.  Every product of this prefill now
+        # rounds x to int8 per 32 values (the prompt GEMM; before it, the Q6_K parts of a 36-row prefill took
+        # dequantize + an fp32 GEMM): a 16-token prompt on the unchanged row kernel gives max KL 0.015 (kmix),
+        # 0.006 (legacy), 0.007 (qwen2) on these random tiny models, hence the bound.
         p, q = torch.log_softmax(b.double(), -1), torch.log_softmax(a.double(), -1)
         kl = (p.exp() * (p - q)).sum(-1).max().item()
-        assert kl < 2e-3, kl
+        assert kl < 3e-2, kl
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
 
 
