@@ -756,6 +756,13 @@ constexpr int P_NR = 16, P_MR = 8;
 constexpr int P_NR = 8, P_MR = 4;
 #endif
 
+#if defined(__GNUC__) && !defined(__clang__)
+#define PROMPT_UNROLL _Pragma("GCC unroll 16")  // else GCC may turn a zeroing loop of vector accumulators into a
+                                                // memset, and then keep the accumulators in memory
+#else
+#define PROMPT_UNROLL
+#endif
+
 // Whether this build runs TYPE through the prompt GEMM (otherwise the row kernel serves the call).
 template <int TYPE>
 constexpr bool prompt_native() {
@@ -984,7 +991,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
   const float* sx = A.s + (mb * A.nb + k0 / 32) * MR;
   const int32_t* off = OFF ? A.off + (mb * A.nsub + k0 / 32 * (TYPE == GGUF_Q6_K ? 2 : 1)) * MR : nullptr;
   __m512 acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+  PROMPT_UNROLL for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();  // unrolled: kept in registers, not a memset
   const int64_t nsb = kc / 32;
   for (int64_t sb = 0; sb < nsb; ++sb) {
     if (TYPE == GGUF_Q6_K) {
@@ -1023,7 +1030,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
       }
     }
   }
-  for (int i = 0; i < MR; ++i) _mm512_store_ps(out + i * 16, acc[i]);
+  PROMPT_UNROLL for (int i = 0; i < MR; ++i) _mm512_store_ps(out + i * 16, acc[i]);
 }
 #elif defined(EDGELLM_G_AVX2)
 inline __m256i prompt_dot4(__m256i w, int32_t x4) {  // int32 lanes: 4 products each (codes <= 63: no saturation)
@@ -1040,7 +1047,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
   const float* sx = A.s + (mb * A.nb + k0 / 32) * MR;
   const int32_t* off = OFF ? A.off + (mb * A.nsub + k0 / 32 * (TYPE == GGUF_Q6_K ? 2 : 1)) * MR : nullptr;
   __m256 acc[MR];
-  for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  PROMPT_UNROLL for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t nsb = kc / 32;
   for (int64_t sb = 0; sb < nsb; ++sb) {
     if (TYPE == GGUF_Q6_K) {
@@ -1084,7 +1091,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
       }
     }
   }
-  for (int i = 0; i < MR; ++i) _mm256_store_ps(out + i * 8, acc[i]);
+  PROMPT_UNROLL for (int i = 0; i < MR; ++i) _mm256_store_ps(out + i * 8, acc[i]);
 }
 #else
 template <int TYPE>
