@@ -1033,10 +1033,6 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
   PROMPT_UNROLL for (int i = 0; i < MR; ++i) _mm512_store_ps(out + i * 16, acc[i]);
 }
 #elif defined(EDGELLM_G_AVX2)
-inline __m256i prompt_dot4(__m256i w, int32_t x4) {  // int32 lanes: 4 products each (codes <= 63: no saturation)
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(x4)), _mm256_set1_epi16(1));
-}
-
 template <int TYPE>
 void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, int64_t kc, float* out) {
   using F = Fmt<TYPE>;
@@ -1055,12 +1051,17 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
       for (int h = 0; h < 2; ++h) {
         __m256i ia[MR];
         for (int i = 0; i < MR; ++i) ia[i] = _mm256_set1_epi32(off[(2 * sb + h) * MR + i]);
-        for (int g = 0; g < 4; ++g) {
-          const __m256i w = _mm256_load_si256((const __m256i*)wc);
-          const uint8_t* x4 = reinterpret_cast<const uint8_t*>(xq);
-          for (int i = 0; i < MR; ++i) ia[i] = _mm256_add_epi32(ia[i], prompt_dot4(w, ld32(x4 + 4 * i)));
-          wc += 32;
-          xq += 4 * MR;
+        for (int g = 0; g < 4; g += 2) {  // two groups' pair sums added in int16 (4 products, |.| <= 4 * 63 * 127)
+          const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
+          const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
+          const uint8_t* x1 = x0 + 4 * MR;
+          for (int i = 0; i < MR; ++i) {
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
+                                               _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x1 + 4 * i))));
+            ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+          }
+          wc += 64;
+          xq += 8 * MR;
         }
         const __m256 sc = _mm256_load_ps(P.ws + (2 * sb + h) * 8);
         for (int i = 0; i < MR; ++i)
@@ -1070,17 +1071,20 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
     } else {
       __m256i ia[MR];
       for (int i = 0; i < MR; ++i) ia[i] = OFF ? _mm256_set1_epi32(off[sb * MR + i]) : _mm256_setzero_si256();
-      for (int g = 0; g < 8; g += 2) {  // two groups' pair sums added in int16 (4 products, |.| <= 4 * 63 * 127)
+      for (int g = 0; g < 8; g += 4) {  // four groups' pair sums added in int16 (8 products of codes <= 31,
+                                         // |.| <= 8 * 31 * 127 = 31496)
         const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
+        const __m256i w2 = _mm256_load_si256((const __m256i*)(wc + 64)), w3 = _mm256_load_si256((const __m256i*)(wc + 96));
         const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
-        const uint8_t* x1 = x0 + 4 * MR;
         for (int i = 0; i < MR; ++i) {
-          const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
-                                             _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x1 + 4 * i))));
-          ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+          const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
+                                               _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x0 + 4 * (MR + i)))));
+          const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, _mm256_set1_epi32(ld32(x0 + 4 * (2 * MR + i)))),
+                                               _mm256_maddubs_epi16(w3, _mm256_set1_epi32(ld32(x0 + 4 * (3 * MR + i)))));
+          ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_add_epi16(p01, p23), _mm256_set1_epi16(1)));
         }
-        wc += 64;
-        xq += 8 * MR;
+        wc += 128;
+        xq += 16 * MR;
       }
       const __m256 sc = _mm256_load_ps(P.ws + sb * 8);
       for (int i = 0; i < MR; ++i)
