@@ -38,6 +38,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--a", default="Q4_K=64,Q5_K=32,Q6_K=32", help="setting A's table, TYPE=ROWS comma list")
     ap.add_argument("--compare", choices=["table", "gemm"], default="table")
+    ap.add_argument("--isa", choices=["avx2", "scalar"], default=None, help="another kernel build than the best")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -49,6 +50,14 @@ def main() -> None:
     cli = build_parser().parse_args(["run", "x", "-m", args.model, "--ctx", str(args.tokens + 64), "--threads",
                                      str(args.threads)])
     loaded = load_from_args(cli)
+    from edgellm.kernels import matmul
+    if args.isa:
+        from edgellm.kernels.cpu_ext import ExtensionSettings
+        matmul.configure_cpu_extension(ExtensionSettings(isa=args.isa))
+    ext = matmul.cpu_extension()
+    isa = ext.isa() if ext is not None else None
+    if args.isa and isa != args.isa:
+        raise SystemExit(f"asked for the {args.isa} build, got {isa}")
     engine = engine_from_args(cli, loaded)
     text = open(TEXT).read()
     while len(loaded.tokenizer.encode(text)) < args.tokens:
@@ -92,8 +101,8 @@ def main() -> None:
         doc = {"command": " ".join(["python", "benchmarks/gguf_prefill_ab.py", *sys.argv[1:]]),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-               "load_average": os.getloadavg(), "model": args.model, "tokens": args.tokens, "threads": args.threads,
-               "compare": args.compare,
+               "load_average": os.getloadavg(), "model": args.model, "kernel_isa": isa, "tokens": args.tokens,
+               "threads": args.threads, "compare": args.compare,
                "A": {"max_rows": table_a, "prompt_gemm": False, **res["A"]},
                "B": {"max_rows": table_b, "prompt_gemm": gemm, **res["B"]}}
         tmp = Path(args.json).with_suffix(".tmp")
