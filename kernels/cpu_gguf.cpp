@@ -986,9 +986,10 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
 }
 #endif
 
-// out[MR][NR] = the panel's rows against activation rows [mb MR, mb MR + MR) over [k0, k0 + kc).
+// out[RT][NR] = the panel's rows against activation rows [mb MR, mb MR + RT) over [k0, k0 + kc) (RT <= MR: the
+// last block of rows runs only as many as it needs, of 2 / 4 / 8; the layout's stride stays MR).
 #if defined(EDGELLM_P_ZMM)
-template <int TYPE>
+template <int TYPE, int RT>
 void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, int64_t kc, float* out) {
   using F = Fmt<TYPE>;
   constexpr int MR = P_MR, OFF = prompt_off<TYPE>();
@@ -998,49 +999,49 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
   const float* sx = A.s + (mb * A.nb + k0 / 32) * MR;
   const int32_t* off = OFF ? A.off + (mb * A.nsub + k0 / 32 * (TYPE == GGUF_Q6_K ? 2 : 1)) * MR : nullptr;
   __m512 acc[MR];
-  PROMPT_UNROLL for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();  // unrolled: kept in registers, not a memset
+  PROMPT_UNROLL for (int i = 0; i < RT; ++i) acc[i] = _mm512_setzero_ps();  // unrolled: kept in registers, not a memset
   const int64_t nsb = kc / 32;
   for (int64_t sb = 0; sb < nsb; ++sb) {
     if (TYPE == GGUF_Q6_K) {
       __m512 t[MR];
       for (int h = 0; h < 2; ++h) {
         __m512i ia[MR];
-        for (int i = 0; i < MR; ++i) ia[i] = _mm512_set1_epi32(off[(2 * sb + h) * MR + i]);
+        for (int i = 0; i < RT; ++i) ia[i] = _mm512_set1_epi32(off[(2 * sb + h) * MR + i]);
         for (int g = 0; g < 4; ++g) {
           const __m512i w = _mm512_load_si512((const void*)wc);
           const uint8_t* x4 = reinterpret_cast<const uint8_t*>(xq);
-          for (int i = 0; i < MR; ++i) ia[i] = _mm512_dpbusd_epi32(ia[i], w, _mm512_set1_epi32(ld32(x4 + 4 * i)));
+          for (int i = 0; i < RT; ++i) ia[i] = _mm512_dpbusd_epi32(ia[i], w, _mm512_set1_epi32(ld32(x4 + 4 * i)));
           wc += 64;
           xq += 4 * MR;
         }
         const __m512 sc = _mm512_load_ps(P.ws + (2 * sb + h) * 16);
-        for (int i = 0; i < MR; ++i)
+        for (int i = 0; i < RT; ++i)
           t[i] = h == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(ia[i]), sc) : _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i]), sc, t[i]);
       }
-      for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(t[i], _mm512_set1_ps(dx[sb * MR + i]), acc[i]);
+      for (int i = 0; i < RT; ++i) acc[i] = _mm512_fmadd_ps(t[i], _mm512_set1_ps(dx[sb * MR + i]), acc[i]);
     } else {
       __m512i ia[MR];
-      for (int i = 0; i < MR; ++i) ia[i] = OFF ? _mm512_set1_epi32(off[sb * MR + i]) : _mm512_setzero_si512();
+      for (int i = 0; i < RT; ++i) ia[i] = OFF ? _mm512_set1_epi32(off[sb * MR + i]) : _mm512_setzero_si512();
       for (int g = 0; g < 8; ++g) {
         const __m512i w = _mm512_load_si512((const void*)wc);
         const uint8_t* x4 = reinterpret_cast<const uint8_t*>(xq);
-        for (int i = 0; i < MR; ++i) ia[i] = _mm512_dpbusd_epi32(ia[i], w, _mm512_set1_epi32(ld32(x4 + 4 * i)));
+        for (int i = 0; i < RT; ++i) ia[i] = _mm512_dpbusd_epi32(ia[i], w, _mm512_set1_epi32(ld32(x4 + 4 * i)));
         wc += 64;
         xq += 4 * MR;
       }
       const __m512 sc = _mm512_load_ps(P.ws + sb * 16);
-      for (int i = 0; i < MR; ++i)
+      for (int i = 0; i < RT; ++i)
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i]), _mm512_mul_ps(sc, _mm512_set1_ps(dx[sb * MR + i])), acc[i]);
       if (F::MIN) {
         const __m512 mn = _mm512_load_ps(P.wm + sb * 16);
-        for (int i = 0; i < MR; ++i) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[sb * MR + i]), acc[i]);
+        for (int i = 0; i < RT; ++i) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[sb * MR + i]), acc[i]);
       }
     }
   }
-  PROMPT_UNROLL for (int i = 0; i < MR; ++i) _mm512_store_ps(out + i * 16, acc[i]);
+  PROMPT_UNROLL for (int i = 0; i < RT; ++i) _mm512_store_ps(out + i * 16, acc[i]);
 }
 #elif defined(EDGELLM_G_AVX2)
-template <int TYPE>
+template <int TYPE, int RT>
 void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, int64_t kc, float* out) {
   using F = Fmt<TYPE>;
   constexpr int MR = P_MR, OFF = prompt_off<TYPE>();
@@ -1050,19 +1051,19 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
   const float* sx = A.s + (mb * A.nb + k0 / 32) * MR;
   const int32_t* off = OFF ? A.off + (mb * A.nsub + k0 / 32 * (TYPE == GGUF_Q6_K ? 2 : 1)) * MR : nullptr;
   __m256 acc[MR];
-  PROMPT_UNROLL for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_ps();
+  PROMPT_UNROLL for (int i = 0; i < RT; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t nsb = kc / 32;
   for (int64_t sb = 0; sb < nsb; ++sb) {
     if (TYPE == GGUF_Q6_K) {
       __m256 t[MR];
       for (int h = 0; h < 2; ++h) {
         __m256i ia[MR];
-        for (int i = 0; i < MR; ++i) ia[i] = _mm256_set1_epi32(off[(2 * sb + h) * MR + i]);
+        for (int i = 0; i < RT; ++i) ia[i] = _mm256_set1_epi32(off[(2 * sb + h) * MR + i]);
         for (int g = 0; g < 4; g += 2) {  // two groups' pair sums added in int16 (4 products, |.| <= 4 * 63 * 127)
           const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
           const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
           const uint8_t* x1 = x0 + 4 * MR;
-          for (int i = 0; i < MR; ++i) {
+          for (int i = 0; i < RT; ++i) {
             const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
                                                _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x1 + 4 * i))));
             ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
@@ -1071,19 +1072,19 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
           xq += 8 * MR;
         }
         const __m256 sc = _mm256_load_ps(P.ws + (2 * sb + h) * 8);
-        for (int i = 0; i < MR; ++i)
+        for (int i = 0; i < RT; ++i)
           t[i] = h == 0 ? _mm256_mul_ps(_mm256_cvtepi32_ps(ia[i]), sc) : _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), sc, t[i]);
       }
-      for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(t[i], _mm256_set1_ps(dx[sb * MR + i]), acc[i]);
+      for (int i = 0; i < RT; ++i) acc[i] = _mm256_fmadd_ps(t[i], _mm256_set1_ps(dx[sb * MR + i]), acc[i]);
     } else {
       __m256i ia[MR];
-      for (int i = 0; i < MR; ++i) ia[i] = OFF ? _mm256_set1_epi32(off[sb * MR + i]) : _mm256_setzero_si256();
+      for (int i = 0; i < RT; ++i) ia[i] = OFF ? _mm256_set1_epi32(off[sb * MR + i]) : _mm256_setzero_si256();
       for (int g = 0; g < 8; g += 4) {  // four groups' pair sums added in int16 (8 products of codes <= 31,
                                          // |.| <= 8 * 31 * 127 = 31496)
         const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
         const __m256i w2 = _mm256_load_si256((const __m256i*)(wc + 64)), w3 = _mm256_load_si256((const __m256i*)(wc + 96));
         const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
-        for (int i = 0; i < MR; ++i) {
+        for (int i = 0; i < RT; ++i) {
           const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
                                                _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x0 + 4 * (MR + i)))));
           const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, _mm256_set1_epi32(ld32(x0 + 4 * (2 * MR + i)))),
@@ -1094,18 +1095,18 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
         xq += 16 * MR;
       }
       const __m256 sc = _mm256_load_ps(P.ws + sb * 8);
-      for (int i = 0; i < MR; ++i)
+      for (int i = 0; i < RT; ++i)
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), _mm256_mul_ps(sc, _mm256_set1_ps(dx[sb * MR + i])), acc[i]);
       if (F::MIN) {
         const __m256 mn = _mm256_load_ps(P.wm + sb * 8);
-        for (int i = 0; i < MR; ++i) acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sx[sb * MR + i]), acc[i]);
+        for (int i = 0; i < RT; ++i) acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sx[sb * MR + i]), acc[i]);
       }
     }
   }
-  PROMPT_UNROLL for (int i = 0; i < MR; ++i) _mm256_store_ps(out + i * 8, acc[i]);
+  PROMPT_UNROLL for (int i = 0; i < RT; ++i) _mm256_store_ps(out + i * 8, acc[i]);
 }
 #else
-template <int TYPE>
+template <int TYPE, int RT>
 void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, int64_t kc, float* out) {
   using F = Fmt<TYPE>;
   constexpr int MR = P_MR, NR = P_NR;
@@ -1120,23 +1121,23 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
     for (int h = 0; h < HALVES; ++h) {
       int32_t ia[MR][NR] = {};
       for (int g = 0; g < 8 / HALVES; ++g) {
-        for (int i = 0; i < MR; ++i)
+        for (int i = 0; i < RT; ++i)
           for (int n = 0; n < NR; ++n)
             for (int l = 0; l < 4; ++l) ia[i][n] += (int32_t)wc[n * 4 + l] * xq[i * 4 + l];
         wc += NR * 4;
         xq += MR * 4;
       }
       const float* sc = P.ws + (HALVES * sb + h) * NR;
-      for (int i = 0; i < MR; ++i)
+      for (int i = 0; i < RT; ++i)
         for (int n = 0; n < NR; ++n) t[i][n] += (float)ia[i][n] * sc[n];
     }
-    for (int i = 0; i < MR; ++i)
+    for (int i = 0; i < RT; ++i)
       for (int n = 0; n < NR; ++n) {
         acc[i][n] += t[i][n] * dx[sb * MR + i];
         if (F::MIN) acc[i][n] += P.wm[sb * NR + n] * sx[sb * MR + i];
       }
   }
-  for (int i = 0; i < MR; ++i)
+  for (int i = 0; i < RT; ++i)
     for (int n = 0; n < NR; ++n) out[i * NR + n] = acc[i][n];
 }
 #endif
@@ -1180,7 +1181,13 @@ void prompt_range(const PromptActs& A, const uint8_t* blocks, int64_t N, const i
       }
       const bool contiguous = nvalid == NR && cols[n0 + NR - 1] - cols[n0] == NR - 1;
       for (int64_t mb = 0; mb < nmb; ++mb) {
-        prompt_micro<TYPE>(P, A, mb, k0, kn, out);
+        const int64_t left = A.M - mb * P_MR;
+        if (left > P_MR / 2)
+          prompt_micro<TYPE, P_MR>(P, A, mb, k0, kn, out);
+        else if (left > P_MR / 4)
+          prompt_micro<TYPE, P_MR / 2>(P, A, mb, k0, kn, out);
+        else
+          prompt_micro<TYPE, P_MR / 4>(P, A, mb, k0, kn, out);
         prompt_write(out, y, ldy, mb * P_MR, A.M, cols + n0, nvalid, contiguous, k0 == 0);
       }
     }
