@@ -1,12 +1,15 @@
-"""TTFT of a GGUF model under two GGUF_KERNEL_MAX_ROWS tables (int8 kernel vs dequantize + fp32 GEMM per prompt
-size), in one process, runs interleaved (robust to a loaded machine).
+"""TTFT of a GGUF model under two settings of kernels/gguf_ops.py, in one process, runs interleaved (robust to a
+loaded machine).
 
     python benchmarks/gguf_prefill_ab.py [-m /work/ggufs/random1b.Q4_K_M.gguf] [--tokens 512] [--runs 3]
-                                         [--threads 2] [--json FILE]
+                                         [--threads 2] [--compare table|gemm] [--json FILE]
 
-Setting A: `--a` (default: the table before the per-256 K-quant kernels, which sent prompts of more than 64 / 32
-rows to dequantize + GEMM); setting B: kernels/gguf_ops.py's GGUF_KERNEL_MAX_ROWS as committed. The prompt is
-GPL-3 text, as benchmarks/gguf_vs_llamacpp.py's.
+--compare table: setting A is `--a` (default: the table before the per-256 K-quant kernels, which sent prompts of
+more than 64 / 32 rows to dequantize + GEMM), setting B kernels/gguf_ops.py's GGUF_KERNEL_MAX_ROWS as committed,
+both with the prompt GEMM off.
+--compare gemm: A = the prompt GEMM off (PROMPT_GEMM = False: the row kernel up to GGUF_KERNEL_MAX_ROWS, then
+dequantize + fp32 GEMM, as before the prompt GEMM), B = on (gguf_linear_prompt above 16 rows).
+The prompt is GPL-3 text, as benchmarks/gguf_vs_llamacpp.py's; prompts past PREFILL_CHUNK run in chunks.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +37,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--a", default="Q4_K=64,Q5_K=32,Q6_K=32", help="setting A's table, TYPE=ROWS comma list")
+    ap.add_argument("--compare", choices=["table", "gemm"], default="table")
+    ap.add_argument("--isa", choices=["avx2", "scalar"], default=None, help="another kernel build than the best")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -44,29 +50,61 @@ def main() -> None:
     cli = build_parser().parse_args(["run", "x", "-m", args.model, "--ctx", str(args.tokens + 64), "--threads",
                                      str(args.threads)])
     loaded = load_from_args(cli)
+    from edgellm.kernels import matmul
+    if args.isa:
+        from edgellm.kernels.cpu_ext import ExtensionSettings
+        matmul.configure_cpu_extension(ExtensionSettings(isa=args.isa))
+    ext = matmul.cpu_extension()
+    isa = ext.isa() if ext is not None else None
+    if args.isa and isa != args.isa:
+        raise SystemExit(f"asked for the {args.isa} build, got {isa}")
     engine = engine_from_args(cli, loaded)
-    ids = loaded.tokenizer.encode(open(TEXT).read())[:args.tokens]
+    text = open(TEXT).read()
+    while len(loaded.tokenizer.encode(text)) < args.tokens:
+        text += "\n" + text
+    ids = loaded.tokenizer.encode(text)[:args.tokens]
+    assert len(ids) == args.tokens
     table_b = dict(gguf_ops.GGUF_KERNEL_MAX_ROWS)
     table_a = {k: int(v) for k, v in (kv.split("=") for kv in args.a.split(",") if kv)}
-    run_once(engine, ids[:64], 1)  # warm-up
+    gemm = args.compare == "gemm"
+    if gemm:
+        table_a = table_b
+    prompt_gemm = gguf_ops.PROMPT_GEMM
+
+    def setting(name: str) -> None:
+        gguf_ops.GGUF_KERNEL_MAX_ROWS.clear()
+        gguf_ops.GGUF_KERNEL_MAX_ROWS.update(table_a if name == "A" else table_b)
+        gguf_ops.PROMPT_GEMM = gemm and name == "B"
+
+    for name in ("A", "B"):  # warm-up (both paths' buffers)
+        setting(name)
+        run_once(engine, ids[:64], 1)
     times: dict[str, list[float]] = {"A": [], "B": []}
+    cpu: dict[str, list[float]] = {"A": [], "B": []}  # process CPU time of the run (all threads)
     for r in range(args.runs):
         for name in (("A", "B") if r % 2 == 0 else ("B", "A")):
-            gguf_ops.GGUF_KERNEL_MAX_ROWS.clear()
-            gguf_ops.GGUF_KERNEL_MAX_ROWS.update(table_a if name == "A" else table_b)
+            setting(name)
+            c0 = time.process_time()
             times[name].append(run_once(engine, ids, 1)[0].ttft_s)
-            print(name, f"{times[name][-1]:.2f} s", flush=True)
+            cpu[name].append(time.process_time() - c0)
+            print(name, f"{times[name][-1]:.2f} s wall, {cpu[name][-1]:.2f} s CPU", flush=True)
     gguf_ops.GGUF_KERNEL_MAX_ROWS.clear()
     gguf_ops.GGUF_KERNEL_MAX_ROWS.update(table_b)
-    res = {k: {"median_s": statistics.median(v), "min_s": min(v), "runs_s": v} for k, v in times.items()}
-    print(f"A {table_a}: {res['A']['median_s']:.2f} s   B {table_b}: {res['B']['median_s']:.2f} s   "
-          f"B/A = {res['B']['median_s'] / res['A']['median_s']:.2f}")
+    gguf_ops.PROMPT_GEMM = prompt_gemm
+    res = {k: {"median_s": statistics.median(v), "min_s": min(v), "runs_s": v,
+               "cpu_median_s": statistics.median(cpu[k]), "cpu_runs_s": cpu[k]} for k, v in times.items()}
+    print(f"A {table_a}{' prompt GEMM off' if gemm else ''}: {res['A']['median_s']:.2f} s   "
+          f"B {table_b}{' prompt GEMM on' if gemm else ''}: {res['B']['median_s']:.2f} s   "
+          f"B/A = {res['B']['median_s'] / res['A']['median_s']:.2f} (min {res['B']['min_s'] / res['A']['min_s']:.2f}, "
+          f"CPU time {res['B']['cpu_median_s'] / res['A']['cpu_median_s']:.2f})")
     if args.json:
         doc = {"command": " ".join(["python", "benchmarks/gguf_prefill_ab.py", *sys.argv[1:]]),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-               "load_average": os.getloadavg(), "model": args.model, "tokens": args.tokens, "threads": args.threads,
-               "A": {"max_rows": table_a, **res["A"]}, "B": {"max_rows": table_b, **res["B"]}}
+               "load_average": os.getloadavg(), "model": args.model, "kernel_isa": isa, "tokens": args.tokens,
+               "threads": args.threads, "compare": args.compare,
+               "A": {"max_rows": table_a, "prompt_gemm": False, **res["A"]},
+               "B": {"max_rows": table_b, "prompt_gemm": gemm, **res["B"]}}
         tmp = Path(args.json).with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
         tmp.replace(args.json)

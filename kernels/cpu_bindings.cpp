@@ -210,14 +210,16 @@ void check_gguf_columns(const std::vector<GgufPartView>& parts, int64_t N_total,
   TORCH_CHECK(rows == N_total, what, ": the parts hold ", rows, " rows, expected ", N_total);
 }
 
-// x fp32 [M, K] @ (the parts' rows)^T -> fp32 [M, N_total]; x quantized once for all parts.
-at::Tensor gguf_linear(const at::Tensor& x_, const py::list& parts_, int64_t N_total) {
+// x fp32 [M, K] @ (the parts' rows)^T -> fp32 [M, N_total]; x quantized once for all parts.  prompt: the int8 panel
+// GEMM (gguf_gemm_prompt, equal to the row kernels to fp32 rounding) rather than the row kernels (gguf_gemm).
+at::Tensor gguf_product(const at::Tensor& x_, const py::list& parts_, int64_t N_total, bool prompt) {
+  const char* what = prompt ? "edgellm gguf_linear_prompt" : "edgellm gguf_linear";
   const at::Tensor x = as_f32_rows(x_);
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(K % 32 == 0, "edgellm gguf_linear: K=", K, " must be a multiple of 32");
+  TORCH_CHECK(K % 32 == 0, what, ": K=", K, " must be a multiple of 32");
   std::vector<GgufPartView> parts;
-  for (const py::handle& item : parts_) parts.push_back(gguf_part(item, K, "edgellm gguf_linear"));
-  check_gguf_columns(parts, N_total, "edgellm gguf_linear");
+  for (const py::handle& item : parts_) parts.push_back(gguf_part(item, K, what));
+  check_gguf_columns(parts, N_total, what);
   at::Tensor out = at::empty({M, N_total}, x.options());
   float* y = out.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
@@ -226,11 +228,21 @@ at::Tensor gguf_linear(const at::Tensor& x_, const py::list& parts_, int64_t N_t
     const edgellm::GgufActs acts = edgellm::gguf_quantize_acts(xp, M, K);
     int64_t offset = 0;
     for (const auto& p : parts) {
-      edgellm::gguf_gemm(acts, p.data, p.type, p.N, K, p.out_index ? y : y + offset, N_total, p.out_index);
+      float* yp = p.out_index ? y : y + offset;
+      if (prompt) edgellm::gguf_gemm_prompt(acts, p.data, p.type, p.N, K, yp, N_total, p.out_index);
+      else edgellm::gguf_gemm(acts, p.data, p.type, p.N, K, yp, N_total, p.out_index);
       offset += p.N;
     }
   }
   return out;
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const py::list& parts, int64_t N_total) {
+  return gguf_product(x, parts, N_total, false);
+}
+
+at::Tensor gguf_linear_prompt(const at::Tensor& x, const py::list& parts, int64_t N_total) {
+  return gguf_product(x, parts, N_total, true);
 }
 
 at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t N, int64_t K, const std::optional<at::Tensor>& out_) {
@@ -543,6 +555,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), "int8_gemm into a preallocated fp32 [M,N] out; returns out");
   m.def("gguf_linear", &gguf_linear, py::arg("x"), py::arg("parts"), py::arg("n_total"),
         "x fp32 [M,K] @ GGUF parts^T -> fp32 [M, n_total]; parts: [(raw uint8, type, rows, int32 out_index or None)]");
+  m.def("gguf_linear_prompt", &gguf_linear_prompt, py::arg("x"), py::arg("parts"), py::arg("n_total"),
+        "gguf_linear for prompt chunks: the int8 panel GEMM (equal to fp32 rounding, not bit for bit)");
+  m.def("gguf_prompt_gemm_fast", &edgellm::gguf_prompt_gemm_fast,
+        "True where gguf_linear_prompt is vectorized (AVX2 / AVX-512 VNNI), False for the portable version");
   m.def("gguf_dequantize", &gguf_dequantize, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
         py::arg("out") = py::none(), "GGUF blocks -> fp32 [n, k], bit-identical to gguf.quants.dequantize");
   m.def("gguf_types", &gguf_types, "the GGML type ids this build multiplies natively");

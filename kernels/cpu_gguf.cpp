@@ -726,6 +726,505 @@ template <int TYPE> struct DequantOp {
   }
 };
 
+// ================================================================================================ prompt GEMM
+// y = x @ W^T for prompt chunks (tens to hundreds of activation rows), the same product as the row kernels above
+// (x rounded to int8 per 32 values by gguf_quantize_acts, exact integer dots per sub-block, fp32 scaling per
+// sub-block) but organized as a GEMM, so that each weight value is decoded once per call rather than once per 4
+// activation rows, and no horizontal reduction is needed:
+//   - panels of NR weight rows (16 with AVX-512 VNNI zmm, 8 with AVX2 ymm) over a block of kc values of K are
+//     unpacked into a cache-resident buffer: the codes as bytes interleaved [k/4][NR][4] (one vector load = 4
+//     consecutive values of each of the NR rows), per 32-value sub-block the fp32 scales [NR] (d * sc; Q6_K: per
+//     16 values) and mins [NR];
+//   - x is repacked per block of MR activation rows (8 / 4): [K/4][MR][4] bytes, d_x, d_x sum(q_x) and the
+//     offsets' integer sums [.][MR];
+//   - the microkernel runs MR x NR outputs: per 4 values one weight load and MR vpdpbusd (AVX2: maddubs + madd)
+//     against the activation's 4 bytes broadcast, then per sub-block and row one convert and one FMA with
+//     (w_scale [NR] * d_x) (+ one FMA of w_min [NR] * d_x sum(q_x)).  The offsets (Q4_0 -8, Q5_0 -16, Q6_K -32
+//     per 16 values, Q8_0's signed codes as u8 + 128 on VNNI) start the int32 accumulator at -off * sum(q_x).
+// Loops: per thread a range of panels (output columns); per block of kc values of K (kc sized so that the
+// repacked x block stays in L2) each panel is unpacked once and runs against every activation row; the block's
+// partial products are stored (first block) or added into y.  Where out_index is given the stored rows are
+// taken in the order of their output columns, so a panel writes (mostly) contiguous columns.
+// The float summation order differs from the row kernels': results agree to fp32 rounding, not bit for bit (the
+// decode / verification passes stay on the row kernels).  Builds without AVX2 run a portable version of the same
+// math (for correctness; gguf_prompt_gemm_fast() says false there).
+
+#if defined(EDGELLM_G_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define EDGELLM_P_ZMM 1
+constexpr int P_NR = 16, P_MR = 8;
+#else
+constexpr int P_NR = 8, P_MR = 4;
+#endif
+
+#if defined(__GNUC__) && !defined(__clang__)
+#define PROMPT_UNROLL _Pragma("GCC unroll 16")  // else GCC may turn a zeroing loop of vector accumulators into a
+                                                // memset, and then keep the accumulators in memory
+#else
+#define PROMPT_UNROLL
+#endif
+
+// Whether this build runs TYPE through the prompt GEMM (otherwise the row kernel serves the call).
+template <int TYPE>
+constexpr bool prompt_native() {
+#if defined(EDGELLM_G_AVX2) && !defined(EDGELLM_P_ZMM)
+  return TYPE != GGUF_Q8_0;  // maddubs of Q8_0's codes as u8 (up to 255) could saturate int16
+#else
+  return true;
+#endif
+}
+
+// The offset taken off each unsigned code in the vector builds, through the activations' int sums.
+template <int TYPE>
+constexpr int prompt_off() {
+#ifdef EDGELLM_G_AVX2
+  return TYPE == GGUF_Q4_0 ? 8 : TYPE == GGUF_Q5_0 ? 16 : TYPE == GGUF_Q6_K ? 32 : TYPE == GGUF_Q8_0 ? 128 : 0;
+#else
+  return 0;  // the portable panel holds the codes as int8 with the offsets already taken off
+#endif
+}
+
+// x for the microkernels, per block of P_MR rows (rows past M are zeros).
+struct PromptActs {
+  int64_t M = 0, Mp = 0, K = 0, nb = 0, nsub = 0;  // nsub: offset sums per row (nb; Q6_K: 2 nb)
+  const int8_t* q = nullptr;     // [Mp / MR][K / 4][MR][4]
+  const float* d = nullptr;      // [Mp / MR][nb][MR]
+  const float* s = nullptr;      // [Mp / MR][nb][MR]  d * sum(q)
+  const int32_t* off = nullptr;  // [Mp / MR][nsub][MR]  -OFF * sum(q) per 32 (Q6_K: per 16) values; null if no offset
+};
+
+uint8_t* prompt_acts_buffer(size_t bytes) {
+  static thread_local std::vector<uint8_t> buf;
+  if (buf.size() < bytes + 64) buf.resize(bytes + 64);
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+}
+
+template <int TYPE>
+PromptActs prompt_acts(const GgufActs& a) {
+  constexpr int OFF = prompt_off<TYPE>();
+  constexpr int MR = P_MR;
+  PromptActs p;
+  p.M = a.M;
+  p.K = a.K;
+  p.nb = a.nb;
+  p.Mp = (a.M + MR - 1) / MR * MR;
+  p.nsub = TYPE == GGUF_Q6_K ? 2 * a.nb : a.nb;
+  const int64_t nmb = p.Mp / MR, K = a.K, nb = a.nb, nsub = p.nsub, M = a.M;
+  const size_t qbytes = (size_t)(p.Mp * K), fl = (size_t)(p.Mp * nb), ob = OFF ? (size_t)(p.Mp * nsub) : 0;
+  uint8_t* base = prompt_acts_buffer(qbytes + 8 * fl + 4 * ob + 128);
+  int8_t* q = reinterpret_cast<int8_t*>(base);
+  float* d = reinterpret_cast<float*>(base + qbytes);
+  float* s = d + fl;
+  int32_t* off = OFF ? reinterpret_cast<int32_t*>(s + fl) : nullptr;
+  parallel_run(0, nmb, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t b0, int64_t b1) {
+    for (int64_t mb = b0; mb < b1; ++mb) {
+      int8_t* qd = q + mb * MR * K;
+      for (int i = 0; i < MR; ++i) {
+        const int64_t m = mb * MR + i;
+        if (m < M) {
+          const int8_t* src = a.q + m * K;
+          for (int64_t g = 0; g < K / 4; ++g) std::memcpy(qd + (g * MR + i) * 4, src + 4 * g, 4);
+          for (int64_t b = 0; b < nb; ++b) {
+            d[(mb * nb + b) * MR + i] = a.d[m * nb + b];
+            s[(mb * nb + b) * MR + i] = a.s[m * nb + b];
+          }
+          if (OFF) {
+            for (int64_t b = 0; b < nsub; ++b)
+              off[(mb * nsub + b) * MR + i] = -OFF * (TYPE == GGUF_Q6_K ? (int32_t)a.sum16[m * nsub + b] : a.sum32[m * nb + b]);
+          }
+        } else {
+          for (int64_t g = 0; g < K / 4; ++g) std::memset(qd + (g * MR + i) * 4, 0, 4);
+          for (int64_t b = 0; b < nb; ++b) d[(mb * nb + b) * MR + i] = s[(mb * nb + b) * MR + i] = 0.0f;
+          if (OFF)
+            for (int64_t b = 0; b < nsub; ++b) off[(mb * nsub + b) * MR + i] = 0;
+        }
+      }
+    }
+  });
+  p.q = q;
+  p.d = d;
+  p.s = s;
+  p.off = off;
+  return p;
+}
+
+// One unpacked panel: P_NR weight rows over kc values of K.
+struct Panel {
+  uint8_t* codes = nullptr;  // [kc / 4][NR][4] (vector builds: u8 codes; portable: int8 with offsets taken off)
+  float* ws = nullptr;       // [kc / 32][NR] scale per sub-block (Q6_K: [kc / 16][NR], d * sc per 16 values)
+  float* wm = nullptr;       // [kc / 32][NR] min per sub-block (types with mins; Q4_K / Q5_K: -(dmin m))
+};
+
+Panel panel_buffer(int64_t kc) {
+  static thread_local std::vector<uint8_t> buf;
+  const size_t codes = (size_t)(kc * P_NR), fl = (size_t)(kc / 16 * P_NR) * 4 + (size_t)(kc / 32 * P_NR) * 4;
+  if (buf.size() < codes + fl + 128) buf.resize(codes + fl + 128);
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
+  Panel P;
+  P.codes = base;
+  P.ws = reinterpret_cast<float*>(base + codes);
+  P.wm = P.ws + kc / 16 * P_NR;
+  return P;
+}
+
+#ifdef EDGELLM_G_AVX2
+// r[g] = dword g of rows 0..7 (an 8 x 8 transpose of 32-bit lanes)
+inline void transpose8x8_epi32(__m256i r[8]) {
+  const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
+  const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
+  const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
+  const __m256i s0 = _mm256_unpacklo_epi64(t0, t2), s1 = _mm256_unpackhi_epi64(t0, t2);
+  const __m256i s2 = _mm256_unpacklo_epi64(t1, t3), s3 = _mm256_unpackhi_epi64(t1, t3);
+  const __m256i s4 = _mm256_unpacklo_epi64(t4, t6), s5 = _mm256_unpackhi_epi64(t4, t6);
+  const __m256i s6 = _mm256_unpacklo_epi64(t5, t7), s7 = _mm256_unpackhi_epi64(t5, t7);
+  r[0] = _mm256_permute2x128_si256(s0, s4, 0x20);
+  r[1] = _mm256_permute2x128_si256(s1, s5, 0x20);
+  r[2] = _mm256_permute2x128_si256(s2, s6, 0x20);
+  r[3] = _mm256_permute2x128_si256(s3, s7, 0x20);
+  r[4] = _mm256_permute2x128_si256(s0, s4, 0x31);
+  r[5] = _mm256_permute2x128_si256(s1, s5, 0x31);
+  r[6] = _mm256_permute2x128_si256(s2, s6, 0x31);
+  r[7] = _mm256_permute2x128_si256(s3, s7, 0x31);
+}
+
+// Unpack rows[0 .. nvalid) (stored row numbers; the rest of the panel's NR rows are zeros) over [k0, k0 + kc).
+template <int TYPE>
+void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nvalid, int64_t k0, int64_t kc,
+                 const Panel& P) {
+  using F = Fmt<TYPE>;
+  constexpr int NR = P_NR;
+  alignas(32) uint8_t tmp[NR][256];
+  alignas(32) float fs[8], fm[8];
+  for (int64_t u0 = 0; u0 < kc; u0 += 256) {
+    const int nsub = (int)std::min<int64_t>(8, (kc - u0) / 32);
+    const int64_t s0 = u0 / 32;
+    for (int r = 0; r < NR; ++r) {
+      if (r >= nvalid) {
+        std::memset(tmp[r], 0, 256);
+        for (int j = 0; j < nsub; ++j) {
+          P.ws[(s0 + j) * NR + r] = 0.0f;
+          if (TYPE == GGUF_Q6_K) P.ws[(2 * (s0 + j) + 1) * NR + r] = P.ws[2 * (s0 + j) * NR + r] = 0.0f;
+          if (F::MIN) P.wm[(s0 + j) * NR + r] = 0.0f;
+        }
+        continue;
+      }
+      const uint8_t* row = blocks + (int64_t)rows[r] * rb;
+      {  // the row's next 256 values, wanted again after the other NR - 1 rows: fetched meanwhile (the hardware
+         // prefetcher does not follow NR interleaved streams; without it Q6_K's panels took 3x longer)
+        const int64_t next = (k0 + u0 + 256) / F::QV * F::BYTES;
+        const int64_t len = 256 / F::QV * F::BYTES;
+        if (next + len <= rb)
+          for (int64_t o = 0; o < len + 63; o += 64) prefetch(row + next + std::min(o, len - 1));
+      }
+      if (F::QV == 256) {
+        Chunk ch;
+        const int64_t c = (k0 + u0) / 256;
+        decode_chunk<TYPE>(row, c, ch);
+        for (int j = 0; j < 8; ++j) _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), ch.u[j]);
+        if (TYPE == GGUF_Q6_K) {
+          const uint8_t* b = row + c * F::BYTES;
+          const float d = f16(b + 208);
+          for (int h = 0; h < 16; ++h) P.ws[(2 * s0 + h) * NR + r] = d * (float)(int8_t)b[192 + h];
+        } else {
+          _mm256_store_ps(fs, ch.fs);
+          _mm256_store_ps(fm, ch.fm);
+          for (int j = 0; j < 8; ++j) {
+            P.ws[(s0 + j) * NR + r] = fs[j];
+            P.wm[(s0 + j) * NR + r] = fm[j];
+          }
+        }
+      } else {
+        for (int j = 0; j < nsub; ++j) {
+          const uint8_t* b = row + ((k0 + u0) / 32 + j) * F::BYTES;
+          __m256i u = codes32<TYPE>(b);
+          if (TYPE == GGUF_Q8_0) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+          _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), u);
+          P.ws[(s0 + j) * NR + r] = f16(b);
+          if (F::MIN) P.wm[(s0 + j) * NR + r] = f16(b + 2);
+        }
+      }
+    }
+    for (int j = 0; j < nsub; ++j)
+      for (int r0 = 0; r0 < NR; r0 += 8) {
+        __m256i v[8];
+        for (int i = 0; i < 8; ++i) v[i] = _mm256_load_si256((const __m256i*)(tmp[r0 + i] + 32 * j));
+        transpose8x8_epi32(v);
+        uint8_t* dst = P.codes + ((s0 + j) * 8) * NR * 4 + r0 * 4;
+        for (int g = 0; g < 8; ++g) _mm256_store_si256((__m256i*)(dst + g * NR * 4), v[g]);
+      }
+  }
+}
+#else
+template <int TYPE>
+void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nvalid, int64_t k0, int64_t kc,
+                 const Panel& P) {
+  using F = Fmt<TYPE>;
+  constexpr int NR = P_NR;
+  constexpr int SUBS = (int)(F::QV / QK);
+  alignas(16) int8_t w[32];
+  for (int64_t sb = 0; sb < kc / 32; ++sb) {
+    const int64_t g32 = (k0 / 32) + sb;  // global 32-value sub-block
+    for (int r = 0; r < NR; ++r) {
+      float fs = 0.0f, fm = 0.0f;
+      int sc2[2] = {0, 0};
+      if (r < nvalid) {
+        const uint8_t* b = blocks + (int64_t)rows[r] * rb + (g32 / SUBS) * F::BYTES;
+        decode_sub<TYPE>(b, (int)(g32 % SUBS), w, &fs, &fm, sc2);
+      } else {
+        std::memset(w, 0, 32);
+      }
+      for (int l = 0; l < 32; ++l) P.codes[((sb * 8 + l / 4) * NR + r) * 4 + (l & 3)] = (uint8_t)w[l];
+      if (TYPE == GGUF_Q6_K) {
+        P.ws[(2 * sb) * NR + r] = fs * (float)sc2[0];
+        P.ws[(2 * sb + 1) * NR + r] = fs * (float)sc2[1];
+      } else {
+        P.ws[sb * NR + r] = fs;
+        if (F::MIN) P.wm[sb * NR + r] = fm;
+      }
+    }
+  }
+}
+#endif
+
+// out[RT][NR] = the panel's rows against activation rows [mb MR, mb MR + RT) over [k0, k0 + kc) (RT <= MR: the
+// last block of rows runs only as many as it needs, of 2 / 4 / 8; the layout's stride stays MR).
+#if defined(EDGELLM_P_ZMM)
+template <int TYPE, int RT>
+void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, int64_t kc, float* out) {
+  using F = Fmt<TYPE>;
+  constexpr int MR = P_MR, OFF = prompt_off<TYPE>();
+  const uint8_t* wc = P.codes;
+  const int8_t* xq = A.q + (mb * A.K + k0) * MR;
+  const float* dx = A.d + (mb * A.nb + k0 / 32) * MR;
+  const float* sx = A.s + (mb * A.nb + k0 / 32) * MR;
+  const int32_t* off = OFF ? A.off + (mb * A.nsub + k0 / 32 * (TYPE == GGUF_Q6_K ? 2 : 1)) * MR : nullptr;
+  __m512 acc[MR];
+  PROMPT_UNROLL for (int i = 0; i < RT; ++i) acc[i] = _mm512_setzero_ps();  // unrolled: kept in registers, not a memset
+  const int64_t nsb = kc / 32;
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    if (TYPE == GGUF_Q6_K) {
+      __m512 t[MR];
+      for (int h = 0; h < 2; ++h) {
+        __m512i ia[MR];
+        for (int i = 0; i < RT; ++i) ia[i] = _mm512_set1_epi32(off[(2 * sb + h) * MR + i]);
+        for (int g = 0; g < 4; ++g) {
+          const __m512i w = _mm512_load_si512((const void*)wc);
+          const uint8_t* x4 = reinterpret_cast<const uint8_t*>(xq);
+          for (int i = 0; i < RT; ++i) ia[i] = _mm512_dpbusd_epi32(ia[i], w, _mm512_set1_epi32(ld32(x4 + 4 * i)));
+          wc += 64;
+          xq += 4 * MR;
+        }
+        const __m512 sc = _mm512_load_ps(P.ws + (2 * sb + h) * 16);
+        for (int i = 0; i < RT; ++i)
+          t[i] = h == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(ia[i]), sc) : _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i]), sc, t[i]);
+      }
+      for (int i = 0; i < RT; ++i) acc[i] = _mm512_fmadd_ps(t[i], _mm512_set1_ps(dx[sb * MR + i]), acc[i]);
+    } else {
+      __m512i ia[MR];
+      for (int i = 0; i < RT; ++i) ia[i] = OFF ? _mm512_set1_epi32(off[sb * MR + i]) : _mm512_setzero_si512();
+      for (int g = 0; g < 8; ++g) {
+        const __m512i w = _mm512_load_si512((const void*)wc);
+        const uint8_t* x4 = reinterpret_cast<const uint8_t*>(xq);
+        for (int i = 0; i < RT; ++i) ia[i] = _mm512_dpbusd_epi32(ia[i], w, _mm512_set1_epi32(ld32(x4 + 4 * i)));
+        wc += 64;
+        xq += 4 * MR;
+      }
+      const __m512 sc = _mm512_load_ps(P.ws + sb * 16);
+      for (int i = 0; i < RT; ++i)
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i]), _mm512_mul_ps(sc, _mm512_set1_ps(dx[sb * MR + i])), acc[i]);
+      if (F::MIN) {
+        const __m512 mn = _mm512_load_ps(P.wm + sb * 16);
+        for (int i = 0; i < RT; ++i) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(sx[sb * MR + i]), acc[i]);
+      }
+    }
+  }
+  PROMPT_UNROLL for (int i = 0; i < RT; ++i) _mm512_store_ps(out + i * 16, acc[i]);
+}
+#elif defined(EDGELLM_G_AVX2)
+template <int TYPE, int RT>
+void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, int64_t kc, float* out) {
+  using F = Fmt<TYPE>;
+  constexpr int MR = P_MR, OFF = prompt_off<TYPE>();
+  const uint8_t* wc = P.codes;
+  const int8_t* xq = A.q + (mb * A.K + k0) * MR;
+  const float* dx = A.d + (mb * A.nb + k0 / 32) * MR;
+  const float* sx = A.s + (mb * A.nb + k0 / 32) * MR;
+  const int32_t* off = OFF ? A.off + (mb * A.nsub + k0 / 32 * (TYPE == GGUF_Q6_K ? 2 : 1)) * MR : nullptr;
+  __m256 acc[MR];
+  PROMPT_UNROLL for (int i = 0; i < RT; ++i) acc[i] = _mm256_setzero_ps();
+  const int64_t nsb = kc / 32;
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    if (TYPE == GGUF_Q6_K) {
+      __m256 t[MR];
+      for (int h = 0; h < 2; ++h) {
+        __m256i ia[MR];
+        for (int i = 0; i < RT; ++i) ia[i] = _mm256_set1_epi32(off[(2 * sb + h) * MR + i]);
+        for (int g = 0; g < 4; g += 2) {  // two groups' pair sums added in int16 (4 products, |.| <= 4 * 63 * 127)
+          const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
+          const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
+          const uint8_t* x1 = x0 + 4 * MR;
+          for (int i = 0; i < RT; ++i) {
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
+                                               _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x1 + 4 * i))));
+            ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+          }
+          wc += 64;
+          xq += 8 * MR;
+        }
+        const __m256 sc = _mm256_load_ps(P.ws + (2 * sb + h) * 8);
+        for (int i = 0; i < RT; ++i)
+          t[i] = h == 0 ? _mm256_mul_ps(_mm256_cvtepi32_ps(ia[i]), sc) : _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), sc, t[i]);
+      }
+      for (int i = 0; i < RT; ++i) acc[i] = _mm256_fmadd_ps(t[i], _mm256_set1_ps(dx[sb * MR + i]), acc[i]);
+    } else {
+      __m256i ia[MR];
+      for (int i = 0; i < RT; ++i) ia[i] = OFF ? _mm256_set1_epi32(off[sb * MR + i]) : _mm256_setzero_si256();
+      for (int g = 0; g < 8; g += 4) {  // four groups' pair sums added in int16 (8 products of codes <= 31,
+                                         // |.| <= 8 * 31 * 127 = 31496)
+        const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
+        const __m256i w2 = _mm256_load_si256((const __m256i*)(wc + 64)), w3 = _mm256_load_si256((const __m256i*)(wc + 96));
+        const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
+        for (int i = 0; i < RT; ++i) {
+          const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
+                                               _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x0 + 4 * (MR + i)))));
+          const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, _mm256_set1_epi32(ld32(x0 + 4 * (2 * MR + i)))),
+                                               _mm256_maddubs_epi16(w3, _mm256_set1_epi32(ld32(x0 + 4 * (3 * MR + i)))));
+          ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_add_epi16(p01, p23), _mm256_set1_epi16(1)));
+        }
+        wc += 128;
+        xq += 16 * MR;
+      }
+      const __m256 sc = _mm256_load_ps(P.ws + sb * 8);
+      for (int i = 0; i < RT; ++i)
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), _mm256_mul_ps(sc, _mm256_set1_ps(dx[sb * MR + i])), acc[i]);
+      if (F::MIN) {
+        const __m256 mn = _mm256_load_ps(P.wm + sb * 8);
+        for (int i = 0; i < RT; ++i) acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sx[sb * MR + i]), acc[i]);
+      }
+    }
+  }
+  PROMPT_UNROLL for (int i = 0; i < RT; ++i) _mm256_store_ps(out + i * 8, acc[i]);
+}
+#else
+template <int TYPE, int RT>
+void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, int64_t kc, float* out) {
+  using F = Fmt<TYPE>;
+  constexpr int MR = P_MR, NR = P_NR;
+  const int8_t* wc = reinterpret_cast<const int8_t*>(P.codes);
+  const int8_t* xq = A.q + (mb * A.K + k0) * MR;
+  const float* dx = A.d + (mb * A.nb + k0 / 32) * MR;
+  const float* sx = A.s + (mb * A.nb + k0 / 32) * MR;
+  float acc[MR][NR] = {};
+  for (int64_t sb = 0; sb < kc / 32; ++sb) {
+    constexpr int HALVES = TYPE == GGUF_Q6_K ? 2 : 1;
+    float t[MR][NR] = {};
+    for (int h = 0; h < HALVES; ++h) {
+      int32_t ia[MR][NR] = {};
+      for (int g = 0; g < 8 / HALVES; ++g) {
+        for (int i = 0; i < RT; ++i)
+          for (int n = 0; n < NR; ++n)
+            for (int l = 0; l < 4; ++l) ia[i][n] += (int32_t)wc[n * 4 + l] * xq[i * 4 + l];
+        wc += NR * 4;
+        xq += MR * 4;
+      }
+      const float* sc = P.ws + (HALVES * sb + h) * NR;
+      for (int i = 0; i < RT; ++i)
+        for (int n = 0; n < NR; ++n) t[i][n] += (float)ia[i][n] * sc[n];
+    }
+    for (int i = 0; i < RT; ++i)
+      for (int n = 0; n < NR; ++n) {
+        acc[i][n] += t[i][n] * dx[sb * MR + i];
+        if (F::MIN) acc[i][n] += P.wm[sb * NR + n] * sx[sb * MR + i];
+      }
+  }
+  for (int i = 0; i < RT; ++i)
+    for (int n = 0; n < NR; ++n) out[i * NR + n] = acc[i][n];
+}
+#endif
+
+// Store (first block of K) or add one MR x NR tile into y.
+inline void prompt_write(const float* out, float* y, int64_t ldy, int64_t m0, int64_t M, const int32_t* cols,
+                         int nvalid, bool contiguous, bool first) {
+  for (int i = 0; i < P_MR && m0 + i < M; ++i) {
+    float* yr = y + (m0 + i) * ldy;
+    const float* o = out + i * P_NR;
+    if (contiguous) {
+      yr += cols[0];
+      if (first)
+        for (int n = 0; n < P_NR; ++n) yr[n] = o[n];
+      else
+        for (int n = 0; n < P_NR; ++n) yr[n] += o[n];
+    } else {
+      for (int n = 0; n < nvalid; ++n) yr[cols[n]] = first ? o[n] : yr[cols[n]] + o[n];
+    }
+  }
+}
+
+template <int TYPE>
+void prompt_range(const PromptActs& A, const uint8_t* blocks, int64_t N, const int32_t* rows, const int32_t* cols,
+                  int64_t p0, int64_t p1, int64_t kc, float* y, int64_t ldy) {
+  constexpr int NR = P_NR;
+  const int64_t K = A.K, rb = K / Fmt<TYPE>::QV * Fmt<TYPE>::BYTES, nmb = A.Mp / P_MR;
+  const Panel P = panel_buffer(kc);
+  alignas(64) float out[P_MR * P_NR];
+  for (int64_t k0 = 0; k0 < K; k0 += kc) {
+    const int64_t kn = std::min(kc, K - k0);
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t n0 = p * NR;
+      const int nvalid = (int)std::min<int64_t>(NR, N - n0);
+      build_panel<TYPE>(blocks, rb, rows + n0, nvalid, k0, kn, P);
+      if (p + 1 < p1) {  // the next panel's first 256 values, while this one runs
+        using F = Fmt<TYPE>;
+        const int64_t len = 256 / F::QV * F::BYTES, at = k0 / F::QV * F::BYTES;
+        for (int64_t r = n0 + NR; r < std::min<int64_t>(N, n0 + 2 * NR); ++r)
+          for (int64_t o = 0; o < len + 63; o += 64) prefetch(blocks + (int64_t)rows[r] * rb + at + std::min(o, len - 1));
+      }
+      const bool contiguous = nvalid == NR && cols[n0 + NR - 1] - cols[n0] == NR - 1;
+      for (int64_t mb = 0; mb < nmb; ++mb) {
+        const int64_t left = A.M - mb * P_MR;
+        if (left > P_MR / 2)
+          prompt_micro<TYPE, P_MR>(P, A, mb, k0, kn, out);
+        else if (left > P_MR / 4)
+          prompt_micro<TYPE, P_MR / 2>(P, A, mb, k0, kn, out);
+        else
+          prompt_micro<TYPE, P_MR / 4>(P, A, mb, k0, kn, out);
+        prompt_write(out, y, ldy, mb * P_MR, A.M, cols + n0, nvalid, contiguous, k0 == 0);
+      }
+    }
+  }
+}
+
+template <int TYPE> struct PromptOp {
+  static void run(const GgufActs& a, const uint8_t* blocks, int64_t N, float* y, int64_t ldy, const int32_t* idx) {
+    if (!prompt_native<TYPE>()) {
+      GemmOp<TYPE>::run(a, blocks, N, y, ldy, idx);
+      return;
+    }
+    const PromptActs A = prompt_acts<TYPE>(a);
+    // the stored rows in the order of their output columns (ascending), so panels write runs of columns
+    std::vector<int32_t> rows((size_t)N), cols((size_t)N);
+    if (idx) {
+      std::vector<int64_t> key((size_t)N);
+      for (int64_t n = 0; n < N; ++n) key[(size_t)n] = ((int64_t)idx[n] << 32) | n;
+      std::sort(key.begin(), key.end());
+      for (int64_t n = 0; n < N; ++n) {
+        rows[(size_t)n] = (int32_t)(key[(size_t)n] & 0xffffffff);
+        cols[(size_t)n] = (int32_t)(key[(size_t)n] >> 32);
+      }
+    } else {
+      for (int64_t n = 0; n < N; ++n) rows[(size_t)n] = cols[(size_t)n] = (int32_t)n;
+    }
+    // a block of K as long as the repacked x block (Mp x kc bytes) stays within ~512 KiB (half of Zen 4's L2;
+    // 256 KiB measured 20% slower at M = 512, K = 8192: more passes adding into y), whole super-blocks
+    const int64_t kc = std::min<int64_t>(a.K, std::max<int64_t>(256, (524288 / std::max<int64_t>(A.Mp, 1)) / 256 * 256));
+    const int64_t npanel = (N + P_NR - 1) / P_NR;
+    parallel_run(0, npanel, 1, [&](int64_t p0, int64_t p1) {
+      prompt_range<TYPE>(A, blocks, N, rows.data(), cols.data(), p0, p1, kc, y, ldy);
+    });
+  }
+};
+// ================================================================================================ end prompt GEMM
+
 }  // namespace
 
 bool gguf_supported(int type) { return gguf_block_values(type) != 0; }
@@ -811,6 +1310,40 @@ void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K,
     return;
   }
   dispatch<DequantOp>(type, blocks, N, K, out);
+}
+
+// ------------------------------------------------------------------------------------------------ prompt GEMM
+// From how many activation rows an x8 part leaves its own kernel for the prompt GEMM.
+constexpr int64_t X8_PROMPT_MIN_ROWS = 64;
+
+void gguf_gemm_prompt(const GgufActs& acts, const uint8_t* blocks, int type, int64_t N, int64_t K, float* y,
+                      int64_t ldy, const int32_t* out_index) {
+  if (N <= 0 || acts.M <= 0 || K != acts.K || !gguf_supported(type) || K % gguf_block_values(type) != 0) return;
+  if (type > GGUF_X8) {
+    if (N % 8 != 0) return;
+    // x8 parts: short chunks take the x8 kernel; longer ones are put back in the stored layout for this GEMM (~1 ms
+    // a 2048 x 2048 Q4_K against ~14 ms of GEMM at M = 512, and 290-300 GOP/s against the x8 kernel's 210 / 110
+    // for Q4_K / Q6_K, one thread)
+    if (acts.M < X8_PROMPT_MIN_ROWS) {
+      gguf_gemm_x8(acts, blocks, type - GGUF_X8, N, y, ldy, out_index);
+      return;
+    }
+    static thread_local std::vector<uint8_t> raw;
+    const size_t bytes = (size_t)gguf_row_bytes(type - GGUF_X8, K) * (size_t)N;
+    if (raw.size() < bytes) raw.resize(bytes);
+    gguf_unrepack_x8(blocks, type - GGUF_X8, N, K, raw.data());
+    dispatch<PromptOp>(type - GGUF_X8, acts, raw.data(), N, y, ldy, out_index);
+    return;
+  }
+  dispatch<PromptOp>(type, acts, blocks, N, y, ldy, out_index);
+}
+
+bool gguf_prompt_gemm_fast() {
+#ifdef EDGELLM_G_AVX2
+  return true;
+#else
+  return false;
+#endif
 }
 
 }  // namespace edgellm

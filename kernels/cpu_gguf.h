@@ -42,6 +42,15 @@ GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K);
 void gguf_gemm(const GgufActs& acts, const uint8_t* blocks, int type, int64_t N, int64_t K, float* y, int64_t ldy,
                const int32_t* out_index);
 
+// The same product for prompt chunks (tens to hundreds of rows of x): an int8 panel GEMM (cpu_gguf.cpp, "prompt
+// GEMM") that decodes each weight value once per call.  The same integer sums and fp32 scales as gguf_gemm, summed
+// in another order: equal to fp32 rounding, not bit for bit (decode and verification stay on gguf_gemm).  Types a
+// build cannot run this way (Q8_0 on AVX2 without VNNI) take gguf_gemm.
+void gguf_gemm_prompt(const GgufActs& acts, const uint8_t* blocks, int type, int64_t N, int64_t K, float* y,
+                      int64_t ldy, const int32_t* out_index);
+// True where the prompt GEMM is vectorized (AVX2, AVX-512 VNNI); elsewhere it is a portable reference version.
+bool gguf_prompt_gemm_fast();
+
 // W [N, K] fp32, bit-identical to gguf.quants.dequantize.
 void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K, float* out);
 

@@ -2,8 +2,10 @@
 
 `ext.gguf_linear(x, parts, n_total)` multiplies GGUF blocks in place (x rounded to int8 per 32 values, once for all
 parts); `ext.gguf_dequantize(raw, type, n, k, out)` gives gguf.quants' fp32 rows bit for bit. For a prompt chunk
-of M rows the int-dot kernel re-decodes each weight row for every 4 activation rows, while dequantize + an fp32
-GEMM pays the decoding once and then runs at GEMM speed: past some M the second wins.
+of M rows the int-dot row kernel re-decodes each weight row for every 4 activation rows; `ext.gguf_linear_prompt`
+(the same product as an int8 panel GEMM, cpu_gguf.cpp "prompt GEMM") decodes each weight once per call and runs
+~2.5-3x an fp32 GEMM's rate where it is vectorized (`ext.gguf_prompt_gemm_fast()`: AVX2, AVX-512 VNNI). Elsewhere
+(the portable and NEON builds) dequantize + an fp32 GEMM takes the long prompts, past the row counts below.
 """
 from __future__ import annotations
 
@@ -15,14 +17,31 @@ GGUF_NATIVE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_
 # benchmarks/results/gguf-kernels-cpu.json, `gguf_kernel_max_rows`). Above it, dequantize into a reused buffer
 # and run the GEMM. The 32-block types (not measured past 16 rows) take the kernel for decode and verification only.
 GGUF_KERNEL_MAX_ROWS = {"Q4_K": 64, "Q5_K": 32, "Q6_K": 32}
-_DEFAULT_MAX_ROWS = 16
-X8 = 1000  # a K-quant's type id + X8: its rows repacked 8 at a time (kernels/cpu_gguf_x8.cpp)  # the decode / verification passes (<= 16 rows) take the kernel in any case
+_DEFAULT_MAX_ROWS = 16  # the decode / verification passes (<= 16 rows) take the kernel in any case
+X8 = 1000  # a K-quant's type id + X8: its rows repacked 8 at a time (kernels/cpu_gguf_x8.cpp)
+
+
+# Where the prompt GEMM is vectorized it takes every product of more than this many rows: it beat the row kernel
+# from M = 8 up and dequantize + F.linear at every M measured (8 .. 512; benchmarks/results/gguf-prefill-gemm.json),
+# but decode and speculative verification (<= 16 rows) stay on the row kernel, whose rows are bit-identical
+# whatever M is. PROMPT_GEMM = False restores the dequantize + GEMM path (for A/B runs).
+PROMPT_GEMM_MIN_ROWS = 17
+PROMPT_GEMM = True
+
+
+def method(qtypes: list[int], rows: int, prompt_gemm_fast: bool) -> str:
+    """How to multiply `rows` activation rows by a linear whose parts have GGML types `qtypes` on the CPU with the
+    extension: "rows" (the row kernel, gguf_linear), "prompt" (the panel GEMM, gguf_linear_prompt) or
+    "dequantize" (dequantize + float GEMM)."""
+    if PROMPT_GEMM and prompt_gemm_fast:
+        return "rows" if rows < PROMPT_GEMM_MIN_ROWS else "prompt"
+    return "rows" if all(use_kernel(t, rows) for t in qtypes) else "dequantize"
 
 
 def use_kernel(qtype: int, rows: int) -> bool:
-    """True where the int-dot kernel is the faster way to multiply `rows` activation rows by a `qtype` tensor.
-    The x8 layout's kernel wins at every M measured (M = 512, 2048 x 2048, one thread: Q4_K 210 GOP/s, Q6_K 110,
-    against 89 for dequantize + fp32 F.linear and 69 / 59 for the per-row kernel)."""
+    """(Builds without a vectorized prompt GEMM) True where the int-dot row kernel is the faster way to multiply
+    `rows` activation rows by a `qtype` tensor. The x8 layout's kernel beats dequantize + F.linear at every M (M =
+    512, 2048 x 2048, one thread: Q4_K 210 GOP/s, Q6_K 110, against 89 for the fp32 GEMM)."""
     if qtype >= X8:
         return True
     names = {v: k for k, v in GGUF_NATIVE_TYPES.items()}

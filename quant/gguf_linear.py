@@ -12,9 +12,10 @@ pages of the original are then dropped from RSS, so the process still holds one 
 stay as stored.
 
 How the product is computed:
-  CPU with the C++ kernels: up to a measured number of rows per type (decode, verification, short prompts:
-      kernels/gguf_ops.py) the int8-activation kernels run on the blocks (kernels/cpu_gguf.cpp); longer prompts
-      dequantize this layer into a float buffer for the call and use the float GEMM.
+  CPU with the C++ kernels (kernels/cpu_gguf.cpp, x rounded to int8 per 32 values; kernels/gguf_ops.py chooses):
+      decode and verification (<= 16 rows) take the row kernel, longer prompts the int8 panel GEMM ("prompt
+      GEMM") where it is vectorized (AVX2, AVX-512 VNNI); builds without it keep the row kernel up to a measured
+      number of rows per type and dequantize this layer into a float buffer for longer prompts.
   Anywhere else (CUDA, MPS, CPU without the extension): this layer's blocks are dequantized on the device for
       the call (quant/gguf_tensor.py, bit for bit gguf.quants) and multiplied in the compute dtype: one layer's
       float weight exists at a time, never the whole model's.
@@ -31,7 +32,7 @@ from torch import nn
 
 from ..gguf_file import gguf_type, row_bytes
 from ..kernels import matmul as K
-from ..kernels.gguf_ops import use_kernel
+from ..kernels import gguf_ops
 from .gguf_tensor import dequantize_blocks
 from .linear import _move_packed
 
@@ -147,6 +148,17 @@ def _native_types(ext) -> frozenset[int]:
     return _native[key]
 
 
+_prompt_fast: dict[int, bool] = {}
+
+
+def _prompt_gemm_fast(ext) -> bool:
+    """Whether this extension has a vectorized prompt GEMM (kernels/gguf_ops.py: then it takes the long prompts)."""
+    key = id(ext)
+    if key not in _prompt_fast:
+        _prompt_fast[key] = hasattr(ext, "gguf_linear_prompt") and bool(ext.gguf_prompt_gemm_fast())
+    return _prompt_fast[key]
+
+
 class GGUFLinear(_GGUFWeight):
     """y = x @ W.T (+ b), W held as GGUF blocks (one or more parts stacked along the output dim)."""
 
@@ -158,21 +170,25 @@ class GGUFLinear(_GGUFWeight):
         self.register_buffer("bias", bias)
 
     def _kernel(self, x2: torch.Tensor):
-        if x2.device.type != "cpu" or not all(use_kernel(t, x2.shape[0]) for t in self.part_types):
+        """The extension's function for this product (row kernel or prompt GEMM), or None: dequantize + GEMM."""
+        if x2.device.type != "cpu":
             return None
         ext = K.cpu_extension()
         if ext is None or not hasattr(ext, "gguf_linear"):
             return None
         if any(t not in _native_types(ext) for t in self.part_types):
             return None
-        return ext
+        how = gguf_ops.method(self.part_types, x2.shape[0], _prompt_gemm_fast(ext))
+        if how == "rows":
+            return ext.gguf_linear
+        return ext.gguf_linear_prompt if how == "prompt" else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        ext = self._kernel(x2)
-        if ext is not None:
+        fn = self._kernel(x2)
+        if fn is not None:
             parts = [(p.raw, p.type, p.rows, p.out_index) for p in self.gguf_parts]
-            out = ext.gguf_linear(x2.float().contiguous(), parts, self.out_features).to(x.dtype)
+            out = fn(x2.float().contiguous(), parts, self.out_features).to(x.dtype)
             if self.bias is not None:
                 out = out + self.bias
         else:

@@ -94,3 +94,18 @@ def test_bad_arguments_raise(x8_ext):
     x8 = x8_ext.gguf_repack(raw[:8].contiguous(), int(Q.Q4_K), 8, 256)
     with pytest.raises(RuntimeError, match="multiple of 8 rows"):
         x8_ext.gguf_linear(torch.randn(1, 256), [(x8.reshape(-1)[:x8.numel() // 8 * 4], int(Q.Q4_K) + X8, 4, None)], 4)
+
+
+@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [17, 63, 64, 200])
+def test_prompt_gemm_takes_x8_parts(x8_ext, qtype, m):
+    """gguf_linear_prompt on x8 parts (below 64 rows their own kernel, from 64 the stored layout put back for the
+    panel GEMM), with out_index, against the float64 reference."""
+    n, k = 24, 512
+    raw, x8 = repacked(x8_ext, qtype, n, k, seed=m)
+    cols = torch.randperm(n, generator=torch.Generator().manual_seed(m)).to(torch.int32)
+    w = np.empty((n, k))
+    w[cols.numpy()] = dequant_ref(raw, qtype)
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    y = x8_ext.gguf_linear_prompt(torch.from_numpy(x), [(x8, int(qtype) + X8, n, cols)], n).numpy()
+    assert rel_err(y, emulate_int8_x(x) @ w.T) <= TOL_EMULATED

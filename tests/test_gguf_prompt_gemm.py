@@ -1,0 +1,336 @@
+"""The prompt GEMM (kernels/cpu_gguf.cpp "prompt GEMM", `ext.gguf_linear_prompt`) against an independent reference.
+
+Reference, computed here in float64 from the inputs alone: gguf.quants.dequantize(W) times x rounded to int8 the
+way the kernels document it (per 32 values: q = round_half_even(x * 127 / amax), times amax / 127), so only fp32
+summation order separates the two: each output row must agree to 1e-5 of its norm. Every type, M across the
+microkernel's row blocks (17, 33, 100, 512), N not a multiple of the panel width, K a multiple of 256 and (32-value
+block types) not; out_index, multi-part linears; the standalone ISA builds (portable, AVX2, AVX-512 VNNI, NEON
+where qemu is); and a GGUF model end to end against its `--weights fp` twin.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+
+from edgellm.kernels import gguf_ops, matmul
+from tests.test_cpu_kernels import ext, start_builds, stop_builds  # noqa: F401  (ext: the extension fixture)
+from tests.test_gguf_kernels import K_QUANTS, KERNELS, TYPES, dequant_ref, make_weights
+
+ROW_TOL = 1e-5
+
+
+def int8_x(x: np.ndarray) -> np.ndarray:
+    """x rounded as the kernels round it, in float64: per 32 values amax, q = rint(x * (127 / amax)) (fp32 product,
+    round half to even), x ~ q * (amax / 127)."""
+    m, k = x.shape
+    xb = x.astype(np.float32).reshape(m, k // 32, 32)
+    amax = np.abs(xb).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax > 0, np.float32(127.0) / amax, np.float32(0.0)).astype(np.float32)
+    q = np.rint(xb * inv)
+    assert np.abs(q).max() <= 127
+    return (q.astype(np.float64) * (amax / np.float32(127.0)).astype(np.float32).astype(np.float64)).reshape(m, k)
+
+
+def reference(x: np.ndarray, parts: list[tuple[np.ndarray, Q, np.ndarray | None]], n_total: int) -> np.ndarray:
+    """float64 y [M, n_total] for parts (raw blocks, type, out_index or None), placed as gguf_linear places them."""
+    k = x.shape[1]
+    w = np.zeros((n_total, k))
+    offset = 0
+    for raw, qtype, idx in parts:
+        rows = dequant_ref(raw, qtype).astype(np.float64)
+        if idx is None:
+            w[offset:offset + rows.shape[0]] = rows
+        else:
+            w[idx] = rows
+        offset += rows.shape[0]
+    return int8_x(x) @ w.T
+
+
+def assert_rows_close(y, ref, what):
+    y = np.asarray(y, dtype=np.float64)
+    assert y.shape == ref.shape, what
+    err = np.linalg.norm(y - ref, axis=1) / np.maximum(np.linalg.norm(ref, axis=1), 1e-30)
+    assert err.max() <= ROW_TOL, (what, float(err.max()), int(err.argmax()))
+
+
+def _x(m, k, seed):
+    return np.random.default_rng(seed).standard_normal((m, k)).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------ the extension
+def _ks(qtype):
+    return [512, 2304] if qtype in K_QUANTS else [512, 800, 288]  # 800, 288: K % 256 != 0
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m", [17, 33, 100, 512])
+def test_prompt_gemm_matches_reference(ext, qtype, m):
+    for k in _ks(qtype):
+        n = 45 if m < 512 else 37  # not a multiple of the panel width (8 / 16)
+        raw = make_weights(qtype, n, k, seed=int(qtype) * 1000 + m + k)
+        x = _x(m, k, seed=m + k)
+        y = ext.gguf_linear_prompt(torch.from_numpy(x), [(torch.from_numpy(raw), int(qtype), n, None)], n).numpy()
+        assert_rows_close(y, reference(x, [(raw, qtype, None)], n), (qtype.name, m, n, k))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_prompt_gemm_out_index(ext, qtype):
+    k = 768 if qtype in K_QUANTS else 544
+    n, m = 70, 41
+    raw = make_weights(qtype, n, k, seed=int(qtype))
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(int(qtype))).to(torch.int32)
+    x = _x(m, k, seed=3)
+    y = ext.gguf_linear_prompt(torch.from_numpy(x), [(torch.from_numpy(raw), int(qtype), n, idx)], n).numpy()
+    assert_rows_close(y, reference(x, [(raw, qtype, idx.numpy())], n), qtype.name)
+
+
+def test_prompt_gemm_multi_part(ext):
+    """A fused linear as a Q4_K_M file has them (Q4_K + Q4_K + Q6_K parts), plus 32-value block parts: rows of
+    the first two interleaved over the columns by out_index (as llama.cpp's RoPE permutation of Q / K), the rest
+    at the running offset; x quantized once for all parts."""
+    k, m = 1024, 77
+    gen = torch.Generator().manual_seed(11)
+    specs = [(Q.Q4_K, 40), (Q.Q6_K, 24), (Q.Q5_0, 19), (Q.Q5_1, 8), (Q.Q6_K, 3)]
+    raws = [make_weights(t, r, k, seed=i) for i, (t, r) in enumerate(specs)]
+    perm = torch.randperm(64, generator=gen).to(torch.int32)
+    idxs = [perm[:40].clone(), perm[40:].clone(), None, None, None]
+    x = _x(m, k, seed=5)
+    n_total = sum(r for _, r in specs)
+    parts = [(torch.from_numpy(raw), int(t), r, idx) for raw, (t, r), idx in zip(raws, specs, idxs)]
+    y = ext.gguf_linear_prompt(torch.from_numpy(x), parts, n_total).numpy()
+    ref = reference(x, [(raw, t, None if idx is None else idx.numpy()) for raw, (t, _), idx in zip(raws, specs, idxs)],
+                    n_total)
+    assert_rows_close(y, ref, "multi-part")
+    # each part alone: the same bits in its columns
+    alone = ext.gguf_linear_prompt(torch.from_numpy(x), [(parts[0][0], int(Q.Q4_K), 40, None)], 40)
+    assert torch.equal(torch.from_numpy(y)[:, perm[:40].long()], alone)
+
+
+def test_prompt_gemm_close_to_the_row_kernel(ext):
+    """The same integer sums and scales as gguf_linear, summed in another order."""
+    k, n, m = 2048, 96, 64
+    raw = torch.from_numpy(make_weights(Q.Q4_K, n, k, seed=2))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(2))
+    parts = [(raw, int(Q.Q4_K), n, None)]
+    a, b = ext.gguf_linear(x, parts, n), ext.gguf_linear_prompt(x, parts, n)
+    assert_rows_close(b.numpy(), a.double().numpy(), "row kernel")
+
+
+def test_prompt_gemm_threads_do_not_change_results(ext):
+    raw = torch.from_numpy(make_weights(Q.Q6_K, 200, 1024, seed=4))
+    x = torch.randn(50, 1024, generator=torch.Generator().manual_seed(4))
+    parts = [(raw, int(Q.Q6_K), 200, None)]
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ext.gguf_linear_prompt(x, parts, 200)
+        torch.set_num_threads(max(2, old))
+        many = ext.gguf_linear_prompt(x, parts, 200)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, many)
+
+
+def test_prompt_gemm_zero_and_extreme_inputs(ext):
+    """All-zero blocks of x (amax 0), one huge value per block, and x of a single row past a block of rows."""
+    k, n = 512, 33
+    raw = make_weights(Q.Q5_K, n, k, seed=6)
+    x = _x(19, k, seed=6)
+    x[3] = 0.0
+    x[5, ::32] = 1e4
+    y = ext.gguf_linear_prompt(torch.from_numpy(x), [(torch.from_numpy(raw), int(Q.Q5_K), n, None)], n).numpy()
+    assert np.all(y[3] == 0.0)
+    assert_rows_close(np.delete(y, 3, 0), np.delete(reference(x, [(raw, Q.Q5_K, None)], n), 3, 0), "extreme")
+
+
+@pytest.mark.parametrize("bad", ["type", "k", "rows", "index"])
+def test_prompt_gemm_bad_arguments_raise(ext, bad):
+    raw = torch.from_numpy(make_weights(Q.Q4_K, 4, 256, seed=0))
+    x = torch.randn(20, 256)
+    calls = {
+        "type": lambda: ext.gguf_linear_prompt(x, [(raw, 10, 4, None)], 4),
+        "k": lambda: ext.gguf_linear_prompt(torch.randn(20, 288), [(raw, int(Q.Q4_K), 4, None)], 4),
+        "rows": lambda: ext.gguf_linear_prompt(x, [(raw, int(Q.Q4_K), 4, None)], 5),
+        "index": lambda: ext.gguf_linear_prompt(x, [(raw, int(Q.Q4_K), 4, torch.tensor([0, 1, 1, 2], dtype=torch.int32))], 4),
+    }
+    with pytest.raises((RuntimeError, ValueError, TypeError)):
+        calls[bad]()
+
+
+# ------------------------------------------------------------------------------------------------ dispatch
+def test_method_keeps_decode_and_verification_on_the_row_kernel():
+    q4k, q6k = int(Q.Q4_K), int(Q.Q6_K)
+    for rows in range(1, 17):
+        assert gguf_ops.method([q4k, q6k], rows, True) == "rows"
+    assert gguf_ops.method([q4k, q6k], 17, True) == "prompt"
+    assert gguf_ops.method([q4k], 512, True) == "prompt"
+    # builds without a vectorized prompt GEMM: the row kernel up to the measured rows, then dequantize + GEMM
+    assert gguf_ops.method([q4k], 64, False) == "rows" and gguf_ops.method([q4k], 65, False) == "dequantize"
+    assert gguf_ops.method([q4k, q6k], 33, False) == "dequantize"
+
+
+def test_gguf_linear_module_takes_each_path(ext, monkeypatch):
+    """GGUFLinear: 16 rows give gguf_linear's bits, 40 rows gguf_linear_prompt's where it is vectorized; with
+    PROMPT_GEMM off, the paths before it (row kernel, then dequantize + GEMM)."""
+    from edgellm.quant.gguf_linear import GGUFLinear, GGUFPart
+
+    k = 512
+    raw = make_weights(Q.Q4_K, 24, k, seed=8)
+    lin = GGUFLinear([GGUFPart(torch.from_numpy(raw), int(Q.Q4_K), 24)], k)
+    parts = [(torch.from_numpy(raw), int(Q.Q4_K), 24, None)]
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(8))
+    monkeypatch.setattr(matmul, "cpu_extension", lambda: ext)
+    with torch.no_grad():
+        assert torch.equal(lin(x[:16]), ext.gguf_linear(x[:16], parts, 24))
+        y = lin(x)
+    if ext.gguf_prompt_gemm_fast():
+        assert torch.equal(y, ext.gguf_linear_prompt(x, parts, 24))
+        assert_rows_close(y.numpy(), reference(x.numpy(), [(raw, Q.Q4_K, None)], 24), "module")
+    monkeypatch.setattr(gguf_ops, "PROMPT_GEMM", False)  # as before the prompt GEMM
+    x70 = torch.randn(70, k, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        assert torch.equal(lin(x), ext.gguf_linear(x, parts, 24))  # Q4_K: the row kernel up to 64 rows
+        w = torch.from_numpy(dequant_ref(raw, Q.Q4_K))
+        torch.testing.assert_close(lin(x70), F.linear(x70, w), rtol=1e-5, atol=1e-5)  # then dequantize + GEMM
+
+
+# ------------------------------------------------------------------------------------------------ ISA builds
+HARNESS = r"""
+#include <cstdint>
+#include <cstdio>
+#include <vector>
+#include "cpu_gguf.h"
+namespace edgellm { const char* isa_name(); }
+template <class T> static bool rd(FILE* f, T* p, size_t n) { return std::fread(p, sizeof(T), n, f) == n; }
+int main(int argc, char** argv) {
+  if (argc != 3) return 2;
+  FILE* in = std::fopen(argv[1], "rb");
+  FILE* out = std::fopen(argv[2], "wb");
+  if (!in || !out) return 2;
+  std::printf("isa %s fast %d\n", edgellm::isa_name(), (int)edgellm::gguf_prompt_gemm_fast());
+  int64_t hdr[5];  // type, M, N, K, has out_index
+  while (rd(in, hdr, 5)) {
+    const int type = (int)hdr[0];
+    const int64_t M = hdr[1], N = hdr[2], K = hdr[3], rb = edgellm::gguf_row_bytes(type, K);
+    std::vector<uint8_t> raw(N * rb);
+    std::vector<float> x(M * K), y(M * N, -1.0f);
+    std::vector<int32_t> idx(N);
+    if (!rd(in, raw.data(), raw.size()) || !rd(in, x.data(), x.size())) return 3;
+    if (hdr[4] && !rd(in, idx.data(), idx.size())) return 3;
+    const edgellm::GgufActs a = edgellm::gguf_quantize_acts(x.data(), M, K);
+    edgellm::gguf_gemm_prompt(a, raw.data(), type, N, K, y.data(), N, hdr[4] ? idx.data() : nullptr);
+    std::fwrite(y.data(), 4, y.size(), out);
+  }
+  std::fclose(out);
+  std::printf("done\n");
+  return 0;
+}
+"""
+# (type, M, N, K, out_index): every type at two row counts, K a multiple of 256 and not (32-value blocks)
+ISA_CASES = [(t, m, 21, k, m == 33) for t in TYPES for m in (17, 33) for k in _ks(t)[:2]] + \
+    [(Q.Q4_K, 130, 40, 2048, True), (Q.Q6_K, 130, 19, 1024, False)]
+
+
+@pytest.fixture(scope="module")
+def prompt_builds(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("gguf_prompt_isa")
+    src = folder / "harness.cpp"
+    src.write_text(HARNESS)
+    jobs = start_builds(folder, "prompt", lambda cxx, flags, exe: [
+        cxx, "-O2", "-std=c++17", "-DEDGELLM_STANDALONE", f"-I{KERNELS}", *flags, str(src),
+        str(KERNELS / "cpu_gguf.cpp"), str(KERNELS / "cpu_gguf_x8.cpp"), str(KERNELS / "cpu_kernels.cpp"), "-o",
+        str(exe)])
+    yield folder, jobs
+    stop_builds(jobs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni", "neon", "neon-dotprod"])
+def test_isa_builds_prompt_gemm_match_reference(prompt_builds, isa):
+    import subprocess
+
+    folder, jobs = prompt_builds
+    if isa not in jobs:
+        pytest.skip(f"no {isa} build here (needs the CPU, or aarch64-linux-gnu-g++ and qemu-aarch64 for NEON)")
+    proc, exe, runner = jobs[isa]
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out[-3000:]
+    cases, blob = [], bytearray()
+    for i, (t, m, n, k, with_idx) in enumerate(ISA_CASES):
+        raw = make_weights(t, n, k, seed=70 + i)
+        x = _x(m, k, seed=i)
+        idx = np.random.default_rng(i).permutation(n).astype(np.int32) if with_idx else None
+        cases.append((t, m, n, k, raw, x, idx))
+        blob += np.array([int(t), m, n, k, int(with_idx)], dtype=np.int64).tobytes() + raw.tobytes() + x.tobytes()
+        if with_idx:
+            blob += idx.tobytes()
+    (folder / f"cases-{isa}.bin").write_bytes(bytes(blob))
+    res = folder / f"out-{isa}.bin"
+    run = subprocess.run([*runner, str(exe), str(folder / f"cases-{isa}.bin"), str(res)], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.startswith(f"isa {isa} fast "), run.stdout[-2000:] + run.stderr[-2000:]
+    assert run.stdout.split()[3] == ("1" if isa in ("avx2", "avx512vnni") else "0")
+    data, pos = np.fromfile(res, dtype=np.float32), 0
+    for t, m, n, k, raw, x, idx in cases:
+        y, pos = data[pos:pos + m * n].reshape(m, n), pos + m * n
+        assert_rows_close(y, reference(x, [(raw, t, idx)], n), (isa, t.name, m, n, k, idx is not None))
+    assert pos == data.size
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+def _kl(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """KL(softmax b || softmax a) per position."""
+    p, q = torch.log_softmax(b.double(), -1), torch.log_softmax(a.double(), -1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+def test_prefill_logits_track_fp(tmp_path, monkeypatch):
+    """A Q4_K_M-like GGUF model (K-quant mix, fused Q/K/V and gate/up of mixed types, Q/K rows permuted by
+    out_index): a 150-token prefill through the prompt GEMM against the same file as `--weights fp`. The error
+    allowed is that of the int8 activations themselves: the same model with every GGUF linear computed in fp32 as
+    F.linear(x rounded to int8 per 32 values (emulated in torch), gguf.quants' weights) sets the bounds."""
+    from edgellm.loading import load_model
+    from edgellm.quant.gguf_linear import GGUFLinear
+    from tests.test_gguf_as_stored import K_MIX, SHAPE, _logits
+    from tests.fixtures.tiny import make_gguf, make_hf_model
+
+    e = matmul.cpu_extension()
+    if e is None or not hasattr(e, "gguf_linear_prompt"):
+        pytest.fail("the C++ GGUF kernels did not build")
+    folder = make_hf_model(tmp_path / "hf", "llama_gqa", seed=3, **SHAPE)
+    path = make_gguf(folder, tmp_path / "kmix.gguf", quant_types=K_MIX, seed=7)
+    ids = [(7 * i + 3) % 250 + 3 for i in range(151)]
+    fp = _logits(load_model(path, weights="fp"), ids)
+    auto = load_model(path, weights="auto")
+    rows = []
+    real = GGUFLinear._kernel
+
+    def spy(self, x2):
+        fn = real(self, x2)
+        rows.append((x2.shape[0], getattr(fn, "__name__", None)))
+        return fn
+
+    monkeypatch.setattr(GGUFLinear, "_kernel", spy)
+    new = _logits(auto, ids)
+    if e.gguf_prompt_gemm_fast():
+        assert {r for r in rows if r[0] == 150} == {(150, "gguf_linear_prompt")}
+    assert {r for r in rows if r[0] == 1} == {(1, "gguf_linear")}
+
+    def emulated(self, x):
+        xb = x.float().reshape(*x.shape[:-1], -1, 32)
+        amax = xb.abs().amax(-1, keepdim=True)
+        inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+        xq = (torch.round(xb * inv) * (amax / 127.0)).reshape(x.shape)
+        return F.linear(xq, self.dequantized_weight(torch.float32), self.bias)
+
+    monkeypatch.setattr(GGUFLinear, "forward", emulated)
+    emu = _logits(auto, ids)
+    for got, ref, want in zip(new, emu, fp):
+        kl_new, kl_emu = _kl(got, want), _kl(ref, want)
+        assert kl_new.mean() <= 1.25 * kl_emu.mean() + 1e-4, (kl_new.mean(), kl_emu.mean())
+        assert kl_new.max() <= 2.0 * kl_emu.max() + 1e-3, (kl_new.max(), kl_emu.max())
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
