@@ -1160,7 +1160,32 @@ inline void prompt_write(const float* out, float* y, int64_t ldy, int64_t m0, in
   }
 }
 
+#ifdef EDGELLM_G_AVX2
+// The same panel from x8 groups (cpu_gguf_x8.cpp): rows n0 .. n0 + nvalid (whole groups, in stored order).
 template <int TYPE>
+void build_panel_x8(const uint8_t* x8, int64_t n0, int nvalid, int64_t K, int64_t k0, int64_t kc, const Panel& P) {
+  constexpr int NR = P_NR;
+  const int64_t xb = gguf_x8_bytes(TYPE), gbytes = K / 256 * xb;
+  for (int64_t u0 = 0; u0 < kc; u0 += 256) {
+    const int64_t s = (k0 + u0) / 256, sl = u0 / 256;  // super-block, and its place in the panel
+    for (int gi = 0; gi < NR / 8; ++gi) {
+      uint8_t* codes = P.codes + sl * 8 * 8 * NR * 4 + gi * 32;
+      float* ws = P.ws + (TYPE == GGUF_Q6_K ? 16 : 8) * sl * NR + gi * 8;
+      float* wm = P.wm + 8 * sl * NR + gi * 8;
+      if (8 * gi >= nvalid) {  // past the part's last group: zeros
+        for (int jg = 0; jg < 64; ++jg) std::memset(codes + jg * NR * 4, 0, 32);
+        for (int t = 0; t < (TYPE == GGUF_Q6_K ? 16 : 8); ++t) std::memset(ws + t * NR, 0, 32);
+        if (TYPE != GGUF_Q6_K)
+          for (int j = 0; j < 8; ++j) std::memset(wm + j * NR, 0, 32);
+        continue;
+      }
+      gguf_x8_panel_sb(x8 + (n0 / 8 + gi) * gbytes + s * xb, TYPE, codes, NR * 4, ws, wm, NR);
+    }
+  }
+}
+#endif
+
+template <int TYPE, bool X8 = false>
 void prompt_range(const PromptActs& A, const uint8_t* blocks, int64_t N, const int32_t* rows, const int32_t* cols,
                   int64_t p0, int64_t p1, int64_t kc, float* y, int64_t ldy) {
   constexpr int NR = P_NR;
@@ -1172,8 +1197,12 @@ void prompt_range(const PromptActs& A, const uint8_t* blocks, int64_t N, const i
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * NR;
       const int nvalid = (int)std::min<int64_t>(NR, N - n0);
-      build_panel<TYPE>(blocks, rb, rows + n0, nvalid, k0, kn, P);
-      if (p + 1 < p1) {  // the next panel's first 256 values, while this one runs
+#ifdef EDGELLM_G_AVX2
+      if (X8) build_panel_x8<TYPE>(blocks, n0, nvalid, K, k0, kn, P);
+      else
+#endif
+        build_panel<TYPE>(blocks, rb, rows + n0, nvalid, k0, kn, P);
+      if (!X8 && p + 1 < p1) {  // the next panel's first 256 values, while this one runs
         using F = Fmt<TYPE>;
         const int64_t len = 256 / F::QV * F::BYTES, at = k0 / F::QV * F::BYTES;
         for (int64_t r = n0 + NR; r < std::min<int64_t>(N, n0 + 2 * NR); ++r)
@@ -1194,16 +1223,19 @@ void prompt_range(const PromptActs& A, const uint8_t* blocks, int64_t N, const i
   }
 }
 
-template <int TYPE> struct PromptOp {
+template <int TYPE, bool X8 = false> struct PromptOp {
   static void run(const GgufActs& a, const uint8_t* blocks, int64_t N, float* y, int64_t ldy, const int32_t* idx) {
     if (!prompt_native<TYPE>()) {
       GemmOp<TYPE>::run(a, blocks, N, y, ldy, idx);
       return;
     }
     const PromptActs A = prompt_acts<TYPE>(a);
-    // the stored rows in the order of their output columns (ascending), so panels write runs of columns
+    // the stored rows in the order of their output columns (ascending), so panels write runs of columns (x8 parts:
+    // in stored order, their groups being the panels' rows)
     std::vector<int32_t> rows((size_t)N), cols((size_t)N);
-    if (idx) {
+    if (idx && X8) {
+      for (int64_t n = 0; n < N; ++n) rows[(size_t)n] = (int32_t)n, cols[(size_t)n] = idx[n];
+    } else if (idx) {
       std::vector<int64_t> key((size_t)N);
       for (int64_t n = 0; n < N; ++n) key[(size_t)n] = ((int64_t)idx[n] << 32) | n;
       std::sort(key.begin(), key.end());
@@ -1219,8 +1251,14 @@ template <int TYPE> struct PromptOp {
     const int64_t kc = std::min<int64_t>(a.K, std::max<int64_t>(256, (524288 / std::max<int64_t>(A.Mp, 1)) / 256 * 256));
     const int64_t npanel = (N + P_NR - 1) / P_NR;
     parallel_run(0, npanel, 1, [&](int64_t p0, int64_t p1) {
-      prompt_range<TYPE>(A, blocks, N, rows.data(), cols.data(), p0, p1, kc, y, ldy);
+      prompt_range<TYPE, X8>(A, blocks, N, rows.data(), cols.data(), p0, p1, kc, y, ldy);
     });
+  }
+};
+
+template <int TYPE> struct PromptX8Op {
+  static void run(const GgufActs& a, const uint8_t* x8, int64_t N, float* y, int64_t ldy, const int32_t* idx) {
+    PromptOp<TYPE, true>::run(a, x8, N, y, ldy, idx);
   }
 };
 // ================================================================================================ end prompt GEMM
@@ -1313,26 +1351,16 @@ void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K,
 }
 
 // ------------------------------------------------------------------------------------------------ prompt GEMM
-// From how many activation rows an x8 part leaves its own kernel for the prompt GEMM.
-constexpr int64_t X8_PROMPT_MIN_ROWS = 64;
-
 void gguf_gemm_prompt(const GgufActs& acts, const uint8_t* blocks, int type, int64_t N, int64_t K, float* y,
                       int64_t ldy, const int32_t* out_index) {
   if (N <= 0 || acts.M <= 0 || K != acts.K || !gguf_supported(type) || K % gguf_block_values(type) != 0) return;
   if (type > GGUF_X8) {
     if (N % 8 != 0) return;
-    // x8 parts: short chunks take the x8 kernel; longer ones are put back in the stored layout for this GEMM (~1 ms
-    // a 2048 x 2048 Q4_K against ~14 ms of GEMM at M = 512, and 290-300 GOP/s against the x8 kernel's 210 / 110
-    // for Q4_K / Q6_K, one thread)
-    if (acts.M < X8_PROMPT_MIN_ROWS) {
-      gguf_gemm_x8(acts, blocks, type - GGUF_X8, N, y, ldy, out_index);
-      return;
-    }
-    static thread_local std::vector<uint8_t> raw;
-    const size_t bytes = (size_t)gguf_row_bytes(type - GGUF_X8, K) * (size_t)N;
-    if (raw.size() < bytes) raw.resize(bytes);
-    gguf_unrepack_x8(blocks, type - GGUF_X8, N, K, raw.data());
-    dispatch<PromptOp>(type - GGUF_X8, acts, raw.data(), N, y, ldy, out_index);
+    // x8 parts: panels built from the x8 groups (at M = 17 .. 512 as fast as from the stored blocks, and 1-2x the
+    // x8 row kernel: Q4_K 230-280 GOP/s against 160-230, Q6_K 100-230 against 90-110, one thread)
+    if (type - GGUF_X8 == GGUF_Q4_K) PromptX8Op<GGUF_Q4_K>::run(acts, blocks, N, y, ldy, out_index);
+    else if (type - GGUF_X8 == GGUF_Q5_K) PromptX8Op<GGUF_Q5_K>::run(acts, blocks, N, y, ldy, out_index);
+    else if (type - GGUF_X8 == GGUF_Q6_K) PromptX8Op<GGUF_Q6_K>::run(acts, blocks, N, y, ldy, out_index);
     return;
   }
   dispatch<PromptOp>(type, acts, blocks, N, y, ldy, out_index);

@@ -63,5 +63,10 @@ void gguf_repack_x8(const uint8_t* raw, int base_type, int64_t N, int64_t K, uin
 void gguf_unrepack_x8(const uint8_t* x8, int base_type, int64_t N, int64_t K, uint8_t* raw);
 void gguf_gemm_x8(const GgufActs& acts, const uint8_t* x8, int base_type, int64_t N, float* y, int64_t ldy,
                   const int32_t* out_index);
+// One x8 super-block (8 rows x 256 values) as the prompt GEMM's panels hold it (AVX2 builds): the u8 codes of sub-block
+// j, 4-value group g, rows 0..7 (32 bytes) at codes + (8 j + g) * cstride; the fp32 scales d sc of sub-block j (Q6_K:
+// of 16-value sub-block t) at ws + j (t) * wstride, and -(dmin m) at wm + j * wstride (Q4_K / Q5_K).
+void gguf_x8_panel_sb(const uint8_t* sb, int base_type, uint8_t* codes, int64_t cstride, float* ws, float* wm,
+                      int64_t wstride);
 
 }  // namespace edgellm

@@ -357,9 +357,59 @@ void gemm_x8(const GgufActs& a, const uint8_t* x8, int64_t N, float* y, int64_t 
     }
   });
 }
+template <int TYPE>
+void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, float* wm, int64_t wstride) {
+  if (TYPE == GGUF_Q6_K) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; ++h)
+      for (int g = 0; g < 8; ++g) {  // as group_q6k decodes them
+        const uint8_t* p = o + 144 + (h * 8 + g) * 96;
+        const __m256i v0 = _mm256_loadu_si256((const __m256i*)p), v1 = _mm256_loadu_si256((const __m256i*)(p + 32));
+        const __m256i hq = _mm256_loadu_si256((const __m256i*)(p + 64));
+        const __m256i u[4] = {
+            _mm256_or_si256(_mm256_and_si256(v0, m4), _mm256_and_si256(_mm256_slli_epi16(hq, 4), m3)),
+            _mm256_or_si256(_mm256_and_si256(v1, m4), _mm256_and_si256(_mm256_slli_epi16(hq, 2), m3)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v0, 4), m4), _mm256_and_si256(hq, m3)),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(hq, 2), m3))};
+        for (int j = 0; j < 4; ++j) _mm256_storeu_si256((__m256i*)(codes + ((4 * h + j) * 8 + g) * cstride), u[j]);
+      }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
+    for (int t = 0; t < 16; ++t)
+      _mm256_storeu_ps(ws + t * wstride, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                              _mm_loadl_epi64((const __m128i*)(o + 16 + 8 * t))))));
+    return;
+  }
+  for (int k = 0; k < 4; ++k)
+    for (int g = 0; g < 8; ++g) {
+      __m256i lo, hi;
+      codes_k<TYPE>(o, k, g, lo, hi);
+      _mm256_storeu_si256((__m256i*)(codes + (2 * k * 8 + g) * cstride), lo);
+      _mm256_storeu_si256((__m256i*)(codes + ((2 * k + 1) * 8 + g) * cstride), hi);
+    }
+  const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
+  const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 16)));
+  for (int j = 0; j < 8; ++j) {
+    _mm256_storeu_ps(ws + j * wstride, _mm256_mul_ps(d, u8x8_ps(o + 32 + 8 * j)));
+    _mm256_storeu_ps(wm + j * wstride, _mm256_xor_ps(_mm256_mul_ps(dm, u8x8_ps(o + 96 + 8 * j)), _mm256_set1_ps(-0.0f)));
+  }
+}
 #endif  // EDGELLM_X8
 
 }  // namespace
+
+void gguf_x8_panel_sb(const uint8_t* sb, int base_type, uint8_t* codes, int64_t cstride, float* ws, float* wm,
+                      int64_t wstride) {
+#ifdef EDGELLM_X8
+  switch (base_type) {
+    case GGUF_Q4_K: panel_sb<GGUF_Q4_K>(sb, codes, cstride, ws, wm, wstride); break;
+    case GGUF_Q5_K: panel_sb<GGUF_Q5_K>(sb, codes, cstride, ws, wm, wstride); break;
+    case GGUF_Q6_K: panel_sb<GGUF_Q6_K>(sb, codes, cstride, ws, wm, wstride); break;
+    default: break;
+  }
+#else
+  (void)sb; (void)base_type; (void)codes; (void)cstride; (void)ws; (void)wm; (void)wstride;
+#endif
+}
 
 bool gguf_x8_supported(int base_type) {
 #ifdef EDGELLM_X8

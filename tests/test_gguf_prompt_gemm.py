@@ -224,6 +224,19 @@ int main(int argc, char** argv) {
     const edgellm::GgufActs a = edgellm::gguf_quantize_acts(x.data(), M, K);
     edgellm::gguf_gemm_prompt(a, raw.data(), type, N, K, y.data(), N, hdr[4] ? idx.data() : nullptr);
     std::fwrite(y.data(), 4, y.size(), out);
+    // the first N / 8 * 8 rows repacked (x8), where this build has that layout: n8 (as a float), y8 [M, N] (the
+    // columns of those rows written, the rest left at -1)
+    const int64_t n8 = edgellm::gguf_x8_supported(type) ? N / 8 * 8 : 0;
+    std::vector<float> y8(M * N, -1.0f);
+    if (n8) {
+      std::vector<uint8_t> x8(n8 * edgellm::gguf_row_bytes(type + edgellm::GGUF_X8, K));
+      edgellm::gguf_repack_x8(raw.data(), type, n8, K, x8.data());
+      edgellm::gguf_gemm_prompt(a, x8.data(), type + edgellm::GGUF_X8, n8, K, y8.data(), N,
+                                hdr[4] ? idx.data() : nullptr);
+    }
+    const float n8f = (float)n8;
+    std::fwrite(&n8f, 4, 1, out);
+    std::fwrite(y8.data(), 4, y8.size(), out);
   }
   std::fclose(out);
   std::printf("done\n");
@@ -277,7 +290,15 @@ def test_isa_builds_prompt_gemm_match_reference(prompt_builds, isa):
     data, pos = np.fromfile(res, dtype=np.float32), 0
     for t, m, n, k, raw, x, idx in cases:
         y, pos = data[pos:pos + m * n].reshape(m, n), pos + m * n
-        assert_rows_close(y, reference(x, [(raw, t, idx)], n), (isa, t.name, m, n, k, idx is not None))
+        ref = reference(x, [(raw, t, idx)], n)
+        assert_rows_close(y, ref, (isa, t.name, m, n, k, idx is not None))
+        n8, pos = int(data[pos]), pos + 1
+        y8, pos = data[pos:pos + m * n].reshape(m, n), pos + m * n
+        # the x8 layout (cpu_gguf_x8.cpp): the AVX2 / VNNI builds' K-quants, their panels built from 8-row groups
+        assert n8 == (n // 8 * 8 if isa in ("avx2", "avx512vnni") and t in (Q.Q4_K, Q.Q5_K, Q.Q6_K) else 0)
+        if n8:
+            cols = (idx if idx is not None else np.arange(n))[:n8]
+            assert_rows_close(y8[:, cols], ref[:, cols], (isa, t.name, m, n, k, "x8"))
     assert pos == data.size
 
 

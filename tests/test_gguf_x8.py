@@ -97,10 +97,10 @@ def test_bad_arguments_raise(x8_ext):
 
 
 @pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
-@pytest.mark.parametrize("m", [17, 63, 64, 200])
+@pytest.mark.parametrize("m", [1, 9, 17, 64, 200])
 def test_prompt_gemm_takes_x8_parts(x8_ext, qtype, m):
-    """gguf_linear_prompt on x8 parts (below 64 rows their own kernel, from 64 the stored layout put back for the
-    panel GEMM), with out_index, against the float64 reference."""
+    """gguf_linear_prompt on x8 parts (the panel GEMM, its panels built from the x8 groups), with out_index, a
+    partial last panel (N = 24: 1.5 panels of 16 rows on AVX-512), against the float64 reference."""
     n, k = 24, 512
     raw, x8 = repacked(x8_ext, qtype, n, k, seed=m)
     cols = torch.randperm(n, generator=torch.Generator().manual_seed(m)).to(torch.int32)
