@@ -77,6 +77,18 @@ def test_prompt_gemm_matches_reference(ext, qtype, m):
         assert_rows_close(y, reference(x, [(raw, qtype, None)], n), (qtype.name, m, n, k))
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
+def test_prompt_gemm_any_row_count(ext, qtype):
+    """Every row count of a last partial block of rows (1 .. 9; the decode sizes take the row kernel in the model,
+    but the function serves any M)."""
+    k, n = 512, 23
+    raw = make_weights(qtype, n, k, seed=int(qtype) + 5)
+    for m in range(1, 10):
+        x = _x(m, k, seed=m)
+        y = ext.gguf_linear_prompt(torch.from_numpy(x), [(torch.from_numpy(raw), int(qtype), n, None)], n).numpy()
+        assert_rows_close(y, reference(x, [(raw, qtype, None)], n), (qtype.name, m))
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_prompt_gemm_out_index(ext, qtype):
     k = 768 if qtype in K_QUANTS else 544
