@@ -77,6 +77,32 @@ def test_prompt_gemm_matches_reference(ext, qtype, m):
         assert_rows_close(y, reference(x, [(raw, qtype, None)], n), (qtype.name, m, n, k))
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
+def test_prompt_gemm_any_row_count(ext, qtype):
+    """Every row count of a last partial block of rows (1 .. 9; the decode sizes take the row kernel in the model,
+    but the function serves any M)."""
+    k, n = 512, 23
+    raw = make_weights(qtype, n, k, seed=int(qtype) + 5)
+    for m in range(1, 10):
+        x = _x(m, k, seed=m)
+        y = ext.gguf_linear_prompt(torch.from_numpy(x), [(torch.from_numpy(raw), int(qtype), n, None)], n).numpy()
+        assert_rows_close(y, reference(x, [(raw, qtype, None)], n), (qtype.name, m))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_prompt_gemm_several_blocks_of_k(ext, qtype):
+    """Long prompts split K into blocks (x block of ~2 MiB: 600 rows -> 3328 values), the first block's partial
+    products stored and the next added, here with out_index (scattered columns) and, for the 32-value block types,
+    a last block that ends inside a group of 8 blocks."""
+    m, n = 600, 20
+    k = 4608 if qtype in K_QUANTS else 4384
+    raw = make_weights(qtype, n, k, seed=int(qtype) + 9)
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(3)).to(torch.int32)
+    x = _x(m, k, seed=int(qtype))
+    y = ext.gguf_linear_prompt(torch.from_numpy(x), [(torch.from_numpy(raw), int(qtype), n, idx)], n).numpy()
+    assert_rows_close(y, reference(x, [(raw, qtype, idx.numpy())], n), qtype.name)
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_prompt_gemm_out_index(ext, qtype):
     k = 768 if qtype in K_QUANTS else 544
@@ -243,9 +269,11 @@ int main(int argc, char** argv) {
   return 0;
 }
 """
-# (type, M, N, K, out_index): every type at two row counts, K a multiple of 256 and not (32-value blocks)
+# (type, M, N, K, out_index): every type at two row counts, K a multiple of 256 and not (32-value blocks), and
+# prompts long enough to split K into blocks
 ISA_CASES = [(t, m, 21, k, m == 33) for t in TYPES for m in (17, 33) for k in _ks(t)[:2]] + \
-    [(Q.Q4_K, 130, 40, 2048, True), (Q.Q6_K, 130, 19, 1024, False)]
+    [(Q.Q4_K, 130, 40, 2048, True), (Q.Q6_K, 130, 19, 1024, False),  # several blocks of K:
+     (Q.Q6_K, 600, 20, 4608, True), (Q.Q5_0, 600, 9, 4384, False)]
 
 
 @pytest.fixture(scope="module")
