@@ -2,7 +2,7 @@
 file (so each peak RSS is that engine's alone), the engines interleaved file by file.
 
     python benchmarks/gguf_vs_llamacpp.py FILE.gguf [FILE.gguf ...] --peer-python /tmp/peer/bin/python \
-        [--json benchmarks/results/gguf-vs-llamacpp.json]
+        [--rounds 3] [--json benchmarks/results/gguf-vs-llamacpp.json [--merge]]
 
 Per file and engine: load time (file → ready), peak RSS (the child's ru_maxrss), decode tok/s (128 greedy tokens
 after a short chat prompt, median of 3), TTFT of a 512- and a 2048-token prompt (GPL-3 text, median of 3 / 2),
@@ -108,6 +108,18 @@ def measure(python: str, engine: str, path: str) -> dict:
     return result
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """One engine's runs on a file → each numeric metric's median (the text fields of the first run)."""
+    ok = [r for r in runs if "error" not in r]
+    if not ok:
+        return runs[0]
+    out = dict(ok[0])
+    for key, value in ok[0].items():
+        if isinstance(value, (int, float)):
+            out[key] = statistics.median(r[key] for r in ok)
+    return out
+
+
 def cpu_flags() -> list[str]:
     with open("/proc/cpuinfo") as f:
         flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
@@ -121,6 +133,9 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--merge", action="store_true",
                     help="keep the --json file's rows of other files (each row carries its own date and load)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="measure each engine this many times per file, alternating which goes first; the row holds "
+                         "each metric's median and the runs (a shared machine's memory bandwidth drifts)")
     ap.add_argument("--child", nargs=2, metavar=("ENGINE", "FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -129,11 +144,17 @@ def main() -> None:
         return
     rows = []
     for f in args.files:
-        ours = measure(sys.executable, "edgellm", f)
-        theirs = measure(args.peer_python, "llama.cpp", f)
+        runs: dict[str, list[dict]] = {"edgellm": [], "llama.cpp": []}
+        for r in range(args.rounds):
+            order = [("edgellm", sys.executable), ("llama.cpp", args.peer_python)]
+            for engine, python in (order if r % 2 == 0 else order[::-1]):
+                runs[engine].append(measure(python, engine, f))
+        ours, theirs = (_median_run(runs[e]) for e in ("edgellm", "llama.cpp"))
         row = {"file": Path(f).name, "file_bytes": Path(f).stat().st_size, "edgellm": ours, "llama.cpp": theirs,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "load_average": [round(v, 2) for v in os.getloadavg()]}
+        if args.rounds > 1:
+            row["runs"] = runs
         if "error" not in ours and "error" not in theirs:
             row["ratio"] = {"decode": ours["decode_tok_s"] / theirs["decode_tok_s"],
                             "ttft_512": ours["ttft_512_s"] / theirs["ttft_512_s"],
