@@ -28,7 +28,7 @@ CTX = 2560
 THREADS = 2
 
 
-def child_edgellm(path: str) -> dict:
+def child_edgellm(path: str, decode_only: bool = False) -> dict:
     import time
 
     t0 = time.perf_counter()
@@ -45,6 +45,8 @@ def child_edgellm(path: str) -> dict:
     chat_ids = tok.encode_chat([{"role": "user", "content": CHAT}])
     run_once(engine, chat_ids, 8)  # warm-up: lazy kernel builds, first-touch of the weights
     decode = [run_once(engine, chat_ids, 128)[0].decode_tok_s for _ in range(3)]
+    if decode_only:
+        return {"load_s": load_s, "decode_tok_s": statistics.median(decode), "runs_as": loaded.runs_as_text()}
     ttft512 = [run_once(engine, text_ids[:512], 1)[0].ttft_s for _ in range(3)]
     ttft2048 = [run_once(engine, text_ids[:2048], 1)[0].ttft_s for _ in range(2)]
     return {"load_s": load_s, "decode_tok_s": statistics.median(decode), "ttft_512_s": statistics.median(ttft512),
@@ -52,7 +54,7 @@ def child_edgellm(path: str) -> dict:
             "path": str(engine.decode_path)}
 
 
-def child_llamacpp(path: str) -> dict:
+def child_llamacpp(path: str, decode_only: bool = False) -> dict:
     import time
 
     t0 = time.perf_counter()
@@ -77,15 +79,18 @@ def child_llamacpp(path: str) -> dict:
 
     run(chat_ids, 8)
     decode = [run(chat_ids, 128)[1] for _ in range(3)]
+    if decode_only:
+        return {"load_s": load_s, "decode_tok_s": statistics.median(decode)}
     ttft512 = [run(text_ids[:512], 1)[0] for _ in range(3)]
     ttft2048 = [run(text_ids[:2048], 1)[0] for _ in range(2)]
     return {"load_s": load_s, "decode_tok_s": statistics.median(decode), "ttft_512_s": statistics.median(ttft512),
             "ttft_2048_s": statistics.median(ttft2048)}
 
 
-def measure(python: str, engine: str, path: str) -> dict:
+def measure(python: str, engine: str, path: str, decode_only: bool = False) -> dict:
     """One engine on one file in a fresh process: its JSON line plus its own peak RSS (wait4's rusage)."""
-    proc = subprocess.Popen([python, __file__, "--child", engine, path], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([python, __file__, "--child", engine, path] + (["--decode-only"] if decode_only else []),
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     out_chunks: list[str] = []
     err_chunks: list[str] = []
@@ -136,11 +141,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1,
                     help="measure each engine this many times per file, alternating which goes first; the row holds "
                          "each metric's median and the runs (a shared machine's memory bandwidth drifts)")
+    ap.add_argument("--decode-only", action="store_true", help="load and decode only (no TTFT runs): quick "
+                    "repeated rounds for the decode ratio")
     ap.add_argument("--child", nargs=2, metavar=("ENGINE", "FILE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         fn = child_edgellm if args.child[0] == "edgellm" else child_llamacpp
-        print(json.dumps(fn(args.child[1])))
+        print(json.dumps(fn(args.child[1], args.decode_only)))
         return
     rows = []
     for f in args.files:
@@ -148,14 +155,18 @@ def main() -> None:
         for r in range(args.rounds):
             order = [("edgellm", sys.executable), ("llama.cpp", args.peer_python)]
             for engine, python in (order if r % 2 == 0 else order[::-1]):
-                runs[engine].append(measure(python, engine, f))
+                runs[engine].append(measure(python, engine, f, args.decode_only))
         ours, theirs = (_median_run(runs[e]) for e in ("edgellm", "llama.cpp"))
         row = {"file": Path(f).name, "file_bytes": Path(f).stat().st_size, "edgellm": ours, "llama.cpp": theirs,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "load_average": [round(v, 2) for v in os.getloadavg()]}
         if args.rounds > 1:
             row["runs"] = runs
-        if "error" not in ours and "error" not in theirs:
+        if args.decode_only and "error" not in ours and "error" not in theirs:
+            row["ratio"] = {"decode": ours["decode_tok_s"] / theirs["decode_tok_s"],
+                            "rss": ours["peak_rss_bytes"] / theirs["peak_rss_bytes"],
+                            "load": ours["load_s"] / theirs["load_s"]}
+        elif "error" not in ours and "error" not in theirs:
             row["ratio"] = {"decode": ours["decode_tok_s"] / theirs["decode_tok_s"],
                             "ttft_512": ours["ttft_512_s"] / theirs["ttft_512_s"],
                             "ttft_2048": ours["ttft_2048_s"] / theirs["ttft_2048_s"],
