@@ -310,21 +310,20 @@ class GGUFFile:
         """Drop this tensor's pages from the process (they stay in the page cache and fault back in if read
         again): for tensors copied into another layout at load, so the copy and the mapped original are not
         both resident."""
-        if not hasattr(mmap, "MADV_DONTNEED"):
-            return
         t = self.tensors[name]
-        page = mmap.PAGESIZE
-        start, end = -(-t.offset // page) * page, (t.offset + t.n_bytes) // page * page
-        if end > start:
-            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+        self._release(t.offset, t.n_bytes)
 
     def release_view(self, view) -> None:
         """`release` for any view of the mapped file (a numpy array or a CPU tensor from `data`); others are left."""
         address = view.data_ptr() if hasattr(view, "data_ptr") else view.ctypes.data
         nbytes = view.numel() * view.element_size() if hasattr(view, "numel") else view.nbytes
-        base = np.frombuffer(self._map, dtype=np.uint8).ctypes.data
-        offset = address - base
-        if not hasattr(mmap, "MADV_DONTNEED") or offset < 0 or offset + nbytes > len(self._map):
+        offset = address - np.frombuffer(self._map, dtype=np.uint8).ctypes.data
+        if 0 <= offset and offset + nbytes <= len(self._map):
+            self._release(offset, nbytes)
+
+    def _release(self, offset: int, nbytes: int) -> None:
+        """madvise(DONTNEED) on the whole pages inside [offset, offset + nbytes) of the map."""
+        if not hasattr(mmap, "MADV_DONTNEED"):
             return
         page = mmap.PAGESIZE
         start, end = -(-offset // page) * page, (offset + nbytes) // page * page

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "half.h"
+#include "simd_transpose.h"
 
 #if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || (defined(__FMA__) && defined(__F16C__)))
 #define EDGELLM_G_AVX2 1
@@ -798,28 +799,6 @@ uint8_t* prompt_acts_buffer(size_t bytes) {
   return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
 }
 
-#ifdef EDGELLM_G_AVX2
-// r[g] = dword g of rows 0..7 (an 8 x 8 transpose of 32-bit lanes)
-inline void transpose8x8_epi32(__m256i r[8]) {
-  const __m256i t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
-  const __m256i t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
-  const __m256i t4 = _mm256_unpacklo_epi32(r[4], r[5]), t5 = _mm256_unpackhi_epi32(r[4], r[5]);
-  const __m256i t6 = _mm256_unpacklo_epi32(r[6], r[7]), t7 = _mm256_unpackhi_epi32(r[6], r[7]);
-  const __m256i s0 = _mm256_unpacklo_epi64(t0, t2), s1 = _mm256_unpackhi_epi64(t0, t2);
-  const __m256i s2 = _mm256_unpacklo_epi64(t1, t3), s3 = _mm256_unpackhi_epi64(t1, t3);
-  const __m256i s4 = _mm256_unpacklo_epi64(t4, t6), s5 = _mm256_unpackhi_epi64(t4, t6);
-  const __m256i s6 = _mm256_unpacklo_epi64(t5, t7), s7 = _mm256_unpackhi_epi64(t5, t7);
-  r[0] = _mm256_permute2x128_si256(s0, s4, 0x20);
-  r[1] = _mm256_permute2x128_si256(s1, s5, 0x20);
-  r[2] = _mm256_permute2x128_si256(s2, s6, 0x20);
-  r[3] = _mm256_permute2x128_si256(s3, s7, 0x20);
-  r[4] = _mm256_permute2x128_si256(s0, s4, 0x31);
-  r[5] = _mm256_permute2x128_si256(s1, s5, 0x31);
-  r[6] = _mm256_permute2x128_si256(s2, s6, 0x31);
-  r[7] = _mm256_permute2x128_si256(s3, s7, 0x31);
-}
-
-#endif
 
 template <int TYPE>
 PromptActs prompt_acts(const GgufActs& a) {

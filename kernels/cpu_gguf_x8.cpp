@@ -19,10 +19,12 @@
 #include <algorithm>
 #include <cstring>
 #include <functional>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_gguf.h"
 #include "half.h"
+#include "simd_transpose.h"
 
 #if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__)
 #include <immintrin.h>
@@ -45,6 +47,17 @@ template <int TYPE> struct Raw;
 template <> struct Raw<GGUF_Q4_K> { static constexpr int64_t BYTES = 144, XB = 1184, QS = 16; };
 template <> struct Raw<GGUF_Q5_K> { static constexpr int64_t BYTES = 176, XB = 1440, QS = 48, QH = 16; };
 template <> struct Raw<GGUF_Q6_K> { static constexpr int64_t BYTES = 210, XB = 1680, QS = 0; };
+
+// f(std::integral_constant<int, TYPE>()) for a K-quant base type (nothing for the others).
+template <class F>
+void on_kquant(int base_type, F&& f) {
+  switch (base_type) {
+    case GGUF_Q4_K: f(std::integral_constant<int, GGUF_Q4_K>()); break;
+    case GGUF_Q5_K: f(std::integral_constant<int, GGUF_Q5_K>()); break;
+    case GGUF_Q6_K: f(std::integral_constant<int, GGUF_Q6_K>()); break;
+    default: break;
+  }
+}
 
 // ggml's get_scale_min_k4 for all 8 sub-blocks: out[0..7] scales, out[8..15] mins
 inline void kquant_scales6(const uint8_t* s, uint8_t out[16]) {
@@ -71,19 +84,8 @@ inline void transpose8(const uint8_t* const in[8], uint8_t* const out[8]) {
 #if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__)
   __m256i v[8];
   for (int i = 0; i < 8; ++i) v[i] = _mm256_loadu_si256((const __m256i*)in[i]);
-  const __m256i a0 = _mm256_unpacklo_epi32(v[0], v[1]), a1 = _mm256_unpackhi_epi32(v[0], v[1]);
-  const __m256i a2 = _mm256_unpacklo_epi32(v[2], v[3]), a3 = _mm256_unpackhi_epi32(v[2], v[3]);
-  const __m256i a4 = _mm256_unpacklo_epi32(v[4], v[5]), a5 = _mm256_unpackhi_epi32(v[4], v[5]);
-  const __m256i a6 = _mm256_unpacklo_epi32(v[6], v[7]), a7 = _mm256_unpackhi_epi32(v[6], v[7]);
-  const __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
-  const __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
-  const __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
-  const __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
-  const __m256i w[8] = {_mm256_permute2x128_si256(b0, b4, 0x20), _mm256_permute2x128_si256(b1, b5, 0x20),
-                        _mm256_permute2x128_si256(b2, b6, 0x20), _mm256_permute2x128_si256(b3, b7, 0x20),
-                        _mm256_permute2x128_si256(b0, b4, 0x31), _mm256_permute2x128_si256(b1, b5, 0x31),
-                        _mm256_permute2x128_si256(b2, b6, 0x31), _mm256_permute2x128_si256(b3, b7, 0x31)};
-  for (int i = 0; i < 8; ++i) _mm256_storeu_si256((__m256i*)out[i], w[i]);
+  transpose8x8_epi32(v);
+  for (int i = 0; i < 8; ++i) _mm256_storeu_si256((__m256i*)out[i], v[i]);
 #else
   for (int i = 0; i < 8; ++i)
     for (int j = 0; j < 8; ++j) std::memcpy(out[j] + 4 * i, in[i] + 4 * j, 4);
@@ -400,12 +402,7 @@ void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, floa
 void gguf_x8_panel_sb(const uint8_t* sb, int base_type, uint8_t* codes, int64_t cstride, float* ws, float* wm,
                       int64_t wstride) {
 #ifdef EDGELLM_X8
-  switch (base_type) {
-    case GGUF_Q4_K: panel_sb<GGUF_Q4_K>(sb, codes, cstride, ws, wm, wstride); break;
-    case GGUF_Q5_K: panel_sb<GGUF_Q5_K>(sb, codes, cstride, ws, wm, wstride); break;
-    case GGUF_Q6_K: panel_sb<GGUF_Q6_K>(sb, codes, cstride, ws, wm, wstride); break;
-    default: break;
-  }
+  on_kquant(base_type, [&](auto t) { panel_sb<decltype(t)::value>(sb, codes, cstride, ws, wm, wstride); });
 #else
   (void)sb; (void)base_type; (void)codes; (void)cstride; (void)ws; (void)wm; (void)wstride;
 #endif
@@ -413,7 +410,7 @@ void gguf_x8_panel_sb(const uint8_t* sb, int base_type, uint8_t* codes, int64_t 
 
 bool gguf_x8_supported(int base_type) {
 #ifdef EDGELLM_X8
-  return base_type == GGUF_Q4_K || base_type == GGUF_Q5_K || base_type == GGUF_Q6_K;
+  return gguf_x8_bytes(base_type) != 0;
 #else
   (void)base_type;
   return false;
@@ -421,43 +418,25 @@ bool gguf_x8_supported(int base_type) {
 }
 
 int64_t gguf_x8_bytes(int base_type) {
-  switch (base_type) {
-    case GGUF_Q4_K: return Raw<GGUF_Q4_K>::XB;
-    case GGUF_Q5_K: return Raw<GGUF_Q5_K>::XB;
-    case GGUF_Q6_K: return Raw<GGUF_Q6_K>::XB;
-    default: return 0;
-  }
+  int64_t bytes = 0;
+  on_kquant(base_type, [&](auto t) { bytes = Raw<decltype(t)::value>::XB; });
+  return bytes;
 }
 
 void gguf_repack_x8(const uint8_t* raw, int base_type, int64_t N, int64_t K, uint8_t* x8) {
   uint8_t* r = const_cast<uint8_t*>(raw);  // only read (convert<..., true> writes x8)
-  switch (base_type) {
-    case GGUF_Q4_K: convert<GGUF_Q4_K, true>(r, x8, N, K); break;
-    case GGUF_Q5_K: convert<GGUF_Q5_K, true>(r, x8, N, K); break;
-    case GGUF_Q6_K: convert<GGUF_Q6_K, true>(r, x8, N, K); break;
-    default: break;
-  }
+  on_kquant(base_type, [&](auto t) { convert<decltype(t)::value, true>(r, x8, N, K); });
 }
 
 void gguf_unrepack_x8(const uint8_t* x8, int base_type, int64_t N, int64_t K, uint8_t* raw) {
   uint8_t* o = const_cast<uint8_t*>(x8);  // only read (convert<..., false> writes raw)
-  switch (base_type) {
-    case GGUF_Q4_K: convert<GGUF_Q4_K, false>(raw, o, N, K); break;
-    case GGUF_Q5_K: convert<GGUF_Q5_K, false>(raw, o, N, K); break;
-    case GGUF_Q6_K: convert<GGUF_Q6_K, false>(raw, o, N, K); break;
-    default: break;
-  }
+  on_kquant(base_type, [&](auto t) { convert<decltype(t)::value, false>(raw, o, N, K); });
 }
 
 void gguf_gemm_x8(const GgufActs& acts, const uint8_t* x8, int base_type, int64_t N, float* y, int64_t ldy,
                   const int32_t* out_index) {
 #ifdef EDGELLM_X8
-  switch (base_type) {
-    case GGUF_Q4_K: gemm_x8<GGUF_Q4_K>(acts, x8, N, y, ldy, out_index); break;
-    case GGUF_Q5_K: gemm_x8<GGUF_Q5_K>(acts, x8, N, y, ldy, out_index); break;
-    case GGUF_Q6_K: gemm_x8<GGUF_Q6_K>(acts, x8, N, y, ldy, out_index); break;
-    default: break;
-  }
+  on_kquant(base_type, [&](auto t) { gemm_x8<decltype(t)::value>(acts, x8, N, y, ldy, out_index); });
 #else
   (void)acts; (void)x8; (void)base_type; (void)N; (void)y; (void)ldy; (void)out_index;
 #endif

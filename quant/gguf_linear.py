@@ -33,12 +33,12 @@ from torch import nn
 from ..gguf_file import gguf_type, row_bytes
 from ..kernels import matmul as K
 from ..kernels import gguf_ops
+from ..kernels.gguf_ops import X8  # a type id + X8: that K-quant repacked 8 rows at a time (kernels/cpu_gguf.h)
 from .gguf_tensor import dequantize_blocks
 from .linear import _move_packed
 
 __all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "raw_tensor", "install_gguf", "weight_formats", "repack_for_cpu"]
 
-X8 = 1000  # a type id + X8: that K-quant repacked 8 rows at a time (kernels/cpu_gguf.h GGUF_X8)
 X8_GROUP_BYTES = {12: 1184, 13: 1440, 14: 1680}  # Q4_K, Q5_K, Q6_K: bytes of 8 rows x 256 values
 
 
