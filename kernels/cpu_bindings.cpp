@@ -245,6 +245,43 @@ at::Tensor gguf_linear_prompt(const at::Tensor& x, const py::list& parts, int64_
   return gguf_product(x, parts, N_total, true);
 }
 
+// x fp32 [M, K] @ W^T for our int8 / int4 weights (quant/groups.py layout) through the prompt GEMM -> fp32 [M, N]:
+// the prefill of QuantLinear (kernels/matmul.py), x rounded to int8 per 32 values as in the decode kernels.
+at::Tensor quant_linear_prompt(const at::Tensor& x_, const at::Tensor& codes_, const at::Tensor& scales_,
+                               const at::Tensor& mins_, int64_t group_size, int64_t bits) {
+  const char* what = "edgellm quant_linear_prompt";
+  const at::Tensor x = as_f32_rows(x_);
+  const at::Tensor codes = codes_.contiguous(), scales = scales_.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(bits == 4 || bits == 8, what, ": bits must be 4 or 8");
+  TORCH_CHECK(codes.dim() == 2 && codes.device().is_cpu() && codes.size(1) == (bits == 8 ? K : K / 2) &&
+                  codes.scalar_type() == (bits == 8 ? at::kChar : at::kByte),
+              what, ": codes must be ", bits == 8 ? "int8 [N, K]" : "uint8 [N, K / 2]", " for K = ", K);
+  TORCH_CHECK(K % 32 == 0 && group_size > 0 && group_size % 32 == 0 && K % group_size == 0, what,
+              ": K = ", K, " and the group size ", group_size, " must be multiples of 32, K of the group size");
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.numel() == N * (K / group_size), what,
+              ": scales must be float16 [N, K / group]");
+  at::Tensor mins;
+  if (mins_.numel() > 0) {
+    mins = mins_.contiguous();
+    TORCH_CHECK(bits == 4 && mins.scalar_type() == at::kHalf && mins.numel() == scales.numel(), what,
+                ": mins (int4 asymmetric only) must be float16 like the scales");
+  }
+  at::Tensor out = at::empty({M, N}, x.options());
+  edgellm::QuantWeights w;
+  w.codes = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  w.scales = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>());
+  w.mins = mins.defined() ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
+  w.bits = (int)bits;
+  w.group = group_size;
+  {
+    py::gil_scoped_release nogil;
+    const edgellm::GgufActs acts = edgellm::gguf_quantize_acts(x.data_ptr<float>(), M, K);
+    edgellm::quant_gemm_prompt(acts, w, N, out.data_ptr<float>(), N);
+  }
+  return out;
+}
+
 at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t N, int64_t K, const std::optional<at::Tensor>& out_) {
   const GgufPartView p = gguf_part(py::make_tuple(raw, type, N, py::none()), K, "edgellm gguf_dequantize");
   at::Tensor out;
@@ -557,6 +594,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x fp32 [M,K] @ GGUF parts^T -> fp32 [M, n_total]; parts: [(raw uint8, type, rows, int32 out_index or None)]");
   m.def("gguf_linear_prompt", &gguf_linear_prompt, py::arg("x"), py::arg("parts"), py::arg("n_total"),
         "gguf_linear for prompt chunks: the int8 panel GEMM (equal to fp32 rounding, not bit for bit)");
+  m.def("quant_linear_prompt", &quant_linear_prompt, py::arg("x"), py::arg("codes"), py::arg("scales"),
+        py::arg("mins"), py::arg("group_size"), py::arg("bits"),
+        "x fp32 [M, K] @ W^T for int8 / int4 codes (quant/groups.py) through the int8 prompt GEMM -> fp32 [M, N]");
   m.def("gguf_prompt_gemm_fast", &edgellm::gguf_prompt_gemm_fast,
         "True where gguf_linear_prompt is vectorized (AVX2 / AVX-512 VNNI), False for the portable version");
   m.def("gguf_dequantize", &gguf_dequantize, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),

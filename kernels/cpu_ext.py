@@ -5,7 +5,8 @@
     int4_gemm(x fp32 [M,K], codes uint8 [N,K/2], scales fp16 [N,K/G], mins fp16 [N,K/G] or empty, G) -> fp32 [M,N]
     int8_gemm(x fp32 [M,K], codes int8 [N,K], scales fp16 [N,K/G], G) -> fp32 [M,N]
 
-(plus `int4_gemm_variant` / `int8_gemm_variant` taking a variant number, and `isa()`), or None when
+(plus `int4_gemm_variant` / `int8_gemm_variant` taking a variant number, `quant_linear_prompt` (the same product
+for prefills, as an int8 panel GEMM), the GGUF kernels (`gguf_*`), and `isa()`), or None when
 disabled (`ExtensionSettings(enabled=False)`, `--no-ext`) or the build is impossible (no compiler, no ninja, compile error: one warning, never an
 exception). The same functions are registered as torch ops, `torch.ops.edgellm_cpu.int4_gemm` etc., with
 fake implementations so `torch.compile` can trace them.

@@ -764,21 +764,20 @@ constexpr int P_NR = 8, P_MR = 4;
 #define PROMPT_UNROLL
 #endif
 
-// Whether this build runs TYPE through the prompt GEMM (otherwise the row kernel serves the call).
-template <int TYPE>
-constexpr bool prompt_native() {
-#if defined(EDGELLM_G_AVX2) && !defined(EDGELLM_P_ZMM)
-  return TYPE != GGUF_Q8_0;  // maddubs of Q8_0's codes as u8 (up to 255) could saturate int16
+// Q8_0's signed codes in the vector builds: as u8 + 128 with an offset through the activations' sums where vpdpbusd
+// multiplies (AVX-512 VNNI: int32 sums, no saturation); on AVX2 as they are, multiplied as |w| x sign(x, w) by
+// maddubs (u8 up to 255 against int8 could saturate its int16 pair sums; |w| <= 128 cannot).
+#if defined(EDGELLM_P_ZMM)
+constexpr bool P_Q8_U8 = true;
 #else
-  return true;
+constexpr bool P_Q8_U8 = false;
 #endif
-}
 
 // The offset taken off each unsigned code in the vector builds, through the activations' int sums.
 template <int TYPE>
 constexpr int prompt_off() {
 #ifdef EDGELLM_G_AVX2
-  return TYPE == GGUF_Q4_0 ? 8 : TYPE == GGUF_Q5_0 ? 16 : TYPE == GGUF_Q6_K ? 32 : TYPE == GGUF_Q8_0 ? 128 : 0;
+  return TYPE == GGUF_Q4_0 ? 8 : TYPE == GGUF_Q5_0 ? 16 : TYPE == GGUF_Q6_K ? 32 : (TYPE == GGUF_Q8_0 && P_Q8_U8) ? 128 : 0;
 #else
   return 0;  // the portable panel holds the codes as int8 with the offsets already taken off
 #endif
@@ -880,6 +879,20 @@ Panel panel_buffer(int64_t kc) {
 }
 
 #ifdef EDGELLM_G_AVX2
+// The codes of sub-blocks [s0, s0 + nsub) of NR rows (tmp[r]: row r's 256 values from sub-block s0) into the panel's
+// [k / 4][NR][4] order: 8 x 8 dword transposes.
+inline void store_panel_codes(const uint8_t (*tmp)[256], int nsub, int64_t s0, const Panel& P) {
+  constexpr int NR = P_NR;
+  for (int j = 0; j < nsub; ++j)
+    for (int r0 = 0; r0 < NR; r0 += 8) {
+      __m256i v[8];
+      for (int i = 0; i < 8; ++i) v[i] = _mm256_load_si256((const __m256i*)(tmp[r0 + i] + 32 * j));
+      transpose8x8_epi32(v);
+      uint8_t* dst = P.codes + ((s0 + j) * 8) * NR * 4 + r0 * 4;
+      for (int g = 0; g < 8; ++g) _mm256_store_si256((__m256i*)(dst + g * NR * 4), v[g]);
+    }
+}
+
 // Unpack rows[0 .. nvalid) (stored row numbers; the rest of the panel's NR rows are zeros) over [k0, k0 + kc).
 template <int TYPE>
 void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nvalid, int64_t k0, int64_t kc,
@@ -930,21 +943,47 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
         for (int j = 0; j < nsub; ++j) {
           const uint8_t* b = row + ((k0 + u0) / 32 + j) * F::BYTES;
           __m256i u = codes32<TYPE>(b);
-          if (TYPE == GGUF_Q8_0) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+          if (TYPE == GGUF_Q8_0 && P_Q8_U8) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
           _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), u);
           P.ws[(s0 + j) * NR + r] = f16(b);
           if (F::MIN) P.wm[(s0 + j) * NR + r] = f16(b + 2);
         }
       }
     }
-    for (int j = 0; j < nsub; ++j)
-      for (int r0 = 0; r0 < NR; r0 += 8) {
-        __m256i v[8];
-        for (int i = 0; i < 8; ++i) v[i] = _mm256_load_si256((const __m256i*)(tmp[r0 + i] + 32 * j));
-        transpose8x8_epi32(v);
-        uint8_t* dst = P.codes + ((s0 + j) * 8) * NR * 4 + r0 * 4;
-        for (int g = 0; g < 8; ++g) _mm256_store_si256((__m256i*)(dst + g * NR * 4), v[g]);
+    store_panel_codes(tmp, nsub, s0, P);
+  }
+}
+
+// Our int8 / int4 weights (cpu_gguf.h QuantWeights) as a panel: int4 symmetric as Q4_0's codes, asymmetric as
+// Q4_1's, int8 as Q8_0's; the fp16 scales (and mins) of a group serve each of its 32-value sub-blocks.
+template <int TYPE>
+void build_panel_quant(const QuantWeights& w, int64_t K, int64_t n0, int nvalid, int64_t k0, int64_t kc,
+                       const Panel& P) {
+  constexpr int NR = P_NR;
+  const int64_t ng = K / w.group, per = w.group / 32, cb = TYPE == GGUF_Q8_0 ? K : K / 2;
+  alignas(32) uint8_t tmp[NR][256];
+  for (int64_t u0 = 0; u0 < kc; u0 += 256) {
+    const int nsub = (int)std::min<int64_t>(8, (kc - u0) / 32);
+    const int64_t s0 = u0 / 32;
+    for (int r = 0; r < NR; ++r) {
+      const int64_t n = n0 + r;
+      for (int j = 0; j < nsub; ++j) {
+        const int64_t g32 = (k0 + u0) / 32 + j, gi = n * ng + g32 / per;
+        __m256i u = _mm256_setzero_si256();
+        float sc = 0.0f, mn = 0.0f;
+        if (r < nvalid) {
+          const uint8_t* c = w.codes + n * cb;
+          u = TYPE == GGUF_Q8_0 ? _mm256_loadu_si256((const __m256i*)(c + 32 * g32)) : nibbles32(c + 16 * g32);
+          if (TYPE == GGUF_Q8_0 && P_Q8_U8) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+          sc = f16(reinterpret_cast<const uint8_t*>(w.scales + gi));
+          if (TYPE == GGUF_Q4_1) mn = f16(reinterpret_cast<const uint8_t*>(w.mins + gi));
+        }
+        _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), u);
+        P.ws[(s0 + j) * NR + r] = sc;
+        if (TYPE == GGUF_Q4_1) P.wm[(s0 + j) * NR + r] = mn;
       }
+    }
+    store_panel_codes(tmp, nsub, s0, P);
   }
 }
 #else
@@ -974,6 +1013,29 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
         P.ws[sb * NR + r] = fs;
         if (F::MIN) P.wm[sb * NR + r] = fm;
       }
+    }
+  }
+}
+
+template <int TYPE>
+void build_panel_quant(const QuantWeights& w, int64_t K, int64_t n0, int nvalid, int64_t k0, int64_t kc,
+                       const Panel& P) {
+  constexpr int NR = P_NR;
+  const int64_t ng = K / w.group, per = w.group / 32, cb = TYPE == GGUF_Q8_0 ? K : K / 2;
+  for (int64_t sb = 0; sb < kc / 32; ++sb) {
+    const int64_t g32 = k0 / 32 + sb;
+    for (int r = 0; r < NR; ++r) {
+      const int64_t n = n0 + r, gi = n * ng + g32 / per;
+      int8_t v[32] = {};
+      if (r < nvalid) {
+        const uint8_t* c = w.codes + n * cb;
+        for (int l = 0; l < 32; ++l)
+          v[l] = TYPE == GGUF_Q8_0 ? (int8_t)c[32 * g32 + l]
+                                   : (int8_t)(((c[16 * g32 + l % 16] >> (l < 16 ? 0 : 4)) & 15) - (TYPE == GGUF_Q4_0 ? 8 : 0));
+      }
+      for (int l = 0; l < 32; ++l) P.codes[((sb * 8 + l / 4) * NR + r) * 4 + (l & 3)] = (uint8_t)v[l];
+      P.ws[sb * NR + r] = r < nvalid ? f16(reinterpret_cast<const uint8_t*>(w.scales + gi)) : 0.0f;
+      if (TYPE == GGUF_Q4_1) P.wm[sb * NR + r] = r < nvalid ? f16(reinterpret_cast<const uint8_t*>(w.mins + gi)) : 0.0f;
     }
   }
 }
@@ -1069,6 +1131,22 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
           t[i] = h == 0 ? _mm256_mul_ps(_mm256_cvtepi32_ps(ia[i]), sc) : _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), sc, t[i]);
       }
       for (int i = 0; i < RT; ++i) acc[i] = _mm256_fmadd_ps(t[i], _mm256_set1_ps(dx[sb * MR + i]), acc[i]);
+    } else if (TYPE == GGUF_Q8_0) {  // signed codes: |w| x sign(x, w), pair sums <= 2 * 128 * 127 (no saturation)
+      __m256i ia[MR];
+      for (int i = 0; i < RT; ++i) ia[i] = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g) {
+        const __m256i w = _mm256_load_si256((const __m256i*)wc), aw = _mm256_abs_epi8(w);
+        const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
+        for (int i = 0; i < RT; ++i) {
+          const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(ld32(x0 + 4 * i)), w);
+          ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
+        }
+        wc += 32;
+        xq += 4 * MR;
+      }
+      const __m256 sc = _mm256_load_ps(P.ws + sb * 8);
+      for (int i = 0; i < RT; ++i)
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), _mm256_mul_ps(sc, _mm256_set1_ps(dx[sb * MR + i])), acc[i]);
     } else {
       __m256i ia[MR];
       for (int i = 0; i < RT; ++i) ia[i] = OFF ? _mm256_set1_epi32(off[sb * MR + i]) : _mm256_setzero_si256();
@@ -1178,11 +1256,49 @@ void build_panel_x8(const uint8_t* x8, int64_t n0, int nvalid, int64_t K, int64_
 }
 #endif
 
-template <int TYPE, bool X8 = false>
-void prompt_range(const PromptActs& A, const uint8_t* blocks, int64_t N, const int32_t* rows, const int32_t* cols,
-                  int64_t p0, int64_t p1, int64_t kc, float* y, int64_t ldy) {
+// Where a panel's rows come from: GGUF blocks as stored (taken in the order `rows` gives), x8 groups, or our int8 /
+// int4 layout.  build(): the panel of rows [n0, n0 + nvalid) over [k0, k0 + kc); and the next panel's
+// first values, while this one runs (prefetch_next).
+template <int TYPE> struct StoredRows {
+  const uint8_t* blocks;
+  int64_t rb;
+  const int32_t* rows;
+  void build(int64_t n0, int nvalid, int64_t k0, int64_t kc, const Panel& P) const {
+    build_panel<TYPE>(blocks, rb, rows + n0, nvalid, k0, kc, P);
+  }
+  void prefetch_next(int64_t n0, int64_t N, int64_t k0) const {
+    using F = Fmt<TYPE>;
+    const int64_t len = 256 / F::QV * F::BYTES, at = k0 / F::QV * F::BYTES;
+    for (int64_t r = n0; r < std::min<int64_t>(N, n0 + P_NR); ++r)
+      for (int64_t o = 0; o < len + 63; o += 64) prefetch(blocks + (int64_t)rows[r] * rb + at + std::min(o, len - 1));
+  }
+};
+
+#ifdef EDGELLM_G_AVX2
+template <int TYPE> struct X8Rows {
+  const uint8_t* x8;
+  int64_t K;
+  void build(int64_t n0, int nvalid, int64_t k0, int64_t kc, const Panel& P) const {
+    build_panel_x8<TYPE>(x8, n0, nvalid, K, k0, kc, P);
+  }
+  void prefetch_next(int64_t, int64_t, int64_t) const {}
+};
+#endif
+
+template <int TYPE> struct QuantRows {
+  QuantWeights w;
+  int64_t K;
+  void build(int64_t n0, int nvalid, int64_t k0, int64_t kc, const Panel& P) const {
+    build_panel_quant<TYPE>(w, K, n0, nvalid, k0, kc, P);
+  }
+  void prefetch_next(int64_t, int64_t, int64_t) const {}
+};
+
+template <int TYPE, class Rows>
+void prompt_range(const PromptActs& A, const Rows& src, int64_t N, const int32_t* cols, int64_t p0, int64_t p1,
+                  int64_t kc, float* y, int64_t ldy) {
   constexpr int NR = P_NR;
-  const int64_t K = A.K, rb = K / Fmt<TYPE>::QV * Fmt<TYPE>::BYTES, nmb = A.Mp / P_MR;
+  const int64_t K = A.K, nmb = A.Mp / P_MR;
   const Panel P = panel_buffer(kc);
   alignas(64) float out[P_MR * P_NR];
   for (int64_t k0 = 0; k0 < K; k0 += kc) {
@@ -1190,17 +1306,8 @@ void prompt_range(const PromptActs& A, const uint8_t* blocks, int64_t N, const i
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t n0 = p * NR;
       const int nvalid = (int)std::min<int64_t>(NR, N - n0);
-#ifdef EDGELLM_G_AVX2
-      if (X8) build_panel_x8<TYPE>(blocks, n0, nvalid, K, k0, kn, P);
-      else
-#endif
-        build_panel<TYPE>(blocks, rb, rows + n0, nvalid, k0, kn, P);
-      if (!X8 && p + 1 < p1) {  // the next panel's first 256 values, while this one runs
-        using F = Fmt<TYPE>;
-        const int64_t len = 256 / F::QV * F::BYTES, at = k0 / F::QV * F::BYTES;
-        for (int64_t r = n0 + NR; r < std::min<int64_t>(N, n0 + 2 * NR); ++r)
-          for (int64_t o = 0; o < len + 63; o += 64) prefetch(blocks + (int64_t)rows[r] * rb + at + std::min(o, len - 1));
-      }
+      src.build(n0, nvalid, k0, kn, P);
+      if (p + 1 < p1) src.prefetch_next(n0 + NR, N, k0);
       const bool contiguous = nvalid == NR && cols[n0 + NR - 1] - cols[n0] == NR - 1;
       for (int64_t mb = 0; mb < nmb; ++mb) {
         const int64_t left = A.M - mb * P_MR;
@@ -1216,13 +1323,20 @@ void prompt_range(const PromptActs& A, const uint8_t* blocks, int64_t N, const i
   }
 }
 
+// y[:, cols[n]] = x @ row n^T for the N rows `src` gives, panels split over threads.
+template <int TYPE, class Rows>
+void prompt_gemm(const GgufActs& a, const Rows& src, int64_t N, const int32_t* cols, float* y, int64_t ldy) {
+  const PromptActs A = prompt_acts<TYPE>(a);
+  // a block of K as long as the repacked x block (Mp x kc bytes) stays within ~2 MiB, whole super-blocks: at
+  // M = 512 on Zen 4 (1 MiB L2) 1 to 4 MiB measured alike, 512 KiB 5-10% slower and 256 KiB 20% (more passes
+  // adding into y)
+  const int64_t kc = std::min<int64_t>(a.K, std::max<int64_t>(256, ((int64_t(2) << 20) / std::max<int64_t>(A.Mp, 1)) / 256 * 256));
+  const int64_t npanel = (N + P_NR - 1) / P_NR;
+  parallel_run(0, npanel, 1, [&](int64_t p0, int64_t p1) { prompt_range<TYPE>(A, src, N, cols, p0, p1, kc, y, ldy); });
+}
+
 template <int TYPE, bool X8 = false> struct PromptOp {
   static void run(const GgufActs& a, const uint8_t* blocks, int64_t N, float* y, int64_t ldy, const int32_t* idx) {
-    if (!prompt_native<TYPE>()) {
-      GemmOp<TYPE>::run(a, blocks, N, y, ldy, idx);
-      return;
-    }
-    const PromptActs A = prompt_acts<TYPE>(a);
     // the stored rows in the order of their output columns (ascending), so panels write runs of columns (x8 parts:
     // in stored order, their groups being the panels' rows)
     std::vector<int32_t> rows((size_t)N), cols((size_t)N);
@@ -1239,14 +1353,14 @@ template <int TYPE, bool X8 = false> struct PromptOp {
     } else {
       for (int64_t n = 0; n < N; ++n) rows[(size_t)n] = cols[(size_t)n] = (int32_t)n;
     }
-    // a block of K as long as the repacked x block (Mp x kc bytes) stays within ~2 MiB, whole super-blocks: at
-    // M = 512 on Zen 4 (1 MiB L2) 1 to 4 MiB measured alike, 512 KiB 5-10% slower and 256 KiB 20% (more passes
-    // adding into y)
-    const int64_t kc = std::min<int64_t>(a.K, std::max<int64_t>(256, ((int64_t(2) << 20) / std::max<int64_t>(A.Mp, 1)) / 256 * 256));
-    const int64_t npanel = (N + P_NR - 1) / P_NR;
-    parallel_run(0, npanel, 1, [&](int64_t p0, int64_t p1) {
-      prompt_range<TYPE, X8>(A, blocks, N, rows.data(), cols.data(), p0, p1, kc, y, ldy);
-    });
+#ifdef EDGELLM_G_AVX2
+    if (X8) {
+      prompt_gemm<TYPE>(a, X8Rows<TYPE>{blocks, a.K}, N, cols.data(), y, ldy);
+      return;
+    }
+#endif
+    const int64_t rb = a.K / Fmt<TYPE>::QV * Fmt<TYPE>::BYTES;
+    prompt_gemm<TYPE>(a, StoredRows<TYPE>{blocks, rb, rows.data()}, N, cols.data(), y, ldy);
   }
 };
 
@@ -1255,6 +1369,13 @@ template <int TYPE> struct PromptX8Op {
     PromptOp<TYPE, true>::run(a, x8, N, y, ldy, idx);
   }
 };
+
+template <int TYPE>
+void prompt_quant(const GgufActs& a, const QuantWeights& w, int64_t N, float* y, int64_t ldy) {
+  std::vector<int32_t> cols((size_t)N);
+  for (int64_t n = 0; n < N; ++n) cols[(size_t)n] = (int32_t)n;
+  prompt_gemm<TYPE>(a, QuantRows<TYPE>{w, a.K}, N, cols.data(), y, ldy);
+}
 // ================================================================================================ end prompt GEMM
 
 }  // namespace
@@ -1358,6 +1479,13 @@ void gguf_gemm_prompt(const GgufActs& acts, const uint8_t* blocks, int type, int
     return;
   }
   dispatch<PromptOp>(type, acts, blocks, N, y, ldy, out_index);
+}
+
+void quant_gemm_prompt(const GgufActs& acts, const QuantWeights& w, int64_t N, float* y, int64_t ldy) {
+  if (N <= 0 || acts.M <= 0 || w.group <= 0 || w.group % 32 || acts.K % w.group) return;
+  if (w.bits == 8) prompt_quant<GGUF_Q8_0>(acts, w, N, y, ldy);
+  else if (w.bits == 4 && w.mins) prompt_quant<GGUF_Q4_1>(acts, w, N, y, ldy);
+  else if (w.bits == 4) prompt_quant<GGUF_Q4_0>(acts, w, N, y, ldy);
 }
 
 bool gguf_prompt_gemm_fast() {

@@ -44,10 +44,22 @@ void gguf_gemm(const GgufActs& acts, const uint8_t* blocks, int type, int64_t N,
 
 // The same product for prompt chunks (tens to hundreds of rows of x): an int8 panel GEMM (cpu_gguf.cpp, "prompt
 // GEMM") that decodes each weight value once per call.  The same integer sums and fp32 scales as gguf_gemm, summed
-// in another order: equal to fp32 rounding, not bit for bit (decode and verification stay on gguf_gemm).  Types a
-// build cannot run this way (Q8_0 on AVX2 without VNNI) take gguf_gemm.
+// in another order: equal to fp32 rounding, not bit for bit (decode and verification stay on gguf_gemm).
 void gguf_gemm_prompt(const GgufActs& acts, const uint8_t* blocks, int type, int64_t N, int64_t K, float* y,
                       int64_t ldy, const int32_t* out_index);
+// Our int8 / int4 weights (quant/groups.py): codes int8 [N, K] or uint8 [N, K / 2] in GGUF Q4 block order, fp16
+// scales (int4 asymmetric: and mins) [N, K / group], group % 32 == 0.  The same layout as Q8_0 / Q4_0 / Q4_1 blocks
+// but with the scales apart.
+struct QuantWeights {
+  const uint8_t* codes = nullptr;
+  const uint16_t* scales = nullptr;
+  const uint16_t* mins = nullptr;  // null: symmetric (int4: code - 8)
+  int bits = 4;
+  int64_t group = 32;
+};
+// y[m * ldy + n] = x @ W^T through the prompt GEMM (W as Q8_0 / Q4_0 / Q4_1 with the scales read from their own
+// arrays): the prefill of edgellm's own quantized weights, equal to the int8 / int4 kernels to fp32 rounding.
+void quant_gemm_prompt(const GgufActs& acts, const QuantWeights& w, int64_t N, float* y, int64_t ldy);
 // True where the prompt GEMM is vectorized (AVX2, AVX-512 VNNI); elsewhere it is a portable reference version.
 bool gguf_prompt_gemm_fast();
 

@@ -152,6 +152,28 @@ def _kernel_max_rows(ext, bits: int, x: torch.Tensor, opts: KernelOptions) -> in
     return PREFILL_KERNEL_MAX_M.get(key, CPU_KERNEL_MAX_M)
 
 
+# Where the extension has a vectorized int8 panel GEMM (kernels/cpu_gguf.cpp "prompt GEMM": AVX2, AVX-512 VNNI), it
+# takes the prefills the int kernel would take and the longer ones the fp32 GEMM would: it decodes each weight value
+# once per call where the int kernel re-reads the codes per group of rows. Same int8 activations, same integer sums:
+# equal to the int kernel to fp32 rounding. Measured (benchmarks/quant_prompt_gemm.py, results/quant-prompt-gemm.json).
+# The bf16 GEMM's range on CPUs that multiply bf16 natively is left as measured above. False: the rules above only.
+QUANT_PROMPT_GEMM = True
+
+
+def _prompt_gemm(ext, bits: int, x: torch.Tensor, group_size: int, opts: KernelOptions) -> bool:
+    """Whether this prefill runs in the extension's int8 prompt GEMM (quant_linear_prompt)."""
+    rows = _rows(x)
+    if (not QUANT_PROMPT_GEMM or rows <= CPU_KERNEL_MAX_M or not opts.prefill_kernel
+            or opts.variant != _INT_DOT_OR_AUTO or group_size % BLOCK or x.shape[-1] % BLOCK):
+        return False
+    if "prompt" not in _cpu_ext_state:
+        _cpu_ext_state["prompt"] = hasattr(ext, "quant_linear_prompt") and bool(ext.gguf_prompt_gemm_fast())
+    if not _cpu_ext_state["prompt"]:
+        return False
+    bf16 = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and opts.dense_bf16(bits))
+    return not bf16 or rows <= _kernel_max_rows(ext, bits, x, opts)
+
+
 def _float_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, bits: int,
                   opts: KernelOptions) -> torch.Tensor:
     """x @ w.T (+ bias) for a dequantized weight: fp32 in x's dtype, or bf16 where `opts.dense_bf16(bits)`."""
@@ -364,6 +386,8 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, grou
     if _use_pack(pack, x):
         return _finish(_packed_matmul(x.reshape(-1, k), pack), x, bias)
     ext = cpu_extension() if x.device.type == "cpu" else None
+    if ext is not None and _prompt_gemm(ext, 8, x, group_size, options):
+        return _finish_cpu(ext.quant_linear_prompt(x.reshape(-1, k), codes, scales, _NO_MINS, group_size, 8), x, bias)
     if ext is not None and _in_kernel(ext, 8, x, options):  # the C++ side makes x contiguous fp32
         out = ext.int8_gemm_variant(x.reshape(-1, k), codes, scales, group_size, options.variant)
         return _finish_cpu(out, x, bias)
@@ -381,8 +405,10 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins
     if _use_pack(pack, x):
         return _finish(_packed_matmul(x.reshape(-1, k), pack), x, bias)
     ext = cpu_extension() if x.device.type == "cpu" else None
+    m = _NO_MINS if mins is None else mins
+    if ext is not None and _prompt_gemm(ext, 4, x, group_size, options):
+        return _finish_cpu(ext.quant_linear_prompt(x.reshape(-1, k), codes, scales, m, group_size, 4), x, bias)
     if ext is not None and _in_kernel(ext, 4, x, options):
-        m = _NO_MINS if mins is None else mins
         out = ext.int4_gemm_variant(x.reshape(-1, k), codes, scales, m, group_size, options.variant)
         return _finish_cpu(out, x, bias)
     w = dense if dense is not None else _dequantize_cpu(4, codes, scales, mins, group_size, x)

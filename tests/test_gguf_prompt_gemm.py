@@ -228,6 +228,7 @@ def test_gguf_linear_module_takes_each_path(ext, monkeypatch):
 HARNESS = r"""
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <vector>
 #include "cpu_gguf.h"
 namespace edgellm { const char* isa_name(); }
@@ -263,6 +264,31 @@ int main(int argc, char** argv) {
     const float n8f = (float)n8;
     std::fwrite(&n8f, 4, 1, out);
     std::fwrite(y8.data(), 4, y8.size(), out);
+    // Q8_0 / Q4_0 / Q4_1 blocks as our int8 / int4 layout (codes, scales, mins apart; quant_gemm_prompt): has (as a
+    // float), yq [M, N]
+    const bool ours = (type == 8 || type == 2 || type == 3) && !hdr[4];
+    std::vector<float> yq(M * N, -1.0f);
+    if (ours) {
+      const int64_t nb = K / 32, bb = edgellm::gguf_block_bytes(type), head = type == 3 ? 4 : 2, cb = type == 8 ? 32 : 16;
+      std::vector<uint8_t> codes(N * nb * cb);
+      std::vector<uint16_t> sc(N * nb), mn(N * nb);
+      for (int64_t b = 0; b < N * nb; ++b) {
+        const uint8_t* blk = raw.data() + b * bb;
+        std::memcpy(&sc[b], blk, 2);
+        if (type == 3) std::memcpy(&mn[b], blk + 2, 2);
+        std::memcpy(codes.data() + b * cb, blk + head, cb);
+      }
+      edgellm::QuantWeights w;
+      w.codes = codes.data();
+      w.scales = sc.data();
+      w.mins = type == 3 ? mn.data() : nullptr;
+      w.bits = type == 8 ? 8 : 4;
+      w.group = 32;
+      edgellm::quant_gemm_prompt(a, w, N, yq.data(), N);
+    }
+    const float oursf = ours ? 1.0f : 0.0f;
+    std::fwrite(&oursf, 4, 1, out);
+    std::fwrite(yq.data(), 4, yq.size(), out);
   }
   std::fclose(out);
   std::printf("done\n");
@@ -327,6 +353,12 @@ def test_isa_builds_prompt_gemm_match_reference(prompt_builds, isa):
         if n8:
             cols = (idx if idx is not None else np.arange(n))[:n8]
             assert_rows_close(y8[:, cols], ref[:, cols], (isa, t.name, m, n, k, "x8"))
+        # our int8 / int4 layout (quant_gemm_prompt) over the same codes and scales
+        ours, pos = bool(data[pos]), pos + 1
+        yq, pos = data[pos:pos + m * n].reshape(m, n), pos + m * n
+        assert ours == (t in (Q.Q8_0, Q.Q4_0, Q.Q4_1) and idx is None)
+        if ours:
+            assert_rows_close(yq, ref, (isa, t.name, m, n, k, "ours"))
     assert pos == data.size
 
 

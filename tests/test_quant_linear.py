@@ -244,10 +244,12 @@ def test_prefill_rows_take_the_kernel_up_to_the_measured_crossover(monkeypatch):
     """In the default (auto) mode a prefill of up to PREFILL_KERNEL_MAX_M rows for this kernel build,
     activations variant and GEMM dtype runs in the C++ kernel: every row bit for bit what a one-token call
     gives, as decode computes it. More rows, a combination the table does not list, or an explicit
-    `--prefill fp32` take dequantize + GEMM (fp32 there: exact to the dequantized weight)."""
+    `--prefill fp32` take dequantize + GEMM (fp32 there: exact to the dequantized weight). (The rules for builds
+    without a vectorized int8 prompt GEMM, which otherwise takes every prefill: tests/test_quant_prompt_gemm.py.)"""
     ext = matmul.cpu_extension()
     if ext is None:
         pytest.skip("C++ CPU kernel not available")
+    monkeypatch.setattr(matmul, "QUANT_PROMPT_GEMM", False)
     monkeypatch.setattr(matmul, "PREFILL_KERNEL_MAX_M", {(ext.isa(), matmul.ACTIVATIONS["int8"], "fp32"): 48})
     auto_fp32 = FP32_PREFILL  # the auto mode, its GEMM in fp32 (as on a CPU without native bf16)
     lin = make_linear(n=64, k=256, bias=True)
