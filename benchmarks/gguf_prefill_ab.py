@@ -7,8 +7,10 @@ loaded machine).
 --compare table: setting A is `--a` (default: the table before the per-256 K-quant kernels, which sent prompts of
 more than 64 / 32 rows to dequantize + GEMM), setting B kernels/gguf_ops.py's GGUF_KERNEL_MAX_ROWS as committed,
 both with the prompt GEMM off.
---compare gemm: A = the prompt GEMM off (PROMPT_GEMM = False: the row kernel up to GGUF_KERNEL_MAX_ROWS, then
-dequantize + fp32 GEMM, as before the prompt GEMM), B = on (gguf_linear_prompt above 16 rows).
+--compare gemm: A = the prompt GEMM off (gguf_ops.PROMPT_GEMM = False: the row kernel up to GGUF_KERNEL_MAX_ROWS,
+then dequantize + fp32 GEMM, as before the prompt GEMM; matmul.QUANT_PROMPT_GEMM = False: the tensors loaded as our
+int8 / int4 (Q8_0, Q4_0, Q4_1) on the int kernel / GEMM by matmul's table), B = on (gguf_linear_prompt and
+quant_linear_prompt above 16 rows).
 The prompt is GPL-3 text, as benchmarks/gguf_vs_llamacpp.py's; prompts past PREFILL_CHUNK run in chunks.
 """
 from __future__ import annotations
@@ -74,7 +76,7 @@ def main() -> None:
     def setting(name: str) -> None:
         gguf_ops.GGUF_KERNEL_MAX_ROWS.clear()
         gguf_ops.GGUF_KERNEL_MAX_ROWS.update(table_a if name == "A" else table_b)
-        gguf_ops.PROMPT_GEMM = gemm and name == "B"
+        gguf_ops.PROMPT_GEMM = matmul.QUANT_PROMPT_GEMM = gemm and name == "B"
 
     for name in ("A", "B"):  # warm-up (both paths' buffers)
         setting(name)
@@ -90,7 +92,7 @@ def main() -> None:
             print(name, f"{times[name][-1]:.2f} s wall, {cpu[name][-1]:.2f} s CPU", flush=True)
     gguf_ops.GGUF_KERNEL_MAX_ROWS.clear()
     gguf_ops.GGUF_KERNEL_MAX_ROWS.update(table_b)
-    gguf_ops.PROMPT_GEMM = prompt_gemm
+    gguf_ops.PROMPT_GEMM = matmul.QUANT_PROMPT_GEMM = prompt_gemm
     res = {k: {"median_s": statistics.median(v), "min_s": min(v), "runs_s": v,
                "cpu_median_s": statistics.median(cpu[k]), "cpu_runs_s": cpu[k]} for k, v in times.items()}
     print(f"A {table_a}{' prompt GEMM off' if gemm else ''}: {res['A']['median_s']:.2f} s   "

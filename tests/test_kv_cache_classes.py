@@ -138,3 +138,27 @@ def test_imports_point_one_way():
     assert (1, "attention") not in imports(kernels / "triton_attention.py")
     pkg = Path(edgellm.__file__).parent
     assert not any(mod == "cache" or mod.endswith(".cache") for _, mod in imports(pkg / "kv_calibration.py"))
+
+
+def test_large_cpu_stores_are_zero_and_resident_only_where_written():
+    """kv_store.zeros: a large CPU store reads as zeros, keeps what is written, and costs resident memory only for
+    the pages written (an anonymous mapping), where torch.zeros would make all of it resident at once."""
+    import psutil
+
+    from edgellm.kernels.kv_store import FloatKV, zeros
+
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    t = zeros((8, 4096, 2048), torch.float32)  # 256 MiB
+    assert proc.memory_info().rss - before < 32 << 20
+    assert t.shape == (8, 4096, 2048) and t.dtype == torch.float32
+    assert not t[:, ::512].any() and not t[-1, -1].any()
+    t[:, :1024] = 1.5  # a quarter of the positions
+    grown = proc.memory_info().rss - before
+    assert (64 - 16) << 20 < grown < (64 + 32) << 20, grown
+    assert bool((t[:, :1024] == 1.5).all()) and not t[:, 1024:].any()
+    small = zeros((4, 4), torch.int8)  # small stores are ordinary tensors
+    assert small.dtype == torch.int8 and not small.any()
+    kv = FloatKV.empty(2, 8192, 64)  # 4 MiB each: mapped
+    kv.k[0, 0] = 2.0
+    assert kv.k[0, 0].eq(2.0).all() and not kv.v.any()
