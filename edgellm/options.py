@@ -77,7 +77,10 @@ class Options:
 
 
 def configure_process(options: Options) -> None:
-    """Apply the process-wide part of `options` (how the C++ kernels are found) before the first model loads."""
+    """Apply the process-wide part of `options` (how the C++ kernels are found; malloc keeping freed memory for
+    reuse, device.keep_freed_memory) before the first model loads."""
+    from .device import keep_freed_memory
     from .kernels.matmul import configure_cpu_extension
 
     configure_cpu_extension(options.extension)
+    keep_freed_memory()
