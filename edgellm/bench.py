@@ -21,7 +21,9 @@ import os
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -33,6 +35,7 @@ import torch
 from .atomic import write_text_atomic
 from .args import engine_from_options, load_from_options, options_from_args
 from .errors import EdgeLLMError, ModelNotFoundError, OutputError
+from .device import reset_process_peak_rss
 from .options import Options
 
 WEIGHT_FORMATS = ("auto", "fp", "int8", "int4")
@@ -362,51 +365,58 @@ def measure_row(engine, ids: list[int], n: int, reps: int, warmup: int, advance:
 
 
 # ------------------------------------------------------------------------------------------------
-# llama.cpp in the same process
+# llama.cpp, in a child process (edgellm/llama_cpp_peer.py): its peak RSS its own, ours ours
 # ------------------------------------------------------------------------------------------------
-def import_llama_cpp():
-    """The llama_cpp module, or None when llama-cpp-python is not installed (or fails to import)."""
+def llama_cpp_available() -> bool:
+    """Whether llama-cpp-python imports here, checked in a child as it will run (nothing of it enters this process)."""
     try:
-        import llama_cpp
-    except (ImportError, OSError):
-        return None
-    return llama_cpp
+        return subprocess.run([sys.executable, "-c", "import llama_cpp"], capture_output=True, timeout=120).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
-def run_llama_cpp(llama_cpp, path: Path, prompts: dict[int, list[int]], n: int, reps: int, warmup: int,
-                  threads: int, n_ctx: int, gpu: bool, advance: Callable[[], None]) -> dict[int, dict]:
-    """The same prompt tokens and n through llama_cpp.Llama, greedy; per context: TTFT, tok/s."""
-    llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx,
-                          n_batch=512, n_gpu_layers=-1 if gpu else 0, seed=0, verbose=False)
-
-    def once(ids: list[int]) -> tuple[float, list[float]]:
-        llm.reset()  # no prefix reuse: a full prefill, as ours
-        t0 = time.perf_counter()
-        times = []
-        for _ in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-            times.append(time.perf_counter())
-            if len(times) >= n:
-                break
-        return times[0] - t0, times
-
+def run_llama_cpp(path: Path, prompts: dict[int, list[int]], n: int, reps: int, warmup: int, threads: int,
+                  n_ctx: int, gpu: bool, advance: Callable[[], None]) -> dict[int, dict]:
+    """The same prompt tokens and n through llama_cpp.Llama, greedy, in a child process; per context: TTFT, tok/s,
+    token latencies and the child's peak RSS."""
+    job = {"path": str(path), "prompts": {str(c): ids for c, ids in prompts.items()}, "n": n, "reps": reps,
+           "warmup": warmup, "threads": threads, "n_ctx": n_ctx, "gpu": gpu}
+    result, failure = None, None
+    with tempfile.TemporaryFile("w+") as err:  # a file, not a pipe: a chatty child cannot block on it
+        proc = subprocess.Popen([sys.executable, "-m", "edgellm.llama_cpp_peer"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err, text=True)
+        try:
+            proc.stdin.write(json.dumps(job))
+            proc.stdin.close()
+            for line in proc.stdout:
+                word, _, rest = line.strip().partition(" ")
+                if word == "tick":
+                    advance()
+                elif word == "result":
+                    result = json.loads(rest)
+                elif word in ("error", "missing"):
+                    failure = rest
+        finally:
+            if proc.poll() is None and result is None:
+                proc.kill()
+            proc.wait()
+        if result is None:
+            err.seek(0)
+            tail = [ln for ln in err.read().splitlines() if ln.strip()]
+            raise RuntimeError(failure or (tail[-1] if tail else f"the llama.cpp process exited with {proc.returncode}"))
     out = {}
-    for c, ids in prompts.items():
-        for _ in range(warmup):
-            once(ids)
-            advance()
-        ttfts, decode, lat = [], [], []
-        for _ in range(reps):
-            ttft, times = once(ids)
-            advance()
-            ttfts.append(ttft)
+    for c, runs in result["contexts"].items():
+        ttft = statistics.median(r["ttft_s"] for r in runs)
+        decode, lat = [], []
+        for r in runs:
+            times = r["token_times_s"]
             decode.append((len(times) - 1) / (times[-1] - times[0]))
             lat += [b - a for a, b in zip(times, times[1:])]
-        ttft = statistics.median(ttfts)
         tg = spread(decode)
-        out[c] = {"ttft_s": ttft, "prefill_tok_s": c / ttft, "decode_tok_s": tg["median"],
-                  "decode_tok_s_std": tg["std"], "decode_tok_s_min": tg["min"], "decode_tok_s_max": tg["max"],
-                  "tpot_ms_p50": 1e3 * percentile(lat, 50), "tpot_ms_p99": 1e3 * percentile(lat, 99)}
-    del llm
+        out[int(c)] = {"ttft_s": ttft, "prefill_tok_s": int(c) / ttft, "decode_tok_s": tg["median"],
+                       "decode_tok_s_std": tg["std"], "decode_tok_s_min": tg["min"], "decode_tok_s_max": tg["max"],
+                       "tpot_ms_p50": 1e3 * percentile(lat, 50), "tpot_ms_p99": 1e3 * percentile(lat, 99),
+                       "peak_rss_bytes": result["peak_rss_bytes"]}
     return out
 
 
@@ -481,11 +491,11 @@ def table_lines(rows: list[dict]) -> list[list[str]]:
     with_llama = any(r.get("llama_cpp") for r in rows)
     with_draft = any(r["draft"] != "none" for r in rows)
     head = ["model", "size", "params", "backend", "threads", "weights", "kv", "draft", "decode", "test", "t/s",
-            "TTFT s", "roofline t/s", "% roofline"]
+            "TTFT s", "roofline t/s", "% roofline", "peak MiB"]
     if with_draft:
         head.append("accepted")
     if with_llama:
-        head += ["llama.cpp t/s", "× llama.cpp"]
+        head += ["llama.cpp t/s", "× llama.cpp", "llama.cpp MiB"]
     out = [head]
     error_ids = error_footnotes(rows)
     for r in rows:
@@ -493,24 +503,26 @@ def table_lines(rows: list[dict]) -> list[list[str]]:
                   _params(r["params"]) if r.get("params") else "—", r["backend"], str(r["threads"]),
                   _weights_cell(r), r["kv"], r["draft"], (r.get("decode_path") or {}).get("name") or "—"]
         if r.get("error"):
-            line = common + [f"{r['test_pp']}+{r['test_tg']}", f"n/a [{error_ids[r['error']]}]", "", "", ""]
-            out.append(line + ([""] if with_draft else []) + (["", ""] if with_llama else []))
+            line = common + [f"{r['test_pp']}+{r['test_tg']}", f"n/a [{error_ids[r['error']]}]", "", "", "", ""]
+            out.append(line + ([""] if with_draft else []) + (["", "", ""] if with_llama else []))
             continue
         s, lc = r["stats"], r.get("llama_cpp")
-        pp = common + [r["test_pp"], _pm(s["prefill_tok_s"], s["prefill_tok_s_std"]), f"{s['ttft_s']:.3f}", "", ""]
+        pp = common + [r["test_pp"], _pm(s["prefill_tok_s"], s["prefill_tok_s_std"]), f"{s['ttft_s']:.3f}", "", "", ""]
         tg = common + [r["test_tg"], _pm(s["decode_tok_s"], s["decode_tok_s_std"]), "",
-                       f"{s['roofline_tok_s']:.1f}", f"{s['roofline_pct']:.0f}%"]
+                       f"{s['roofline_tok_s']:.1f}", f"{s['roofline_pct']:.0f}%",
+                       f"{s['peak_memory_bytes'] / 2**20:.0f}" if s.get("peak_memory_bytes") else ""]
         if with_draft:
             pp.append("")
             acc = s.get("acceptance_rate")
             tg.append("" if acc is None else f"{100 * acc:.0f}% ({s['mean_accepted_length']:.2f})")
         if with_llama:
             if lc:
-                pp += [f"{lc['prefill_tok_s']:.2f}", f"{r['vs_llama_cpp']['prefill']:.2f}"]
-                tg += [f"{lc['decode_tok_s']:.2f}", f"{r['vs_llama_cpp']['decode']:.2f}"]
+                pp += [f"{lc['prefill_tok_s']:.2f}", f"{r['vs_llama_cpp']['prefill']:.2f}", ""]
+                tg += [f"{lc['decode_tok_s']:.2f}", f"{r['vs_llama_cpp']['decode']:.2f}",
+                       f"{lc['peak_rss_bytes'] / 2**20:.0f}" if lc.get("peak_rss_bytes") else ""]
             else:
-                pp += ["", ""]
-                tg += ["", ""]
+                pp += ["", "", ""]
+                tg += ["", "", ""]
         out += [pp, tg]
     return out
 
@@ -526,8 +538,8 @@ def error_footnotes(rows: list[dict]) -> dict[str, int]:
 
 def markdown_table(rows: list[dict], footnotes: bool = True) -> str:
     lines = table_lines(rows)
-    numeric = {"size", "params", "threads", "t/s", "TTFT s", "roofline t/s", "% roofline", "llama.cpp t/s",
-               "× llama.cpp", "accepted"}
+    numeric = {"size", "params", "threads", "t/s", "TTFT s", "roofline t/s", "% roofline", "peak MiB", "llama.cpp t/s",
+               "× llama.cpp", "llama.cpp MiB", "accepted"}
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     fmt = lambda cells: "| " + " | ".join(c.rjust(w) if h in numeric else c.ljust(w)  # noqa: E731
                                           for c, w, h in zip(cells, widths, lines[0])) + " |"
@@ -554,7 +566,8 @@ def footer_lines(doc: dict) -> list[str]:
     s = doc["settings"]
     lines = ["", f"pp<N>: TTFT and prefill tok/s for an N-token prompt of {Path(s['prompt_file']).name} (median "
              f"± std of {s['repetitions']}); tg{s['n_gen']}: decode tok/s of the {s['n_gen']} tokens that follow "
-             f"it (@ctxN: after an N-token prompt); roofline: bandwidth ÷ (weights read + KV × mean context) per token."]
+             f"it (@ctxN: after an N-token prompt); roofline: bandwidth ÷ (weights read + KV × mean context) per token; "
+             "peak MiB: this process's peak memory (CPU: RSS) by then; llama.cpp's, in its own process."]
     reasons = {(p["name"], p["reason"]) for r in doc["rows"] if (p := r.get("decode_path")) and p["reason"]}
     lines += [f"decode {name}: {reason}" for name, reason in sorted(reasons)]
     if doc.get("note"):
@@ -638,7 +651,7 @@ class BenchRun:
     add_work: Callable[[int], None]
     debug: bool
     notes: list[str]
-    llama_cpp: Any = None  # the module, when --against llama.cpp can run
+    llama_cpp: bool = False  # --against llama.cpp, and llama-cpp-python imports here
     llama_results: dict[int, dict] | None = None
 
     def fail(self, e: Exception, prefix: str = "") -> str:
@@ -663,8 +676,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as e:
         raise BenchError(str(e)) from e
     notes: list[str] = []
-    llama_cpp = import_llama_cpp() if args.against else None
-    if args.against and llama_cpp is None:
+    llama_cpp = bool(args.against) and llama_cpp_available()
+    if args.against and not llama_cpp:
         notes.append(LLAMA_CPP_HINT)
 
     rows: list[dict] = []
@@ -710,13 +723,14 @@ def bench_weights(run: BenchRun, weights: str) -> list[dict]:
     loaded, error = None, missing_feature("weights", weights)
     if error is None:
         run.describe(f"loading · weights {weights}")
+        reset_process_peak_rss()  # the rows' peak memory: this format's load and runs only
         try:
             loaded = load_from_options(options)
         except Exception as e:  # noqa: BLE001
             error = run.fail(e, f"loading with --weights {weights}: ")
     info = _model_info(loaded, run.device, run.threads) if loaded else _model_info_unloaded(run.args, run.device, run.threads)
     prompts = {c: prompt_ids(loaded.tokenizer, run.text, c) for c in plan.contexts} if loaded else {}
-    if loaded and run.llama_cpp is not None and run.llama_results is None:
+    if loaded and run.llama_cpp and run.llama_results is None:
         run.llama_results = _maybe_llama(run, loaded, prompts) or {}
     rows = []
     for kv in plan.kv:
@@ -767,7 +781,8 @@ def bench_engine(run: BenchRun, options: Options, formats: tuple[str, str, str],
             row["llama_cpp"] = lc
             row["vs_llama_cpp"] = {"decode": s["decode_tok_s"] / lc["decode_tok_s"],
                                    "prefill": s["prefill_tok_s"] / lc["prefill_tok_s"],
-                                   "ttft": s["ttft_s"] / lc["ttft_s"]}
+                                   "ttft": s["ttft_s"] / lc["ttft_s"],
+                                   "peak_memory": s["peak_memory_bytes"] / lc["peak_rss_bytes"]}
     return rows
 
 
@@ -847,8 +862,8 @@ def _maybe_llama(run: BenchRun, loaded, prompts: dict[int, list[int]]) -> dict[i
     run.add_work(len(prompts) * (plan.reps + plan.warmup))
     run.describe("llama.cpp")
     try:
-        return run_llama_cpp(run.llama_cpp, path, prompts, plan.gen_tokens, plan.reps, plan.warmup, run.threads,
-                             plan.max_context, run.device.type == "cuda", run.advance)
+        return run_llama_cpp(path, prompts, plan.gen_tokens, plan.reps, plan.warmup, run.threads, plan.max_context,
+                             run.device.type == "cuda", run.advance)
     except Exception as e:  # noqa: BLE001 — a llama.cpp failure only loses the comparison
         if run.debug:
             raise

@@ -1,10 +1,11 @@
 """Device choice, default dtypes, timers that synchronise, and memory readings."""
 from __future__ import annotations
 
-import os
 import time
 
 import torch
+
+from .rss import process_peak_rss, reset_process_peak_rss  # noqa: F401  (memory readings, torch-free)
 
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "fp16": torch.float16, "float16": torch.float16,
           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -98,18 +99,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "mps":
         return int(torch.mps.driver_allocated_memory())
     return process_peak_rss()
-
-
-def process_peak_rss() -> int:
-    try:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(peak if os.uname().sysname == "Darwin" else peak * 1024)
-    except (ImportError, AttributeError):
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
 
 
 def process_rss() -> int:

@@ -3,10 +3,10 @@ combination grid, formats that are not there yet, --against llama.cpp (missing, 
 --plot without matplotlib, and bad arguments."""
 import json
 import math
+import os
 import subprocess
 import sys
-import time
-import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,8 +208,43 @@ def test_missing_formats_fail_their_rows_only(tiny_llama, tmp_path, monkeypatch,
     assert "n/a [" in out and "--weights int4 not available" in out  # shown in the table's footnotes
 
 
+FAKE_LLAMA_CPP = """
+import json, os, time
+
+class Llama:  # records the call in $FAKE_LLAMA_LOG; "prefill" 4 ms, then a token every 2 ms
+    def __init__(self, model_path, n_threads, n_threads_batch, n_ctx, **kw):
+        self.log = {"path": model_path, "threads": n_threads, "n_ctx": n_ctx, "prompts": []}
+        self.ballast = bytearray(64 << 20)  # 64 MiB resident: the child's own peak RSS
+        for i in range(0, len(self.ballast), 4096):
+            self.ballast[i] = 1
+
+    def reset(self):
+        pass
+
+    def generate(self, tokens, temp, top_k, reset):
+        assert temp == 0.0 and top_k == 1
+        self.log["prompts"].append(len(tokens))
+        with open(os.environ["FAKE_LLAMA_LOG"], "w") as f:
+            json.dump(self.log, f)
+        time.sleep(0.004)
+        while True:
+            yield 1
+            time.sleep(0.002)
+"""
+
+
+def _fake_llama_cpp(monkeypatch, tmp_path, source: str) -> Path:
+    """A llama_cpp module on the PYTHONPATH of the child process bench runs llama.cpp in; returns its log path."""
+    folder = tmp_path / "fake_site"
+    folder.mkdir()
+    (folder / "llama_cpp.py").write_text(source)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in (str(folder), os.environ.get("PYTHONPATH")) if p))
+    monkeypatch.setenv("FAKE_LLAMA_LOG", str(tmp_path / "llama_log.json"))
+    return tmp_path / "llama_log.json"
+
+
 def test_against_llama_cpp_missing(tiny_llama, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp → ImportError
+    _fake_llama_cpp(monkeypatch, tmp_path, "raise ImportError('no llama.cpp here')\n")
     rc, doc = bench_json(monkeypatch, tmp_path, "-m", str(tiny_llama[1]), "--against", "llama.cpp")
     err = capsys.readouterr().err
     assert rc == 0
@@ -219,29 +254,14 @@ def test_against_llama_cpp_missing(tiny_llama, tmp_path, monkeypatch, capsys):
 
 
 def test_against_llama_cpp_stand_in(tiny_llama, tmp_path, monkeypatch, capsys):
-    """A fake llama_cpp module: checks the call (threads, context, greedy, same prompt tokens) and
-    that each row carries llama.cpp's figures and our ratios to them."""
-    seen = {}
-
-    class Llama:
-        def __init__(self, model_path, n_threads, n_threads_batch, n_ctx, **kw):
-            seen.update(path=model_path, threads=n_threads, n_ctx=n_ctx)
-
-        def reset(self):
-            pass
-
-        def generate(self, tokens, temp, top_k, reset):
-            seen.setdefault("prompts", []).append(len(tokens))
-            assert temp == 0.0 and top_k == 1
-            time.sleep(0.004)  # "prefill"
-            while True:
-                yield 1
-                time.sleep(0.002)
-
-    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=Llama))
+    """A fake llama_cpp module in the child process: checks the call (threads, context, greedy, same prompt
+    tokens), that each row carries llama.cpp's figures, its own peak RSS (its 64 MiB ballast, not our process's
+    memory) and our ratios to them."""
+    log = _fake_llama_cpp(monkeypatch, tmp_path, FAKE_LLAMA_CPP)
     rc, doc = bench_json(monkeypatch, tmp_path, "-m", str(tiny_llama[1]), "--ctx", "30", "--against", "llama.cpp")
     out = capsys.readouterr().out
     assert rc == 0
+    seen = json.loads(log.read_text())
     assert seen["threads"] == 2 and seen["path"] == str(tiny_llama[1]) and seen["n_ctx"] >= 30 + 6
     assert set(seen["prompts"]) == {16, 30}
     for r in doc["rows"]:
@@ -249,11 +269,20 @@ def test_against_llama_cpp_stand_in(tiny_llama, tmp_path, monkeypatch, capsys):
         assert 100 < lc["decode_tok_s"] < 600 and lc["prefill_tok_s"] == pytest.approx(r["context"] / lc["ttft_s"])
         assert r["vs_llama_cpp"]["decode"] == pytest.approx(s["decode_tok_s"] / lc["decode_tok_s"])
         assert r["vs_llama_cpp"]["ttft"] == pytest.approx(s["ttft_s"] / lc["ttft_s"])
-    assert "llama.cpp t/s" in out and "× llama.cpp" in out
+        assert 64 << 20 < lc["peak_rss_bytes"] < (64 << 20) + s["peak_memory_bytes"] // 2  # its own, not ours
+        assert r["vs_llama_cpp"]["peak_memory"] == pytest.approx(s["peak_memory_bytes"] / lc["peak_rss_bytes"])
+    assert "llama.cpp t/s" in out and "× llama.cpp" in out and "llama.cpp MiB" in out and "peak MiB" in out
+
+
+def test_against_llama_cpp_failure_keeps_our_rows(tiny_llama, tmp_path, monkeypatch, capsys):
+    _fake_llama_cpp(monkeypatch, tmp_path, "class Llama:\n    def __init__(self, **kw):\n        raise ValueError('bad file')\n")
+    rc, doc = bench_json(monkeypatch, tmp_path, "-m", str(tiny_llama[1]), "--against", "llama.cpp")
+    assert rc == 0 and all(r["stats"] and r["llama_cpp"] is None for r in doc["rows"])
+    assert [n for n in doc["notes"] if "failed" in n and "bad file" in n]
 
 
 def test_against_needs_a_gguf(tiny_llama, tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=None))
+    _fake_llama_cpp(monkeypatch, tmp_path, FAKE_LLAMA_CPP)
     rc, doc = bench_json(monkeypatch, tmp_path, "-m", str(tiny_llama[0]), "--against", "llama.cpp")
     assert rc == 0 and "not a .gguf" in capsys.readouterr().err
 

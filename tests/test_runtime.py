@@ -48,3 +48,23 @@ def test_the_loader_applies_it(monkeypatch):
     monkeypatch.setattr(matmul, "configure_cpu_extension", lambda settings: None)  # leave this process's kernels be
     configure_process(Options())
     assert calls == [1]
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="Linux's /proc/self/clear_refs")
+def test_peak_rss_restarts_from_the_current_rss():
+    """device.reset_process_peak_rss: a peak read after it leaves out what was freed before (edgellm bench's rows: one
+    weight format's load and runs, not the bandwidth test's arrays)."""
+    child = r"""
+from edgellm.device import process_peak_rss, reset_process_peak_rss
+big = bytearray(256 << 20)
+for i in range(0, len(big), 4096):
+    big[i] = 1
+del big
+before = process_peak_rss()
+ok = reset_process_peak_rss()
+print(int(ok), before, process_peak_rss())
+"""
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=120, check=True)
+    ok, before, after = map(int, out.stdout.split())
+    assert ok == 1
+    assert before - after > 200 << 20, (before, after)
