@@ -77,6 +77,15 @@ void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function
 }
 }  // namespace edgellm
 namespace edgellm_old {
+// The old build's x8 entry points: the tensors here are as stored (never x8), so these are never called; defined
+// because the old cpu_gguf.cpp refers to them (cpu_gguf_x8.cpp is built once, for the new one).
+struct GgufActs;
+bool gguf_x8_supported(int) { return false; }
+int64_t gguf_x8_bytes(int) { return 0; }
+void gguf_x8_panel_sb(const uint8_t*, int, uint8_t*, int64_t, float*, float*, int64_t) {}
+void gguf_gemm_x8(const GgufActs&, const uint8_t*, int, int64_t, float*, int64_t, const int32_t*) {}
+void gguf_repack_x8(const uint8_t*, int, int64_t, int64_t, uint8_t*) {}
+void gguf_unrepack_x8(const uint8_t*, int, int64_t, int64_t, uint8_t*) {}
 void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
   edgellm::parallel_run(begin, end, grain, f);
 }
@@ -84,7 +93,8 @@ void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function
 
 // the old build's entry point (gguf_kernel_ab.py appends it to the old source: quantize x, then gguf_gemm)
 namespace edgellm_old {
-void gguf_linear_old(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int type, int64_t N, float* y);
+void gguf_linear_old(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int type, int64_t N, float* y,
+                     bool prompt);
 }
 
 // One thread: this thread's CPU time (the time other processes take the core is not counted: a loaded machine's
@@ -149,12 +159,13 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (argc < 6) {
-    std::fprintf(stderr, "usage: %s FILE.gguf TENSORS.txt THREADS ROUNDS M[,M...] [REPEATS]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s FILE.gguf TENSORS.txt THREADS ROUNDS M[,M...] [REPEATS [PROMPT]]\n", argv[0]);
     return 2;
   }
   threads = std::atoi(argv[3]);
   const int rounds = std::atoi(argv[4]);
   const int repeats = argc > 6 ? std::atoi(argv[6]) : 1;  // calls per tensor and round (hot: the same cached rows)
+  const bool prompt = argc > 7 && std::atoi(argv[7]) != 0;  // the prompt GEMM rather than the row kernel
   std::vector<int64_t> ms;
   for (char* p = argv[5]; *p;) {
     ms.push_back(std::strtol(p, &p, 10));
@@ -192,10 +203,11 @@ int main(int argc, char** argv) {
           const double t0 = now();
           for (int rep = 0; rep < repeats; ++rep) {
             if (build == 0) {
-              edgellm_old::gguf_linear_old(x.data(), M, w.K, file + w.offset, w.type, w.N, y.data());
+              edgellm_old::gguf_linear_old(x.data(), M, w.K, file + w.offset, w.type, w.N, y.data(), prompt);
             } else {
               const edgellm::GgufActs a = edgellm::gguf_quantize_acts(x.data(), M, w.K);
-              edgellm::gguf_gemm(a, file + w.offset, w.type, w.N, w.K, y.data(), w.N, nullptr);
+              if (prompt) edgellm::gguf_gemm_prompt(a, file + w.offset, w.type, w.N, w.K, y.data(), w.N, nullptr);
+              else edgellm::gguf_gemm(a, file + w.offset, w.type, w.N, w.K, y.data(), w.N, nullptr);
             }
           }
           acc[w.kind] += now() - t0;

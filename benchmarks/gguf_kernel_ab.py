@@ -31,9 +31,11 @@ NATIVE = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"}
 
 OLD_ENTRY = """
 namespace edgellm {
-void gguf_linear_old(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int type, int64_t N, float* y) {
+void gguf_linear_old(const float* x, int64_t M, int64_t K, const uint8_t* blocks, int type, int64_t N, float* y,
+                     bool prompt) {
   const GgufActs a = gguf_quantize_acts(x, M, K);
-  gguf_gemm(a, blocks, type, N, K, y, N, nullptr);
+  if (prompt) gguf_gemm_prompt(a, blocks, type, N, K, y, N, nullptr);
+  else gguf_gemm(a, blocks, type, N, K, y, N, nullptr);
 }
 }  // namespace edgellm
 """
@@ -57,7 +59,7 @@ def tensor_list(path: str) -> list[tuple[int, int, int, int, str]]:
 def build(old_rev: str, folder: Path, flags: list[str]) -> Path:
     old = folder / "old"
     old.mkdir()
-    for name in ("cpu_gguf.cpp", "cpu_gguf.h", "half.h"):
+    for name in ("cpu_gguf.cpp", "cpu_gguf.h", "half.h", "simd_transpose.h"):
         text = subprocess.run(["git", "show", f"{old_rev}:kernels/{name}"], cwd=ROOT, check=True,
                               capture_output=True, text=True).stdout
         (old / name).write_text(text + (OLD_ENTRY if name == "cpu_gguf.cpp" else ""))
@@ -92,6 +94,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--m", default="1", help="rows of x, comma list")
     ap.add_argument("--hot", action="store_true", help="L2-resident slices, repeated (compute speed)")
+    ap.add_argument("--prompt", action="store_true", help="the prompt GEMM (gguf_gemm_prompt) instead of the row "
+                    "kernel: for prompt-sized M, e.g. --m 512 --threads 1")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     tensors = tensor_list(args.gguf)
@@ -124,7 +128,7 @@ def main() -> None:
         read_gbps = float(bw)
         print(f"streaming read, {args.threads} threads: {read_gbps:.2f} GB/s (the ceiling: bytes per token / this)")
         out = subprocess.run([str(exe), args.gguf, str(lst), str(args.threads), str(args.rounds), args.m,
-                              str(repeats)],
+                              str(repeats), str(int(args.prompt))],
                              check=True, capture_output=True, text=True).stdout
     rows = {}
     for line in out.splitlines():
