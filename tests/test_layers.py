@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom to top. A module may import modules of its own layer and of the layers below it, never above.
 # Every module must be named here (a new module is placed on purpose, not by a catch-all).
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundation", ["edgellm.errors", "edgellm.atomic", "edgellm.device"]),
+    ("foundation", ["edgellm.errors", "edgellm.atomic", "edgellm.rss", "edgellm.device"]),
     ("kernels", ["edgellm.kernels.*"]),  # the hot loops: import nothing of ours above the foundation
     ("options", ["edgellm.options"]),  # the frozen run options: the kernels' option types, composed
     ("config", ["edgellm.config"]),  # ModelConfig: what a model is, from HF config.json or GGUF metadata
@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "edgellm.weight_calibration"]),  # whole models from files, and back to files
     ("generate", ["edgellm.generate", "edgellm.speculative"]),
     ("args", ["edgellm.args"]),  # argparse -> Options, and the loaders the commands share
-    ("apps", ["edgellm.bench", "edgellm.quantize", "edgellm.perplexity", "edgellm.serve", "edgellm.serve_worker",
+    ("apps", ["edgellm.bench", "edgellm.llama_cpp_peer", "edgellm.quantize", "edgellm.perplexity", "edgellm.serve", "edgellm.serve_worker",
               "edgellm.openai_schema", "edgellm.serve_cli", "edgellm.tui.*"]),
     ("cli", ["edgellm.cli"]),
 ]
