@@ -225,7 +225,7 @@ at::Tensor gguf_product(const at::Tensor& x_, const py::list& parts_, int64_t N_
   const float* xp = x.data_ptr<float>();
   {
     py::gil_scoped_release nogil;
-    const edgellm::GgufActs acts = edgellm::gguf_quantize_acts(xp, M, K);
+    const edgellm::GgufActs acts = edgellm::gguf_quantize_acts(xp, M, K, /*paired=*/!prompt);
     int64_t offset = 0;
     for (const auto& p : parts) {
       float* yp = p.out_index ? y : y + offset;
@@ -276,7 +276,7 @@ at::Tensor quant_linear_prompt(const at::Tensor& x_, const at::Tensor& codes_, c
   w.group = group_size;
   {
     py::gil_scoped_release nogil;
-    const edgellm::GgufActs acts = edgellm::gguf_quantize_acts(x.data_ptr<float>(), M, K);
+    const edgellm::GgufActs acts = edgellm::gguf_quantize_acts(x.data_ptr<float>(), M, K, /*paired=*/false);
     edgellm::quant_gemm_prompt(acts, w, N, out.data_ptr<float>(), N);
   }
   return out;

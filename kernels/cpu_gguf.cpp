@@ -1406,7 +1406,7 @@ int64_t gguf_block_bytes(int type) {
   }
 }
 
-GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K) {
+GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K, bool paired) {
   GgufActs a;
   a.M = M;
   a.K = K;
@@ -1419,20 +1419,31 @@ GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K) {
   float* s = d + per;
   int32_t* s32 = reinterpret_cast<int32_t*>(s + per);
   int16_t* s16 = reinterpret_cast<int16_t*>(s32 + per);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < a.nb; ++b) {
-      const int64_t o = m * a.nb + b;
-      d[o] = quantize_block32(x + m * K + b * QK, q + m * K + b * QK, &s32[o], &s16[2 * o]);
-      s[o] = d[o] * (float)s32[o];
-    }
 #ifdef EDGELLM_G_AVX2
-  int8_t* q2 = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(s16 + 2 * per) + 63) & ~uintptr_t(63));
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < a.nb; ++b) {
-      int8_t* dst = q2 + m * K + (b >> 1) * 64 + (b & 1) * 16;
-      std::memcpy(dst, q + m * K + b * QK, 16);
-      std::memcpy(dst + 32, q + m * K + b * QK + 16, 16);
-    }
+  int8_t* q2 = paired ? reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(s16 + 2 * per) + 63) & ~uintptr_t(63))
+                      : nullptr;
+#else
+  (void)paired;
+#endif
+  // rows split over threads, ~32k values a task (a prompt chunk's x: 1-4M values; a decode step's: one task)
+  parallel_run(0, M, std::max<int64_t>(1, 32768 / std::max<int64_t>(K, 1)), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t b = 0; b < a.nb; ++b) {
+        const int64_t o = m * a.nb + b;
+        d[o] = quantize_block32(x + m * K + b * QK, q + m * K + b * QK, &s32[o], &s16[2 * o]);
+        s[o] = d[o] * (float)s32[o];
+      }
+#ifdef EDGELLM_G_AVX2
+    if (q2)
+      for (int64_t m = m0; m < m1; ++m)
+        for (int64_t b = 0; b < a.nb; ++b) {
+          int8_t* dst = q2 + m * K + (b >> 1) * 64 + (b & 1) * 16;
+          std::memcpy(dst, q + m * K + b * QK, 16);
+          std::memcpy(dst + 32, q + m * K + b * QK + 16, 16);
+        }
+#endif
+  });
+#ifdef EDGELLM_G_AVX2
   a.q2 = q2;
 #endif
   a.q = q;

@@ -34,7 +34,8 @@ struct GgufActs {
   // codes serves two blocks; null elsewhere
   const int8_t* q2 = nullptr;    // [M, K]
 };
-GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K);
+// paired = false: without q2 (only the row kernels read it; the prompt GEMMs do not). Rows split over threads.
+GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K, bool paired = true);
 
 // y[m * ldy + col(n)] = sum_k x[m, k] W[n, k] for the N rows of one GGUF tensor (rows contiguous, gguf_row_bytes
 // each), col(n) = out_index ? out_index[n] : n.  A row's result is bit-identical whatever M is.  Rows split over
