@@ -1131,39 +1131,36 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
           t[i] = h == 0 ? _mm256_mul_ps(_mm256_cvtepi32_ps(ia[i]), sc) : _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), sc, t[i]);
       }
       for (int i = 0; i < RT; ++i) acc[i] = _mm256_fmadd_ps(t[i], _mm256_set1_ps(dx[sb * MR + i]), acc[i]);
-    } else if (TYPE == GGUF_Q8_0) {  // signed codes: |w| x sign(x, w), pair sums <= 2 * 128 * 127 (no saturation)
-      __m256i ia[MR];
-      for (int i = 0; i < RT; ++i) ia[i] = _mm256_setzero_si256();
-      for (int g = 0; g < 8; ++g) {
-        const __m256i w = _mm256_load_si256((const __m256i*)wc), aw = _mm256_abs_epi8(w);
-        const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
-        for (int i = 0; i < RT; ++i) {
-          const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(ld32(x0 + 4 * i)), w);
-          ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
-        }
-        wc += 32;
-        xq += 4 * MR;
-      }
-      const __m256 sc = _mm256_load_ps(P.ws + sb * 8);
-      for (int i = 0; i < RT; ++i)
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), _mm256_mul_ps(sc, _mm256_set1_ps(dx[sb * MR + i])), acc[i]);
     } else {
       __m256i ia[MR];
       for (int i = 0; i < RT; ++i) ia[i] = OFF ? _mm256_set1_epi32(off[sb * MR + i]) : _mm256_setzero_si256();
-      for (int g = 0; g < 8; g += 4) {  // four groups' pair sums added in int16 (8 products of codes <= 31,
-                                         // |.| <= 8 * 31 * 127 = 31496)
-        const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
-        const __m256i w2 = _mm256_load_si256((const __m256i*)(wc + 64)), w3 = _mm256_load_si256((const __m256i*)(wc + 96));
-        const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
-        for (int i = 0; i < RT; ++i) {
-          const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
-                                               _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x0 + 4 * (MR + i)))));
-          const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, _mm256_set1_epi32(ld32(x0 + 4 * (2 * MR + i)))),
-                                               _mm256_maddubs_epi16(w3, _mm256_set1_epi32(ld32(x0 + 4 * (3 * MR + i)))));
-          ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_add_epi16(p01, p23), _mm256_set1_epi16(1)));
+      if (TYPE == GGUF_Q8_0) {  // signed codes: |w| x sign(x, w), pair sums <= 2 * 128 * 127 (no saturation)
+        for (int g = 0; g < 8; ++g) {
+          const __m256i w = _mm256_load_si256((const __m256i*)wc), aw = _mm256_abs_epi8(w);
+          const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
+          for (int i = 0; i < RT; ++i) {
+            const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(ld32(x0 + 4 * i)), w);
+            ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
+          }
+          wc += 32;
+          xq += 4 * MR;
         }
-        wc += 128;
-        xq += 16 * MR;
+      } else {
+        for (int g = 0; g < 8; g += 4) {  // four groups' pair sums added in int16 (8 products of codes <= 31,
+                                           // |.| <= 8 * 31 * 127 = 31496)
+          const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
+          const __m256i w2 = _mm256_load_si256((const __m256i*)(wc + 64)), w3 = _mm256_load_si256((const __m256i*)(wc + 96));
+          const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
+          for (int i = 0; i < RT; ++i) {
+            const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
+                                                 _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x0 + 4 * (MR + i)))));
+            const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, _mm256_set1_epi32(ld32(x0 + 4 * (2 * MR + i)))),
+                                                 _mm256_maddubs_epi16(w3, _mm256_set1_epi32(ld32(x0 + 4 * (3 * MR + i)))));
+            ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_add_epi16(p01, p23), _mm256_set1_epi16(1)));
+          }
+          wc += 128;
+          xq += 16 * MR;
+        }
       }
       const __m256 sc = _mm256_load_ps(P.ws + sb * 8);
       for (int i = 0; i < RT; ++i)

@@ -36,7 +36,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype = torch.float32, device: to
     fp32 cache: 170 MB resident and ~0.45 s of page faults at load on a 2-core VM), most of it for context a chat
     may never reach."""
     dev = torch.device(device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if dev.type != "cpu" or nbytes < LAZY_ZEROS_MIN_BYTES:
         return torch.zeros(shape, dtype=dtype, device=dev)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the mapping alive
