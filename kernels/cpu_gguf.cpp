@@ -760,13 +760,19 @@ constexpr int P_NR = 8, P_MR = 4;
 #if defined(__GNUC__) && !defined(__clang__)
 #define PROMPT_UNROLL _Pragma("GCC unroll 16")  // else GCC may turn a zeroing loop of vector accumulators into a
                                                 // memset, and then keep the accumulators in memory
+#define PROMPT_NO_UNROLL _Pragma("GCC unroll 1")
 #else
 #define PROMPT_UNROLL
+#define PROMPT_NO_UNROLL
 #endif
 
 // Q8_0's signed codes in the vector builds: as u8 + 128 with an offset through the activations' sums where vpdpbusd
-// multiplies (AVX-512 VNNI: int32 sums, no saturation); on AVX2 as they are, multiplied as |w| x sign(x, w) by
-// maddubs (u8 up to 255 against int8 could saturate its int16 pair sums; |w| <= 128 cannot).
+// multiplies (AVX-512 VNNI: int32 sums, no saturation); on AVX2 the panel holds |w| and a mask of the negative codes
+// (u8 up to 255 against int8 could saturate maddubs' int16 pair sums), and maddubs multiplies |w| by x with its bits
+// flipped where w < 0: |w| (~x) = |w| (-x - 1) = w x - |w|, so the sum over a sub-block is w.x minus the panel's
+// per-column constant sum(|w| : w < 0), which starts the accumulator.  A flip (vpxor) runs on any of the four vector
+// pipes where vpsignb |w| x sign(x, w) took a multiplier pipe's slot (Zen 3: maddubs, madd, sign and abs share two
+// pipes).  No pair sum saturates: |w| <= 127 against x <= 127, and w = -128 only against ~x in [-128, 126].
 #if defined(EDGELLM_P_ZMM)
 constexpr bool P_Q8_U8 = true;
 #else
@@ -862,19 +868,23 @@ PromptActs prompt_acts(const GgufActs& a) {
 // One unpacked panel: P_NR weight rows over kc values of K.
 struct Panel {
   uint8_t* codes = nullptr;  // [kc / 4][NR][4] (vector builds: u8 codes; portable: int8 with offsets taken off)
+  uint8_t* negs = nullptr;   // AVX2 Q8_0: [kc / 4][NR][4] 0xff where the code is negative (codes then hold |w|)
+  int32_t* negsum = nullptr; // AVX2 Q8_0: [kc / 32][NR] sum of |w| over the sub-block's negative codes
   float* ws = nullptr;       // [kc / 32][NR] scale per sub-block (Q6_K: [kc / 16][NR], d * sc per 16 values)
   float* wm = nullptr;       // [kc / 32][NR] min per sub-block (types with mins; Q4_K / Q5_K: -(dmin m))
 };
 
 Panel panel_buffer(int64_t kc) {
   static thread_local std::vector<uint8_t> buf;
-  const size_t codes = (size_t)(kc * P_NR), fl = (size_t)(kc / 16 * P_NR) * 4 + (size_t)(kc / 32 * P_NR) * 4;
-  if (buf.size() < codes + fl + 128) buf.resize(codes + fl + 128);
+  const size_t codes = (size_t)(kc * P_NR), fl = (size_t)(kc / 16 * P_NR) * 4 + (size_t)(kc / 32 * P_NR) * 8;
+  if (buf.size() < 2 * codes + fl + 128) buf.resize(2 * codes + fl + 128);
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
   Panel P;
   P.codes = base;
-  P.ws = reinterpret_cast<float*>(base + codes);
+  P.negs = base + codes;
+  P.ws = reinterpret_cast<float*>(base + 2 * codes);
   P.wm = P.ws + kc / 16 * P_NR;
+  P.negsum = reinterpret_cast<int32_t*>(P.wm + kc / 32 * P_NR);
   return P;
 }
 
@@ -891,6 +901,26 @@ inline void store_panel_codes(const uint8_t (*tmp)[256], int nsub, int64_t s0, c
       uint8_t* dst = P.codes + ((s0 + j) * 8) * NR * 4 + r0 * 4;
       for (int g = 0; g < 8; ++g) _mm256_store_si256((__m256i*)(dst + g * NR * 4), v[g]);
     }
+}
+
+// AVX2 Q8_0: the signed codes of sub-blocks [s0, s0 + nsub), as stored by store_panel_codes, into |w|, the mask of
+// negative codes and the per-column sum of |w| over them (see P_Q8_U8).
+inline void split_panel_signs(int nsub, int64_t s0, const Panel& P) {
+  static_assert(P_NR == 8, "one ymm of codes holds 4 values of each of the 8 rows");
+  const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
+  for (int64_t sb = s0; sb < s0 + nsub; ++sb) {
+    __m256i neg = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      uint8_t* at = P.codes + (sb * 8 + g) * 32;
+      const __m256i w = _mm256_load_si256((const __m256i*)at);
+      const __m256i m = _mm256_cmpgt_epi8(_mm256_setzero_si256(), w), a = _mm256_abs_epi8(w);
+      _mm256_store_si256((__m256i*)at, a);
+      _mm256_store_si256((__m256i*)(P.negs + (sb * 8 + g) * 32), m);
+      // the 4 bytes of each row: |w| <= 128 each, so u8 x 1 pair sums then int32 sums are exact
+      neg = _mm256_add_epi32(neg, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(a, m), ones8), ones16));
+    }
+    _mm256_store_si256((__m256i*)(P.negsum + sb * 8), neg);
+  }
 }
 
 // Unpack rows[0 .. nvalid) (stored row numbers; the rest of the panel's NR rows are zeros) over [k0, k0 + kc).
@@ -951,6 +981,7 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
       }
     }
     store_panel_codes(tmp, nsub, s0, P);
+    if (TYPE == GGUF_Q8_0 && !P_Q8_U8) split_panel_signs(nsub, s0, P);
   }
 }
 
@@ -984,6 +1015,7 @@ void build_panel_quant(const QuantWeights& w, int64_t K, int64_t n0, int nvalid,
       }
     }
     store_panel_codes(tmp, nsub, s0, P);
+    if (TYPE == GGUF_Q8_0 && !P_Q8_U8) split_panel_signs(nsub, s0, P);
   }
 }
 #else
@@ -1134,19 +1166,24 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
     } else {
       __m256i ia[MR];
       for (int i = 0; i < RT; ++i) ia[i] = OFF ? _mm256_set1_epi32(off[sb * MR + i]) : _mm256_setzero_si256();
-      if (TYPE == GGUF_Q8_0) {  // signed codes: |w| x sign(x, w), pair sums <= 2 * 128 * 127 (no saturation)
-        for (int g = 0; g < 8; ++g) {
-          const __m256i w = _mm256_load_si256((const __m256i*)wc), aw = _mm256_abs_epi8(w);
+      if (TYPE == GGUF_Q8_0) {  // |w| against x flipped where w < 0, from sum(|w| : w < 0) (see P_Q8_U8)
+        const __m256i neg = _mm256_load_si256((const __m256i*)(P.negsum + sb * 8));
+        for (int i = 0; i < RT; ++i) ia[i] = neg;
+        const uint8_t* wn = P.negs + (wc - P.codes);
+        PROMPT_NO_UNROLL for (int g = 0; g < 8; ++g) {  // unrolled, GCC sums the 8 groups' products as a tree
+                                                         // and spills them
+          const __m256i aw = _mm256_load_si256((const __m256i*)wc), m = _mm256_load_si256((const __m256i*)wn);
           const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
           for (int i = 0; i < RT; ++i) {
-            const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(ld32(x0 + 4 * i)), w);
-            ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), _mm256_set1_epi16(1)));
+            const __m256i fx = _mm256_xor_si256(_mm256_set1_epi32(ld32(x0 + 4 * i)), m);
+            ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, fx), _mm256_set1_epi16(1)));
           }
           wc += 32;
+          wn += 32;
           xq += 4 * MR;
         }
       } else {
-        for (int g = 0; g < 8; g += 4) {  // four groups' pair sums added in int16 (8 products of codes <= 31,
+        PROMPT_NO_UNROLL for (int g = 0; g < 8; g += 4) {  // four groups' pair sums added in int16 (8 products of codes <= 31,
                                            // |.| <= 8 * 31 * 127 = 31496)
           const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
           const __m256i w2 = _mm256_load_si256((const __m256i*)(wc + 64)), w3 = _mm256_load_si256((const __m256i*)(wc + 96));
