@@ -37,6 +37,7 @@ DEFAULT_Q_BLOCK = 256
 # Query rows from which a CPU prefill (fp32, on a quantized or fp32 cache) takes torch's fused flash kernel
 # (_flash_rows); fewer rows take the bmm tiles (quantized) or one SDPA call (float)
 FLASH_MIN_ROWS = 32
+CPU_CAUSAL_KERNEL = True  # the prefill's own keys through kernels/cpu_attention.cpp where it is built (A/B switch)
 # Finite "minus infinity": a row whose keys in one tile are all masked gets a finite running max, so
 # exp() never sees inf - inf; its tile weight exp(m_tile - m_max) is exactly 0 at the combine.
 _NEG = torch.finfo(torch.float32).min
@@ -277,11 +278,28 @@ def _flash_rows(qr: torch.Tensor, store: KVStore, pos0: int, t_rows: int, split:
                       scale=1.0)  # q is scaled already
         combine(out[0], lse[0].unsqueeze(-1))
     end = pos0 + t_rows
-    k = _tile(store, 0, pos0, end, ws).repeat_interleave(g, 0)
-    v = _tile(store, 1, pos0, end, ws).repeat_interleave(g, 0)
+    k, v = _tile(store, 0, pos0, end, ws), _tile(store, 1, pos0, end, ws)
+    causal = _causal_kernel(qr, D)
+    if causal is not None:  # ours: the triangle only, K/V shared by the group
+        out, lse = causal(qr.reshape(n_kv * g, t_rows, D), k, v)
+        combine(out.view(n_kv, R, D), lse.view(n_kv, R, 1))
+        return acc.div_(l_run)
+    k, v = k.repeat_interleave(g, 0), v.repeat_interleave(g, 0)
     out, lse = op(qr.reshape(n_kv * g, t_rows, D)[None], k[None], v[None], 0.0, True, scale=1.0)
     combine(out[0].reshape(n_kv, R, D), lse[0].reshape(n_kv, R, 1))
     return acc.div_(l_run)
+
+
+def _causal_kernel(qr: torch.Tensor, D: int):
+    """The C++ kernel for the rows' own keys (kernels/cpu_attention.cpp: query blocks stop at the diagonal, where
+    torch's kernel computes whole 512-key blocks, the full square for a chunk of up to 512 rows: 1.6-2x faster at
+    512 rows, benchmarks/prefill_attention.py), or None: no AVX2 build, another dtype, a head dim it does not take."""
+    if qr.dtype != torch.float32 or D % 16 or D > 256 or not CPU_CAUSAL_KERNEL:
+        return None
+    from .matmul import cpu_extension
+
+    ext = cpu_extension()
+    return ext.flash_causal if ext is not None and ext.flash_causal_fast() else None
 
 
 def _folds_scales(store: KVStore, which: int = 1) -> bool:

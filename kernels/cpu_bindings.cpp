@@ -27,6 +27,9 @@ void set_kernel_tuning(bool rows16, int64_t rows8_min_tokens);
 void dequant_int4(const uint8_t* codes, const uint16_t* scales, const uint16_t* mins, int64_t N, int64_t K, int64_t G,
                   float* out);
 void dequant_int8(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t G, float* out);
+bool flash_causal_fast();
+void flash_causal(const float* q, const float* k, const float* v, int64_t kvs, float* out, float* lse, int64_t Hq,
+                  int64_t Hkv, int64_t T, int64_t D);
 }  // namespace edgellm
 
 namespace {
@@ -243,6 +246,32 @@ at::Tensor gguf_linear(const at::Tensor& x, const py::list& parts, int64_t N_tot
 
 at::Tensor gguf_linear_prompt(const at::Tensor& x, const py::list& parts, int64_t N_total) {
   return gguf_product(x, parts, N_total, true);
+}
+
+// Causal attention of T rows over their own keys (cpu_attention.cpp): q [Hq, T, D] already scaled, k and v
+// [Hkv, T, D], fp32 -> (out [Hq, T, D], log-sum-exp [Hq, T]).
+std::tuple<at::Tensor, at::Tensor> flash_causal(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_) {
+  const char* what = "edgellm flash_causal";
+  TORCH_CHECK(edgellm::flash_causal_fast(), what, ": not in this build (", edgellm::isa_name(), ")");
+  TORCH_CHECK(q_.dim() == 3 && k_.dim() == 3 && k_.sizes() == v_.sizes() && q_.size(1) == k_.size(1) &&
+                  q_.size(2) == k_.size(2) && k_.size(0) > 0 && q_.size(0) % k_.size(0) == 0,
+              what, ": q must be [Hq, T, D] and k, v [Hkv, T, D] with Hkv dividing Hq, got ", q_.sizes(), ", ",
+              k_.sizes(), ", ", v_.sizes());
+  for (const at::Tensor* t : {&q_, &k_, &v_})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), what, ": q, k, v must be fp32 CPU tensors");
+  const int64_t Hq = q_.size(0), Hkv = k_.size(0), T = q_.size(1), D = q_.size(2);
+  TORCH_CHECK(D % 16 == 0 && D <= 256, what, ": head dim ", D, " must be a multiple of 16, at most 256");
+  // k and v as slices of a cache [Hkv, max_len, D] read in place: rows of D contiguous, one stride between heads
+  const bool rows_dense = k_.stride(2) == 1 && k_.stride(1) == D && v_.stride(2) == 1 && v_.stride(1) == D &&
+                          k_.stride(0) == v_.stride(0);
+  const at::Tensor q = q_.contiguous(), k = rows_dense ? k_ : k_.contiguous(), v = rows_dense ? v_ : v_.contiguous();
+  at::Tensor out = at::empty({Hq, T, D}, q.options()), lse = at::empty({Hq, T}, q.options());
+  {
+    py::gil_scoped_release nogil;
+    edgellm::flash_causal(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0),
+                          out.data_ptr<float>(), lse.data_ptr<float>(), Hq, Hkv, T, D);
+  }
+  return {out, lse};
 }
 
 // x fp32 [M, K] @ W^T for our int8 / int4 weights (quant/groups.py layout) through the prompt GEMM -> fp32 [M, N]:
@@ -611,6 +640,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return gguf_x8_convert(x8, type, n, k, false); }, py::arg("x8"), py::arg("type"), py::arg("n"), py::arg("k"),
         "the x8 layout -> the GGUF blocks as stored, bit for bit");
   m.def("isa", &isa, "the instruction set the kernels were compiled for");
+  m.def("flash_causal", &flash_causal, py::arg("q"), py::arg("k"), py::arg("v"),
+        "causal attention of T rows over their own keys: q [Hq,T,D] (scaled), k, v [Hkv,T,D] -> (out, lse [Hq,T])");
+  m.def("flash_causal_fast", &edgellm::flash_causal_fast, "whether this build has flash_causal (AVX2 + FMA)");
   m.def("dequant_out", &dequant_out, py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("group_size"),
         py::arg("bits"), py::arg("buf"),
         "dequantize int4 (mins empty = symmetric) / int8 codes into fp32 buf (>= N*K elements); returns [N, K]");

@@ -39,8 +39,9 @@ from typing import Iterator
 import torch
 
 _NAME = "edgellm_cpu_kernels"
-_SOURCES = ("cpu_kernels.cpp", "cpu_decode.cpp", "cpu_gguf.cpp", "cpu_gguf_x8.cpp", "cpu_bindings.cpp")
-_HEADERS = ("cpu_decode.h", "cpu_gguf.h", "half.h", "simd_transpose.h")  # hashed with the sources: a change rebuilds
+_SOURCES = ("cpu_kernels.cpp", "cpu_decode.cpp", "cpu_gguf.cpp", "cpu_gguf_x8.cpp", "cpu_attention.cpp",
+            "cpu_bindings.cpp")
+_HEADERS = ("cpu_decode.h", "cpu_gguf.h", "half.h", "simd_math.h", "simd_transpose.h")  # hashed with the sources: a change rebuilds
 _BUILD_VERSION = "1"  # bump to force a rebuild when the flags logic changes
 
 _state: dict[str, object] = {"tried": False, "ext": None}

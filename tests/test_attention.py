@@ -159,6 +159,73 @@ def test_flash_rows_are_used_for_quantized_prefill(monkeypatch):
     assert calls
 
 
+def causal_kernel():
+    from edgellm.kernels import matmul
+
+    ext = matmul.cpu_extension()
+    if ext is None or not ext.flash_causal_fast():
+        pytest.skip("no AVX2 build of the CPU kernels here: prefills use torch's flash kernel for their own keys")
+    return ext
+
+
+# Rows around the kernel's blocks (32 query rows, 64 keys), every head dim it takes, GQA and not.
+@pytest.mark.parametrize("T", [1, 5, 31, 32, 33, 63, 64, 65, 100, 200])
+@pytest.mark.parametrize("D,g", [(16, 1), (64, 3), (128, 2), (256, 4)])
+def test_causal_kernel_against_float64(T, D, g):
+    ext = causal_kernel()
+    gen = torch.Generator().manual_seed(T * 31 + D + g)
+    n_kv = 2
+    # a cache's slice, read in place: rows of D contiguous, heads a cache length apart
+    cache_k, cache_v = torch.randn(2, n_kv, T + 9, D, generator=gen)
+    k, v = cache_k[:, 3:3 + T], cache_v[:, 3:3 + T]
+    q = torch.randn(n_kv * g, T, D, generator=gen) * 2 * D ** -0.5  # scaled as the caller scales it
+    out, lse = ext.flash_causal(q, k, v)
+    s = q.double() @ k.double().repeat_interleave(g, 0).transpose(1, 2)
+    s.masked_fill_(torch.ones(T, T, dtype=torch.bool).triu_(1), float("-inf"))
+    ref = torch.softmax(s, -1) @ v.double().repeat_interleave(g, 0)
+    assert out.shape == q.shape and lse.shape == q.shape[:2]
+    assert (out.double() - ref).abs().max().item() < 1e-5
+    assert (lse.double() - torch.logsumexp(s, -1)).abs().max().item() < 1e-5
+
+
+def test_causal_kernel_rejects_what_it_does_not_take():
+    ext = causal_kernel()
+    q = torch.randn(4, 8, 72)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        ext.flash_causal(q, q[:2], q[:2])
+    with pytest.raises(RuntimeError, match="Hkv dividing Hq"):
+        ext.flash_causal(q[..., :64], q[:3, :, :64], q[:3, :, :64])
+    with pytest.raises(RuntimeError, match="fp32"):
+        ext.flash_causal(q[..., :64].double(), q[:2, :, :64].double(), q[:2, :, :64].double())
+
+
+@pytest.mark.parametrize("kind", ["fp32", "int8", "int4k16s4"])
+def test_prefill_takes_the_causal_kernel(monkeypatch, kind):
+    """A CPU prefill's own keys go through kernels/cpu_attention.cpp where it is built, and the result is the
+    reference's; a head dim it does not take (72) falls back to torch's kernel, as right."""
+    ext = causal_kernel()
+    if A._cpu_flash_kernel() is None:
+        pytest.skip("this torch has no aten._scaled_dot_product_flash_attention_for_cpu: the bmm tiles serve")
+    calls = []
+    real = ext.flash_causal
+
+    class Counting:
+        def __getattr__(self, name):
+            return getattr(ext, name)
+
+        def flash_causal(self, *a):
+            calls.append(a[0].shape)
+            return real(*a)
+
+    from edgellm.kernels import matmul
+    monkeypatch.setattr(matmul, "cpu_extension", lambda: Counting())
+    check(kind, 3, 64, 300, 200, split=64)  # a 100-token prefix, then 200 rows: prefix tiles + the triangle
+    assert calls == [(2 * 3, 200, 64)]
+    if kind != "int4k16s4":  # (its groups of 16 and 32 values need a head dim that the kernel takes)
+        check(kind, 2, 72, 100, 100, split=64)
+        assert len(calls) == 1
+
+
 @pytest.mark.parametrize("n", [5, 300, 2000])
 def test_float_short_path_matches(n):
     # T=1 on a short float cache goes to SDPA (SDPA_MAX_LEN); longer to the matmul path.
