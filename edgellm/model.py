@@ -18,6 +18,7 @@ from torch import nn
 from .cache import DevicePosition
 from .config import ModelConfig, rope_inv_freq
 from .errors import ContextOverflowError
+from .kernels import pointwise
 
 
 class RMSNorm(nn.Module):
@@ -27,6 +28,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = pointwise.rms_norm(x, self.weight, self.eps)  # fp32 on the CPU: one C++ pass
+        if fused is not None:
+            return fused
         # Normalise in fp32 whatever the compute dtype, as the reference implementation does. (F.rms_norm
         # measured 2.5x slower than these four ops on CPU in torch 2.13: it decomposes.)
         x32 = x.float()
@@ -90,7 +94,11 @@ class FeedForward(nn.Module):
         self.gelu = cfg.hidden_act == "gelu_tanh"  # GeGLU (Gemma), else SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w13(x).split(self.hidden, dim=-1)
+        gate_up = self.w13(x)
+        fused = pointwise.gated_activation(gate_up, self.gelu)  # fp32 on the CPU: one C++ pass
+        if fused is not None:
+            return self.w2(fused)
+        gate, up = gate_up.split(self.hidden, dim=-1)
         return self.w2((F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)) * up)
 
 

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "cpu_decode.h"
 #include "cpu_gguf.h"
@@ -28,6 +29,8 @@ void dequant_int4(const uint8_t* codes, const uint16_t* scales, const uint16_t* 
                   float* out);
 void dequant_int8(const int8_t* codes, const uint16_t* scales, int64_t N, int64_t K, int64_t G, float* out);
 bool flash_causal_fast();
+void gated_mlp(const float* gu, int64_t M, int64_t H, bool gelu, float* y);
+void rms_norm(const float* x, const float* w, int64_t M, int64_t N, float eps, float* y);
 void flash_causal(const float* q, const float* k, const float* v, int64_t kvs, float* out, float* lse, int64_t Hq,
                   int64_t Hkv, int64_t T, int64_t D);
 }  // namespace edgellm
@@ -272,6 +275,31 @@ std::tuple<at::Tensor, at::Tensor> flash_causal(const at::Tensor& q_, const at::
                           out.data_ptr<float>(), lse.data_ptr<float>(), Hq, Hkv, T, D);
   }
   return {out, lse};
+}
+
+// act(gate) * up from the fused gate/up product gu [..., 2H] (cpu_pointwise.cpp) -> fp32 [..., H].
+at::Tensor gated_mlp(const at::Tensor& gu_, bool gelu) {
+  TORCH_CHECK(gu_.scalar_type() == at::kFloat && gu_.device().is_cpu() && gu_.dim() >= 1 && gu_.size(-1) % 2 == 0,
+              "edgellm gated_mlp: gu must be an fp32 CPU tensor [..., 2H], got ", gu_.sizes());
+  const at::Tensor gu = gu_.contiguous();
+  const int64_t H = gu.size(-1) / 2, M = H ? gu.numel() / (2 * H) : 0;
+  std::vector<int64_t> shape(gu.sizes().begin(), gu.sizes().end());
+  shape.back() = H;
+  at::Tensor y = at::empty(shape, gu.options());
+  edgellm::gated_mlp(gu.data_ptr<float>(), M, H, gelu, y.data_ptr<float>());
+  return y;
+}
+
+// x / sqrt(mean(x^2) + eps) * w over the last dim of x [..., N], w [N] (cpu_pointwise.cpp) -> fp32 [..., N].
+at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && w_.scalar_type() == at::kFloat && x_.device().is_cpu() &&
+                  w_.device().is_cpu() && x_.dim() >= 1 && w_.dim() == 1 && w_.size(0) == x_.size(-1),
+              "edgellm rms_norm: x must be fp32 [..., N] and w fp32 [N] on the CPU, got ", x_.sizes(), ", ", w_.sizes());
+  const at::Tensor x = x_.contiguous(), w = w_.contiguous();
+  const int64_t N = x.size(-1), M = N ? x.numel() / N : 0;
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  edgellm::rms_norm(x.data_ptr<float>(), w.data_ptr<float>(), M, N, (float)eps, y.data_ptr<float>());
+  return y;
 }
 
 // x fp32 [M, K] @ W^T for our int8 / int4 weights (quant/groups.py layout) through the prompt GEMM -> fp32 [M, N]:
@@ -643,6 +671,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("flash_causal", &flash_causal, py::arg("q"), py::arg("k"), py::arg("v"),
         "causal attention of T rows over their own keys: q [Hq,T,D] (scaled), k, v [Hkv,T,D] -> (out, lse [Hq,T])");
   m.def("flash_causal_fast", &edgellm::flash_causal_fast, "whether this build has flash_causal (AVX2 + FMA)");
+  m.def("gated_mlp", &gated_mlp, py::arg("gu"), py::arg("gelu"),
+        "silu(gu[..., :H]) * gu[..., H:] (gelu: gelu_tanh) for the fused gate/up product, fp32");
+  m.def("rms_norm", &rms_norm, py::arg("x"), py::arg("w"), py::arg("eps"), "RMSNorm over the last dim, fp32");
   m.def("dequant_out", &dequant_out, py::arg("codes"), py::arg("scales"), py::arg("mins"), py::arg("group_size"),
         py::arg("bits"), py::arg("buf"),
         "dequantize int4 (mins empty = symmetric) / int8 codes into fp32 buf (>= N*K elements); returns [N, K]");

@@ -40,7 +40,7 @@ import torch
 
 _NAME = "edgellm_cpu_kernels"
 _SOURCES = ("cpu_kernels.cpp", "cpu_decode.cpp", "cpu_gguf.cpp", "cpu_gguf_x8.cpp", "cpu_attention.cpp",
-            "cpu_bindings.cpp")
+            "cpu_pointwise.cpp", "cpu_bindings.cpp")
 _HEADERS = ("cpu_decode.h", "cpu_gguf.h", "half.h", "simd_math.h", "simd_transpose.h")  # hashed with the sources: a change rebuilds
 _BUILD_VERSION = "1"  # bump to force a rebuild when the flags logic changes
 
