@@ -229,12 +229,13 @@ def test_every_family_runs_its_gguf_blocks_as_stored(tmp_path, variant):
     folder = make_hf_model(tmp_path / variant, variant, seed=5)  # the tiny shapes are multiples of 32
     path = make_gguf(folder, tmp_path / f"{variant}.gguf", quant_types=FAMILY_MIX, seed=9)
     ids = list(range(3, 30))
-    fp = _logits(load_model(path, weights="fp"), ids)
     saved = matmul.cpu_extension()
     matmul.set_cpu_extension(None)
     try:
-        # the exact comparison keeps the int4/int8 linears' prompt GEMM in fp32 (by default it is bf16 on CPUs with
-        # native bf16, AVX-512 BF16 among them)
+        # both on the torch path (the extension would also take the float model's attention, norms and MLP
+        # activation); the exact comparison keeps the int4/int8 linears' prompt GEMM in fp32 (by default it is bf16
+        # on CPUs with native bf16, AVX-512 BF16 among them)
+        fp = _logits(load_model(path, weights="fp"), ids)
         auto = load_model(path, weights="auto", options=Options(kernel=KernelOptions(prefill_bf16=False)))
         assert any(isinstance(m, GGUFLinear) for m in auto.model.modules())
         for a, b in zip(_logits(auto, ids), fp):
