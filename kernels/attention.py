@@ -253,10 +253,18 @@ def _flash_rows(qr: torch.Tensor, store: KVStore, pos0: int, t_rows: int, split:
       group's query heads ride as rows of their KV head;
     - the rows' own keys [pos0, pos0 + t_rows), once: causal (is_causal, so the kernel skips the blocks above
       the diagonal), per query head with K/V repeated over the group (a mask would be [R, t_rows] and make
-      the kernel compute every block)."""
+      the kernel compute every block).
+    Where kernels/cpu_attention.cpp is built: a quantized cache's own keys go through it instead of the second
+    call, and an fp32 cache takes it alone, one call over [0, pos0 + t_rows) read in place."""
     op = _cpu_flash_kernel()
     n_kv, R, D = qr.shape
     g = R // t_rows
+    causal = _causal_kernel(qr, D)
+    if causal is not None and isinstance(store, FloatKV) and store.k.dtype == torch.float32:
+        # ours over the prefix and the rows' own keys at once, read in place (no tiles to combine)
+        end = pos0 + t_rows
+        out, _ = causal(qr.reshape(n_kv * g, t_rows, D), store.k[:, :end], store.v[:, :end], pos0)
+        return out.view(n_kv, R, D)
     ws = None if isinstance(store, FloatKV) else _Workspace(store, n_kv, max(min(split, pos0), t_rows), D,
                                                              qr.dtype, qr.device)  # (a float cache is read in place)
     acc = m_run = l_run = None
@@ -279,7 +287,6 @@ def _flash_rows(qr: torch.Tensor, store: KVStore, pos0: int, t_rows: int, split:
         combine(out[0], lse[0].unsqueeze(-1))
     end = pos0 + t_rows
     k, v = _tile(store, 0, pos0, end, ws), _tile(store, 1, pos0, end, ws)
-    causal = _causal_kernel(qr, D)
     if causal is not None:  # ours: the triangle only, K/V shared by the group
         out, lse = causal(qr.reshape(n_kv * g, t_rows, D), k, v)
         combine(out.view(n_kv, R, D), lse.view(n_kv, R, 1))
@@ -291,9 +298,10 @@ def _flash_rows(qr: torch.Tensor, store: KVStore, pos0: int, t_rows: int, split:
 
 
 def _causal_kernel(qr: torch.Tensor, D: int):
-    """The C++ kernel for the rows' own keys (kernels/cpu_attention.cpp: query blocks stop at the diagonal, where
+    """The C++ kernel for a chunk's rows (kernels/cpu_attention.cpp: query blocks stop at the diagonal, where
     torch's kernel computes whole 512-key blocks, the full square for a chunk of up to 512 rows: 1.6-2x faster at
-    512 rows, benchmarks/prefill_attention.py), or None: no AVX2 build, another dtype, a head dim it does not take."""
+    512 rows, benchmarks/prefill_attention.py), over the whole float cache or a quantized cache's own keys, or None:
+    no AVX2 build, another dtype, a head dim it does not take."""
     if qr.dtype != torch.float32 or D % 16 or D > 256 or not CPU_CAUSAL_KERNEL:
         return None
     from .matmul import cpu_extension

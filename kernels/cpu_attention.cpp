@@ -1,4 +1,5 @@
-// Causal attention of a prompt chunk over its own keys (the diagonal part of a prefill), fp32, AVX2 + FMA.
+// Causal attention of a prompt chunk over the keys before it and its own, fp32, AVX2 + FMA (for a quantized cache:
+// over its own keys, the diagonal part, the prefix's tiles going through torch's kernel).
 //
 // torch's CPU flash kernel (what kernels/attention.py calls for the rest) splits keys into blocks of 512 and, with
 // is_causal, still computes a whole block for every query block: for a chunk of up to 512 rows it does the full
@@ -18,7 +19,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
-#include <vector>
+#include <memory>
 
 #include "simd_math.h"
 #if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || defined(__FMA__))
@@ -103,23 +104,23 @@ void in_tiles(int rows, F&& f) {
   }
 }
 
-// One query block: rows [r0, r0 + nr) of one head against keys [0, r0 + nr): kt the head's key blocks [.][D][BK],
-// v its values [T][D].
-void query_block(const float* q, const float* kt, const float* v, float* out, float* lse, int64_t r0, int nr,
-                 int64_t D) {
+// One query block: rows [r0, r0 + nr) of one head, row r at position pos0 + r, against keys [0, pos0 + r0 + nr):
+// kt the head's key blocks [.][D][BK], v its values [L][D].
+void query_block(const float* q, const float* kt, const float* v, float* out, float* lse, int64_t pos0, int64_t r0,
+                 int nr, int64_t D) {
   alignas(32) float s[BQ * BK];
   alignas(32) float o[BQ * 256];
   float m[BQ], l[BQ];
   std::fill(o, o + nr * D, 0.0f);
   std::fill(m, m + nr, -std::numeric_limits<float>::infinity());
   std::fill(l, l + nr, 0.0f);
-  const int64_t end = r0 + nr;
+  const int64_t end = pos0 + r0 + nr;
   for (int64_t c0 = 0; c0 < end; c0 += BK) {
     const int nk = (int)std::min<int64_t>(BK, end - c0);
     in_tiles(nr, [&](auto R, int i) { scores<decltype(R)::value>(q + (r0 + i) * D, D, kt + c0 * D, s + i * BK); });
     for (int i = 0; i < nr; ++i) {
       float* si = s + i * BK;
-      const int64_t last = r0 + i - c0;  // the row's last visible key in this block (causal)
+      const int64_t last = pos0 + r0 + i - c0;  // the row's last visible key in this block (causal)
       for (int j = (int)std::max<int64_t>(0, std::min<int64_t>(last + 1, BK)); j < BK; ++j)
         si[j] = -std::numeric_limits<float>::infinity();
       __m256 mx = _mm256_load_ps(si);
@@ -160,18 +161,18 @@ bool flash_causal_fast() {
 #endif
 }
 
-// q [Hq][T][D] (already scaled), k and v [Hkv][T][D] (rows of D contiguous, heads kvs apart: a cache's slice),
-// query head h on KV head h / (Hq / Hkv); row t sees keys [0, t].  out [Hq][T][D], lse [Hq][T].  Needs D % 16 == 0,
-// D <= 256 and flash_causal_fast().
+// q [Hq][T][D] (already scaled), k and v [Hkv][pos0 + T][D] (rows of D contiguous, heads kvs apart: a cache's
+// slice), query head h on KV head h / (Hq / Hkv); row t, at position pos0 + t, sees keys [0, pos0 + t].  out
+// [Hq][T][D], lse [Hq][T].  Needs D % 16 == 0, D <= 256 and flash_causal_fast().
 void flash_causal(const float* q, const float* k, const float* v, int64_t kvs, float* out, float* lse, int64_t Hq,
-                  int64_t Hkv, int64_t T, int64_t D) {
+                  int64_t Hkv, int64_t T, int64_t D, int64_t pos0) {
 #ifdef EDGELLM_A_AVX2
-  const int64_t nkb = (T + BK - 1) / BK, hb = nkb * BK * D;  // per head: key blocks [nkb][D][BK] (zeros past T)
-  std::vector<float> kt((size_t)(Hkv * hb));
+  const int64_t L = pos0 + T, nkb = (L + BK - 1) / BK, hb = nkb * BK * D;  // per head: key blocks [nkb][D][BK]
+  std::unique_ptr<float[]> kt(new float[(size_t)(Hkv * hb)]);  // every value written below
   parallel_run(0, Hkv * nkb, 1, [&](int64_t a, int64_t b) {
     for (int64_t hk = a; hk < b; ++hk) {
-      const int64_t h = hk / nkb, c0 = hk % nkb * BK, n = std::min<int64_t>(BK, T - c0);
-      float* dst = kt.data() + h * hb + c0 * D;
+      const int64_t h = hk / nkb, c0 = hk % nkb * BK, n = std::min<int64_t>(BK, L - c0);  // zeros past L
+      float* dst = kt.get() + h * hb + c0 * D;
       const float* src = k + h * kvs + c0 * D;
       for (int64_t d = 0; d < D; ++d) {
         for (int64_t t = 0; t < n; ++t) dst[d * BK + t] = src[t * D + d];
@@ -185,12 +186,12 @@ void flash_causal(const float* q, const float* k, const float* v, int64_t kvs, f
       const int64_t h = item / nqb, u = item % nqb;
       const int64_t qb = u % 2 == 0 ? u / 2 : nqb - 1 - u / 2;  // both ends of the head in turn
       const int64_t r0 = qb * BQ, hk = h / g;
-      query_block(q + h * T * D, kt.data() + hk * hb, v + hk * kvs, out + h * T * D, lse + h * T, r0,
+      query_block(q + h * T * D, kt.get() + hk * hb, v + hk * kvs, out + h * T * D, lse + h * T, pos0, r0,
                   (int)std::min<int64_t>(BQ, T - r0), D);
     }
   });
 #else
-  (void)q, (void)k, (void)v, (void)kvs, (void)out, (void)lse, (void)Hq, (void)Hkv, (void)T, (void)D;
+  (void)q, (void)k, (void)v, (void)kvs, (void)out, (void)lse, (void)Hq, (void)Hkv, (void)T, (void)D, (void)pos0;
 #endif
 }
 

@@ -32,7 +32,7 @@ bool flash_causal_fast();
 void gated_mlp(const float* gu, int64_t M, int64_t H, bool gelu, float* y);
 void rms_norm(const float* x, const float* w, int64_t M, int64_t N, float eps, float* y);
 void flash_causal(const float* q, const float* k, const float* v, int64_t kvs, float* out, float* lse, int64_t Hq,
-                  int64_t Hkv, int64_t T, int64_t D);
+                  int64_t Hkv, int64_t T, int64_t D, int64_t pos0);
 }  // namespace edgellm
 
 namespace {
@@ -251,15 +251,16 @@ at::Tensor gguf_linear_prompt(const at::Tensor& x, const py::list& parts, int64_
   return gguf_product(x, parts, N_total, true);
 }
 
-// Causal attention of T rows over their own keys (cpu_attention.cpp): q [Hq, T, D] already scaled, k and v
-// [Hkv, T, D], fp32 -> (out [Hq, T, D], log-sum-exp [Hq, T]).
-std::tuple<at::Tensor, at::Tensor> flash_causal(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_) {
+// Causal attention of T rows at positions [pos0, pos0 + T) over keys [0, pos0 + T) (cpu_attention.cpp): q [Hq, T, D]
+// already scaled, k and v [Hkv, pos0 + T, D], fp32 -> (out [Hq, T, D], log-sum-exp [Hq, T]).
+std::tuple<at::Tensor, at::Tensor> flash_causal(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
+                                                int64_t pos0) {
   const char* what = "edgellm flash_causal";
   TORCH_CHECK(edgellm::flash_causal_fast(), what, ": not in this build (", edgellm::isa_name(), ")");
-  TORCH_CHECK(q_.dim() == 3 && k_.dim() == 3 && k_.sizes() == v_.sizes() && q_.size(1) == k_.size(1) &&
+  TORCH_CHECK(pos0 >= 0 && q_.dim() == 3 && k_.dim() == 3 && k_.sizes() == v_.sizes() && pos0 + q_.size(1) == k_.size(1) &&
                   q_.size(2) == k_.size(2) && k_.size(0) > 0 && q_.size(0) % k_.size(0) == 0,
-              what, ": q must be [Hq, T, D] and k, v [Hkv, T, D] with Hkv dividing Hq, got ", q_.sizes(), ", ",
-              k_.sizes(), ", ", v_.sizes());
+              what, ": q must be [Hq, T, D] and k, v [Hkv, pos0 + T, D] with Hkv dividing Hq, got ", q_.sizes(), ", ",
+              k_.sizes(), ", ", v_.sizes(), " for pos0 = ", pos0);
   for (const at::Tensor* t : {&q_, &k_, &v_})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->device().is_cpu(), what, ": q, k, v must be fp32 CPU tensors");
   const int64_t Hq = q_.size(0), Hkv = k_.size(0), T = q_.size(1), D = q_.size(2);
@@ -272,7 +273,7 @@ std::tuple<at::Tensor, at::Tensor> flash_causal(const at::Tensor& q_, const at::
   {
     py::gil_scoped_release nogil;
     edgellm::flash_causal(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0),
-                          out.data_ptr<float>(), lse.data_ptr<float>(), Hq, Hkv, T, D);
+                          out.data_ptr<float>(), lse.data_ptr<float>(), Hq, Hkv, T, D, pos0);
   }
   return {out, lse};
 }
@@ -668,8 +669,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return gguf_x8_convert(x8, type, n, k, false); }, py::arg("x8"), py::arg("type"), py::arg("n"), py::arg("k"),
         "the x8 layout -> the GGUF blocks as stored, bit for bit");
   m.def("isa", &isa, "the instruction set the kernels were compiled for");
-  m.def("flash_causal", &flash_causal, py::arg("q"), py::arg("k"), py::arg("v"),
-        "causal attention of T rows over their own keys: q [Hq,T,D] (scaled), k, v [Hkv,T,D] -> (out, lse [Hq,T])");
+  m.def("flash_causal", &flash_causal, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("pos0") = 0,
+        "causal attention of T rows at positions pos0.. over keys [0, pos0 + T): q [Hq,T,D] (scaled), k, v "
+        "[Hkv,pos0+T,D] -> (out, lse [Hq,T])");
   m.def("flash_causal_fast", &edgellm::flash_causal_fast, "whether this build has flash_causal (AVX2 + FMA)");
   m.def("gated_mlp", &gated_mlp, py::arg("gu"), py::arg("gelu"),
         "silu(gu[..., :H]) * gu[..., H:] (gelu: gelu_tanh) for the fused gate/up product, fp32");

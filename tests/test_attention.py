@@ -168,20 +168,22 @@ def causal_kernel():
     return ext
 
 
-# Rows around the kernel's blocks (32 query rows, 64 keys), every head dim it takes, GQA and not.
+# Rows around the kernel's blocks (32 query rows, 64 keys), every head dim it takes, GQA and not, from position 0
+# and after a prefix (the rows at positions pos0.., keys [0, pos0 + T)).
 @pytest.mark.parametrize("T", [1, 5, 31, 32, 33, 63, 64, 65, 100, 200])
 @pytest.mark.parametrize("D,g", [(16, 1), (64, 3), (128, 2), (256, 4)])
-def test_causal_kernel_against_float64(T, D, g):
+@pytest.mark.parametrize("pos0", [0, 1, 70, 512])
+def test_causal_kernel_against_float64(T, D, g, pos0):
     ext = causal_kernel()
-    gen = torch.Generator().manual_seed(T * 31 + D + g)
-    n_kv = 2
+    gen = torch.Generator().manual_seed(T * 31 + D + g + pos0)
+    n_kv, L = 2, pos0 + T
     # a cache's slice, read in place: rows of D contiguous, heads a cache length apart
-    cache_k, cache_v = torch.randn(2, n_kv, T + 9, D, generator=gen)
-    k, v = cache_k[:, 3:3 + T], cache_v[:, 3:3 + T]
+    cache_k, cache_v = torch.randn(2, n_kv, L + 9, D, generator=gen)
+    k, v = cache_k[:, :L], cache_v[:, :L]
     q = torch.randn(n_kv * g, T, D, generator=gen) * 2 * D ** -0.5  # scaled as the caller scales it
-    out, lse = ext.flash_causal(q, k, v)
+    out, lse = ext.flash_causal(q, k, v, pos0)
     s = q.double() @ k.double().repeat_interleave(g, 0).transpose(1, 2)
-    s.masked_fill_(torch.ones(T, T, dtype=torch.bool).triu_(1), float("-inf"))
+    s.masked_fill_(torch.ones(T, L, dtype=torch.bool).triu_(pos0 + 1), float("-inf"))
     ref = torch.softmax(s, -1) @ v.double().repeat_interleave(g, 0)
     assert out.shape == q.shape and lse.shape == q.shape[:2]
     assert (out.double() - ref).abs().max().item() < 1e-5
@@ -195,6 +197,8 @@ def test_causal_kernel_rejects_what_it_does_not_take():
         ext.flash_causal(q, q[:2], q[:2])
     with pytest.raises(RuntimeError, match="Hkv dividing Hq"):
         ext.flash_causal(q[..., :64], q[:3, :, :64], q[:3, :, :64])
+    with pytest.raises(RuntimeError, match="pos0"):
+        ext.flash_causal(q[..., :64], q[:2, :, :64], q[:2, :, :64], 3)  # keys: 8 rows, not 3 + 8
     with pytest.raises(RuntimeError, match="fp32"):
         ext.flash_causal(q[..., :64].double(), q[:2, :, :64].double(), q[:2, :, :64].double())
 
