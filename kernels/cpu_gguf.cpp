@@ -905,6 +905,9 @@ inline void store_panel_codes(const uint8_t (*tmp)[256], int nsub, int64_t s0, c
 
 // AVX2 Q8_0: the signed codes of sub-blocks [s0, s0 + nsub), as stored by store_panel_codes, into |w|, the mask of
 // negative codes and the per-column sum of |w| over them (see P_Q8_U8).
+#if defined(EDGELLM_P_ZMM)
+inline void split_panel_signs(int, int64_t, const Panel&) {}  // (AVX-512 VNNI builds keep Q8_0 as u8 + 128)
+#else
 inline void split_panel_signs(int nsub, int64_t s0, const Panel& P) {
   static_assert(P_NR == 8, "one ymm of codes holds 4 values of each of the 8 rows");
   const __m256i ones8 = _mm256_set1_epi8(1), ones16 = _mm256_set1_epi16(1);
@@ -922,6 +925,7 @@ inline void split_panel_signs(int nsub, int64_t s0, const Panel& P) {
     _mm256_store_si256((__m256i*)(P.negsum + sb * 8), neg);
   }
 }
+#endif
 
 // Unpack rows[0 .. nvalid) (stored row numbers; the rest of the panel's NR rows are zeros) over [k0, k0 + kc).
 template <int TYPE>
