@@ -5,11 +5,12 @@
 // is_causal, still computes a whole block for every query block: for a chunk of up to 512 rows it does the full
 // T x T square, twice the causal work.  Here query blocks of BQ rows walk key blocks of BK only up to their last
 // row, so the work is the triangle (plus half a block on the diagonal):
-//   - per KV head, K is transposed once ([D][T], padded to whole key blocks) so that scores vectorize over keys;
-//   - per (query head, query block): S = Q K^T a key block at a time (4 rows x 16 keys of FMA accumulators),
-//     the causal mask on the diagonal block, the online softmax (running max and sum per row, the exp below),
-//     then O += P V (4 rows x 16 values of D);
-//   - out = O / sum and the log-sum-exp per row (max + log sum), for the caller to merge with the prefix's part.
+//   - per KV head, K is transposed once per call into key blocks [L / BK][D][BK] (zeros past the last key), so that
+//     scores vectorize over keys and a block's keys sit together;
+//   - per (query head, query block): S = Q K^T a key block at a time (RT = 6 rows x 16 keys of FMA accumulators),
+//     the causal mask on the diagonal block, the online softmax (running max and sum per row, exp256), then
+//     O += P V (6 rows x 16 values of D);
+//   - out = O / sum and the log-sum-exp per row (max + log sum), for a caller that merges another part.
 // Work items are (head, query block) with the blocks of a head taken from both ends in turn, so that the two
 // halves of any range of items cost about the same (at::parallel_for gives each thread one contiguous range).
 // Builds without AVX2 have only flash_causal_fast() == false: the caller uses torch's kernel.
