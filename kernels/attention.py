@@ -37,7 +37,7 @@ DEFAULT_Q_BLOCK = 256
 # Query rows from which a CPU prefill (fp32, on a quantized or fp32 cache) takes torch's fused flash kernel
 # (_flash_rows); fewer rows take the bmm tiles (quantized) or one SDPA call (float)
 FLASH_MIN_ROWS = 32
-CPU_CAUSAL_KERNEL = True  # the prefill's own keys through kernels/cpu_attention.cpp where it is built (A/B switch)
+CPU_CAUSAL_KERNEL = True  # prefill attention through kernels/cpu_attention.cpp where it is built (A/B switch)
 # Finite "minus infinity": a row whose keys in one tile are all masked gets a finite running max, so
 # exp() never sees inf - inf; its tile weight exp(m_tile - m_max) is exactly 0 at the combine.
 _NEG = torch.finfo(torch.float32).min

@@ -17,21 +17,18 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <memory>
+#include <type_traits>
 
 #include "simd_math.h"
-#if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || defined(__FMA__))
-#define EDGELLM_A_AVX2 1
-#endif
 
 namespace edgellm {
 
 void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
 
-#ifdef EDGELLM_A_AVX2
+#ifdef EDGELLM_SIMD_AVX2
 namespace {
 
 constexpr int BQ = 32, BK = 64;
@@ -155,7 +152,7 @@ void query_block(const float* q, const float* kt, const float* v, float* out, fl
 #endif
 
 bool flash_causal_fast() {
-#ifdef EDGELLM_A_AVX2
+#ifdef EDGELLM_SIMD_AVX2
   return true;
 #else
   return false;
@@ -167,7 +164,7 @@ bool flash_causal_fast() {
 // [Hq][T][D], lse [Hq][T].  Needs D % 16 == 0, D <= 256 and flash_causal_fast().
 void flash_causal(const float* q, const float* k, const float* v, int64_t kvs, float* out, float* lse, int64_t Hq,
                   int64_t Hkv, int64_t T, int64_t D, int64_t pos0) {
-#ifdef EDGELLM_A_AVX2
+#ifdef EDGELLM_SIMD_AVX2
   const int64_t L = pos0 + T, nkb = (L + BK - 1) / BK, hb = nkb * BK * D;  // per head: key blocks [nkb][D][BK]
   std::unique_ptr<float[]> kt(new float[(size_t)(Hkv * hb)]);  // every value written below
   parallel_run(0, Hkv * nkb, 1, [&](int64_t a, int64_t b) {

@@ -47,7 +47,6 @@ int max_threads();
 
 namespace {
 
-
 float dot(const float* a, const float* b, int64_t n) {
   int64_t i = 0;
   float s = 0.0f;

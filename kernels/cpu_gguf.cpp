@@ -1187,7 +1187,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
           xq += 4 * MR;
         }
       } else {
-        PROMPT_NO_UNROLL for (int g = 0; g < 8; g += 4) {  // four groups' pair sums added in int16 (8 products of codes <= 31,
+        for (int g = 0; g < 8; g += 4) {  // four groups' pair sums added in int16 (8 products of codes <= 31,
                                            // |.| <= 8 * 31 * 127 = 31496)
           const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
           const __m256i w2 = _mm256_load_si256((const __m256i*)(wc + 64)), w3 = _mm256_load_si256((const __m256i*)(wc + 96));

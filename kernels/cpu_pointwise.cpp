@@ -8,9 +8,6 @@
 #include <functional>
 
 #include "simd_math.h"
-#if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || defined(__FMA__))
-#define EDGELLM_P_AVX2 1
-#endif
 
 namespace edgellm {
 
@@ -21,7 +18,7 @@ namespace {
 // Rows per task: ~64k values, so a 512-row chunk splits over the threads and a single row stays on one.
 int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(n, 1)); }
 
-#ifdef EDGELLM_P_AVX2
+#ifdef EDGELLM_SIMD_AVX2
 // gate * sigmoid(gate) (SwiGLU) or gelu_tanh(gate) = gate * sigmoid(2 c (gate + 0.044715 gate^3)) (GeGLU), times up.
 template <bool GELU>
 inline __m256 gated(__m256 g, __m256 u) {
@@ -49,7 +46,7 @@ void gated_rows(const float* gu, int64_t M, int64_t H, float* y) {
       const float* u = g + H;
       float* o = y + m * H;
       int64_t i = 0;
-#ifdef EDGELLM_P_AVX2
+#ifdef EDGELLM_SIMD_AVX2
       for (; i + 8 <= H; i += 8) _mm256_storeu_ps(o + i, gated<GELU>(_mm256_loadu_ps(g + i), _mm256_loadu_ps(u + i)));
 #endif
       for (; i < H; ++i) o[i] = gated1<GELU>(g[i], u[i]);
@@ -73,7 +70,7 @@ void rms_norm(const float* x, const float* w, int64_t M, int64_t N, float eps, f
       float* yr = y + m * N;
       int64_t i = 0;
       float ss = 0.0f;
-#ifdef EDGELLM_P_AVX2
+#ifdef EDGELLM_SIMD_AVX2
       __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
       for (; i + 16 <= N; i += 16) {
         const __m256 v0 = _mm256_loadu_ps(xr + i), v1 = _mm256_loadu_ps(xr + i + 8);
@@ -85,7 +82,7 @@ void rms_norm(const float* x, const float* w, int64_t M, int64_t N, float eps, f
       for (; i < N; ++i) ss += xr[i] * xr[i];
       const float inv = 1.0f / std::sqrt(ss / (float)N + eps);
       i = 0;
-#ifdef EDGELLM_P_AVX2
+#ifdef EDGELLM_SIMD_AVX2
       const __m256 iv = _mm256_set1_ps(inv);
       for (; i + 8 <= N; i += 8)
         _mm256_storeu_ps(yr + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(xr + i), iv)));

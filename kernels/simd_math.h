@@ -3,6 +3,7 @@
 #pragma once
 
 #if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || defined(__FMA__))
+#define EDGELLM_SIMD_AVX2 1  // the helpers are defined: cpu_attention.cpp / cpu_pointwise.cpp take their AVX2 paths
 #include <immintrin.h>
 
 namespace edgellm {

@@ -164,7 +164,7 @@ def causal_kernel():
 
     ext = matmul.cpu_extension()
     if ext is None or not ext.flash_causal_fast():
-        pytest.skip("no AVX2 build of the CPU kernels here: prefills use torch's flash kernel for their own keys")
+        pytest.skip("no AVX2 build of the CPU kernels here: prefills use torch's flash kernel")
     return ext
 
 
@@ -205,8 +205,9 @@ def test_causal_kernel_rejects_what_it_does_not_take():
 
 @pytest.mark.parametrize("kind", ["fp32", "int8", "int4k16s4"])
 def test_prefill_takes_the_causal_kernel(monkeypatch, kind):
-    """A CPU prefill's own keys go through kernels/cpu_attention.cpp where it is built, and the result is the
-    reference's; a head dim it does not take (72) falls back to torch's kernel, as right."""
+    """A CPU prefill goes through kernels/cpu_attention.cpp where it is built (an fp32 cache: prefix and own keys in
+    one call; int8 / int4: the own keys, the prefix's tiles through torch's kernel), once per call, and the result is
+    the reference's; a head dim it does not take (72) falls back to torch's kernel, as right."""
     ext = causal_kernel()
     if A._cpu_flash_kernel() is None:
         pytest.skip("this torch has no aten._scaled_dot_product_flash_attention_for_cpu: the bmm tiles serve")
@@ -223,7 +224,7 @@ def test_prefill_takes_the_causal_kernel(monkeypatch, kind):
 
     from edgellm.kernels import matmul
     monkeypatch.setattr(matmul, "cpu_extension", lambda: Counting())
-    check(kind, 3, 64, 300, 200, split=64)  # a 100-token prefix, then 200 rows: prefix tiles + the triangle
+    check(kind, 3, 64, 300, 200, split=64)  # a 100-token prefix, then 200 rows
     assert calls == [(2 * 3, 200, 64)]
     if kind != "int4k16s4":  # (its groups of 16 and 32 values need a head dim that the kernel takes)
         check(kind, 2, 72, 100, 100, split=64)

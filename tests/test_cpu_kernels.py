@@ -500,23 +500,32 @@ def _cross() -> tuple[str | None, str | None]:
     return shutil.which("aarch64-linux-gnu-g++"), shutil.which("qemu-aarch64-static") or shutil.which("qemu-aarch64")
 
 
+# The compiler flags of each build of the kernels (NEON: for the aarch64 cross compiler).
+ISA_FLAGS = {
+    "scalar": ["-DEDGELLM_FORCE_SCALAR"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
+    "neon": [],
+    "neon-dotprod": ["-march=armv8.2-a+dotprod"],
+}
+
+
 def standalone_plan() -> dict[str, tuple[str, list[str], list[str]]]:
     """{build: (compiler, ISA flags, runner prefix)} for every standalone build this machine can make and run:
     the portable one, AVX2 and AVX-512 VNNI where the CPU has them, NEON under qemu where a cross toolchain is."""
     plan = {}
     cxx = _cxx()
     if cxx:
-        plan["scalar"] = (cxx, ["-DEDGELLM_FORCE_SCALAR"], [])
+        plan["scalar"] = (cxx, ISA_FLAGS["scalar"], [])
         flags = cpu_ext._cpu_flags()
         if {"avx2", "fma", "f16c"} <= flags:
-            avx2 = ["-mavx2", "-mfma", "-mf16c"]
-            plan["avx2"] = (cxx, avx2, [])
+            plan["avx2"] = (cxx, ISA_FLAGS["avx2"], [])
             if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-                plan["avx512vnni"] = (cxx, avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"], [])
+                plan["avx512vnni"] = (cxx, ISA_FLAGS["avx512vnni"], [])
     cross, qemu = _cross()
     if cross and qemu:
-        plan["neon"] = (cross, ["-static"], [qemu])
-        plan["neon-dotprod"] = (cross, ["-static", "-march=armv8.2-a+dotprod"], [qemu])
+        plan["neon"] = (cross, ["-static", *ISA_FLAGS["neon"]], [qemu])
+        plan["neon-dotprod"] = (cross, ["-static", *ISA_FLAGS["neon-dotprod"]], [qemu])
     return plan
 
 
