@@ -184,7 +184,7 @@ GgufPartView gguf_part(const py::handle& item, int64_t K, const char* what) {
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() &&
                   (raw.dim() == 1 || raw.dim() == 2), what, ": raw blocks must be a contiguous uint8 CPU tensor, got ",
               raw.scalar_type(), " ", raw.sizes());
-  TORCH_CHECK(p.type < edgellm::GGUF_X8 || p.N % 8 == 0, what, ": an x8 part holds a multiple of 8 rows, not ", p.N);
+  TORCH_CHECK(!edgellm::gguf_is_x8(p.type) || p.N % 8 == 0, what, ": an x8 part holds a multiple of 8 rows, not ", p.N);
   const int64_t rb = edgellm::gguf_row_bytes(p.type, K);
   TORCH_CHECK(p.N >= 0 && raw.numel() == p.N * rb && (raw.dim() == 1 || raw.size(1) == rb), what, ": ", raw.numel(),
               " raw bytes ", raw.sizes(), " do not hold ", p.N, " rows of ", rb, " bytes (type ", p.type, ", K=", K, ")");
@@ -377,17 +377,28 @@ at::Tensor gguf_x8_convert(const at::Tensor& src, int64_t type, int64_t N, int64
   return out;
 }
 
-std::vector<int> gguf_x8_types() {
-  std::vector<int> r;
-  for (int t = 0; t < 64; ++t)
-    if (edgellm::gguf_x8_supported(t)) r.push_back(t);
-  return r;
+// r8: a Q5_0 / Q5_1 tensor's rows with their runs of 8 blocks regrouped (cpu_gguf.cpp); raw [N, row bytes] -> the
+// same shape in the other layout.
+at::Tensor gguf_r8_convert(const at::Tensor& src, int64_t type, int64_t N, int64_t K, bool to_r8) {
+  TORCH_CHECK(edgellm::gguf_r8_supported((int)type), "edgellm gguf_repack_r8: type ", type, " has no r8 kernels in this build");
+  TORCH_CHECK(N >= 0 && K > 0 && K % 32 == 0, "edgellm gguf_repack_r8: K=", K, " must be a positive multiple of 32");
+  const int64_t rb = edgellm::gguf_row_bytes((int)type, K);
+  TORCH_CHECK(src.device().is_cpu() && src.scalar_type() == at::kByte && src.is_contiguous() && src.numel() == N * rb,
+              "edgellm gguf_repack_r8: expected a contiguous uint8 CPU tensor of ", N * rb, " bytes, got ",
+              src.scalar_type(), " ", src.sizes());
+  at::Tensor out = at::empty({N, rb}, src.options());
+  {
+    py::gil_scoped_release nogil;
+    edgellm::gguf_convert_r8(src.data_ptr<uint8_t>(), (int)type, N, K, out.data_ptr<uint8_t>(), to_r8);
+  }
+  return out;
 }
 
-std::vector<int> gguf_types() {
+// The GGML type ids (0..63) for which `has` says yes.
+std::vector<int> gguf_types_where(bool (*has)(int)) {
   std::vector<int> r;
   for (int t = 0; t < 64; ++t)
-    if (edgellm::gguf_supported(t)) r.push_back(t);
+    if (has(t)) r.push_back(t);
   return r;
 }
 
@@ -659,8 +670,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "True where gguf_linear_prompt is vectorized (AVX2 / AVX-512 VNNI), False for the portable version");
   m.def("gguf_dequantize", &gguf_dequantize, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
         py::arg("out") = py::none(), "GGUF blocks -> fp32 [n, k], bit-identical to gguf.quants.dequantize");
-  m.def("gguf_types", &gguf_types, "the GGML type ids this build multiplies natively");
-  m.def("gguf_x8_types", &gguf_x8_types, "the GGML type ids this build also multiplies repacked 8 rows at a time "
+  m.def("gguf_types", [] { return gguf_types_where(edgellm::gguf_supported); }, "the GGML type ids this build multiplies natively");
+  m.def("gguf_x8_types", [] { return gguf_types_where(edgellm::gguf_x8_supported); }, "the GGML type ids this build also multiplies repacked 8 rows at a time "
         "(their type id + 1000)");
   m.def("gguf_repack", [](const at::Tensor& raw, int64_t type, int64_t n, int64_t k) {
           return gguf_x8_convert(raw, type, n, k, true); }, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
@@ -668,6 +679,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_unrepack", [](const at::Tensor& x8, int64_t type, int64_t n, int64_t k) {
           return gguf_x8_convert(x8, type, n, k, false); }, py::arg("x8"), py::arg("type"), py::arg("n"), py::arg("k"),
         "the x8 layout -> the GGUF blocks as stored, bit for bit");
+  m.def("gguf_r8_types", [] { return gguf_types_where(edgellm::gguf_r8_supported); }, "the GGML type ids this build also multiplies with each row's runs of 8 "
+        "blocks regrouped (their type id + 2000)");
+  m.def("gguf_repack_r8", [](const at::Tensor& raw, int64_t type, int64_t n, int64_t k) {
+          return gguf_r8_convert(raw, type, n, k, true); }, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
+        "Q5_0 / Q5_1 blocks [n, row bytes] -> the r8 layout (type + 2000), the same bytes reordered");
+  m.def("gguf_unrepack_r8", [](const at::Tensor& r8, int64_t type, int64_t n, int64_t k) {
+          return gguf_r8_convert(r8, type, n, k, false); }, py::arg("r8"), py::arg("type"), py::arg("n"), py::arg("k"),
+        "the r8 layout -> the GGUF blocks as stored, bit for bit");
   m.def("isa", &isa, "the instruction set the kernels were compiled for");
   m.def("flash_causal", &flash_causal, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("pos0") = 0,
         "causal attention of T rows at positions pos0.. over keys [0, pos0 + T): q [Hq,T,D] (scaled), k, v "

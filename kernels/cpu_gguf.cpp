@@ -98,6 +98,18 @@ template <> struct Fmt<GGUF_Q4_K> { static constexpr int64_t QV = 256, BYTES = 1
 template <> struct Fmt<GGUF_Q5_K> { static constexpr int64_t QV = 256, BYTES = 176; static constexpr bool MIN = true; };
 template <> struct Fmt<GGUF_Q6_K> { static constexpr int64_t QV = 256, BYTES = 210; static constexpr bool MIN = false; };
 
+// r8 (gguf_convert_r8): each run of 8 blocks of a Q5_0 / Q5_1 row regrouped into one chunk of the same bytes: the 8
+// fp16 d's (Q5_1: then the 8 m's), 32 bytes of fifth bits (bit j of byte l: lane l of the chunk's code vector j, as
+// decode_chunk builds them), then the low nibbles of blocks 2k and 2k + 1 side by side (16 + 16 bytes, k = 0..3) as
+// the paired Q4_0 / Q4_1 decode reads them.  Stored, a block's fifth bits take a broadcast, a shuffle, an and, a
+// compare and an and to reach its codes; regrouped, a shift, an and and an or, and the nibbles of two blocks one
+// load.  A row's blocks after its last full chunk stay as stored.
+constexpr int GGUF_Q5_0_R8 = GGUF_R8 + GGUF_Q5_0, GGUF_Q5_1_R8 = GGUF_R8 + GGUF_Q5_1;
+template <> struct Fmt<GGUF_Q5_0_R8> : Fmt<GGUF_Q5_0> {};
+template <> struct Fmt<GGUF_Q5_1_R8> : Fmt<GGUF_Q5_1> {};
+constexpr bool is_r8(int type) { return type > GGUF_R8; }
+constexpr int stored_of(int type) { return is_r8(type) ? type - GGUF_R8 : type; }  // the layout a block is in as stored
+
 // The 6-bit scales and mins of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4), as bytes: out[0..7] the
 // scales, out[8..15] the mins.
 inline void kquant_scales(const uint8_t* s, uint8_t out[16]) {
@@ -373,6 +385,7 @@ inline __m256i bits32(const uint8_t* qh) {  // 32 bits -> byte l = 0x10 where bi
 // The codes of 32-value block b of a 32-block type as u8 in x's order (Q8_0: its int8 codes).
 template <int TYPE>
 inline __m256i codes32(const uint8_t* b) {
+  if constexpr (is_r8(TYPE)) return codes32<stored_of(TYPE)>(b);  // a row's tail blocks
   if (TYPE == GGUF_Q4_0) return nibbles32(b + 2);
   if (TYPE == GGUF_Q4_1) return nibbles32(b + 4);
   if (TYPE == GGUF_Q5_0) return _mm256_or_si256(nibbles32(b + 6), bits32(b + 2));
@@ -392,6 +405,22 @@ template <int TYPE>
 inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
   using F = Fmt<TYPE>;
   const __m256i m4 = _mm256_set1_epi8(0x0F);
+  if constexpr (is_r8(TYPE)) {  // as Q4_0 / Q4_1 below, with the fifth bits as Q5_K's
+    const uint8_t* c0 = row + c * 8 * F::BYTES;
+    ch.fs = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)c0));
+    if (F::MIN) ch.fm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c0 + 16)));
+    const uint8_t* hp = c0 + (F::MIN ? 32 : 16);
+    const __m256i qh = _mm256_loadu_si256((const __m256i*)hp), b4 = _mm256_set1_epi8(0x10);
+    for (int k = 0; k < 4; ++k) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(hp + 32 + 32 * k));
+      const int i0 = 2 * k, i1 = 2 * k + 1;  // bit i of each qh byte to bit 4 (16-bit shifts: what crosses bytes misses it)
+      const __m256i h0 = i0 < 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - i0)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(i0 - 4));
+      const __m256i h1 = i1 < 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - i1)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(i1 - 4));
+      ch.u[i0] = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(h0, b4));
+      ch.u[i1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_and_si256(h1, b4));
+    }
+    return;
+  }
   if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1) {  // u[2k] / u[2k+1]: low / high nibbles of blocks 2k | 2k+1
     const uint8_t* b0 = row + c * 8 * F::BYTES;
     constexpr int64_t QS = TYPE == GGUF_Q4_0 ? 2 : 4;
@@ -465,7 +494,7 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
 // The 8 sub-block integer sums of one chunk against activation row m (offsets taken off).
 template <int TYPE>
 inline __m256i chunk_isums(const Chunk& ch, const GgufActs& a, int64_t m, int64_t c) {
-  if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1) {  // cpu_kernels.cpp's int4 reduction over paired blocks
+  if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1 || is_r8(TYPE)) {  // cpu_kernels.cpp's int4 reduction over paired blocks
     const int8_t* xp = a.q2 + m * a.K + c * 256;
     __m256i s4[4];
     for (int k = 0; k < 4; ++k) {
@@ -480,12 +509,18 @@ inline __m256i chunk_isums(const Chunk& ch, const GgufActs& a, int64_t m, int64_
 #ifdef EDGELLM_G_VNNI
     __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s4[0], s4[1]), _mm256_hadd_epi32(s4[2], s4[3]));
 #else  // two levels in int16 (16 products, |.| <= 30480), widened by madd: [blk 0, 2, 4, 6 | 1, 3, 5, 7]
-    __m256i h = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(s4[0], s4[1]), _mm256_hadd_epi16(s4[2], s4[3])),
-                                  _mm256_set1_epi16(1));
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i h;
+    if (is_r8(TYPE))  // 5-bit codes: one level in int16 (8 products, |.| <= 8 * 31 * 127), the second in int32
+      h = _mm256_hadd_epi32(_mm256_madd_epi16(_mm256_hadd_epi16(s4[0], s4[1]), ones),
+                            _mm256_madd_epi16(_mm256_hadd_epi16(s4[2], s4[3]), ones));
+    else
+      h = _mm256_madd_epi16(_mm256_hadd_epi16(_mm256_hadd_epi16(s4[0], s4[1]), _mm256_hadd_epi16(s4[2], s4[3])), ones);
 #endif
     h = _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    if (TYPE == GGUF_Q4_0)
-      h = _mm256_sub_epi32(h, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sum32 + m * a.nb + c * 8)), 3));
+    if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q5_0_R8)
+      h = _mm256_sub_epi32(h, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sum32 + m * a.nb + c * 8)),
+                                                TYPE == GGUF_Q4_0 ? 3 : 4));
     return h;
   }
   const int8_t* xq = a.q + m * a.K + c * 256;
@@ -548,7 +583,7 @@ void row_avx2(const GgufActs& a, int64_t m0, const uint8_t* row, float* y, int64
         int32_t isum = TYPE == GGUF_Q8_0 ? hsum_i32(dot_u8s8(_mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u)))
                                          : hsum_i32(dot_u8s8(u, x));
         if (TYPE == GGUF_Q4_0) isum -= 8 * a.sum32[o];
-        if (TYPE == GGUF_Q5_0) isum -= 16 * a.sum32[o];
+        if (stored_of(TYPE) == GGUF_Q5_0) isum -= 16 * a.sum32[o];
         tail[t] += (float)isum * (dw * a.d[o]);
         if (F::MIN) tail[t] += mw * a.s[o];
       }
@@ -628,7 +663,7 @@ int64_t dequant_chunks(const uint8_t* row, int64_t K, float* out) {
     float* o = out + c * 256;
     for (int j = 0; j < 8; ++j) {
       __m256i u = ch.u[j];
-      if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1) {  // paired: u[2k] = values 0..15 of blocks 2k | 2k+1
+      if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1 || is_r8(TYPE)) {  // paired: u[2k] = values 0..15 of blocks 2k | 2k+1
         const __m256i a = ch.u[j & ~1], b = ch.u[j | 1];
         u = (j & 1) ? _mm256_permute2x128_si256(a, b, 0x31) : _mm256_permute2x128_si256(a, b, 0x20);
       }
@@ -638,7 +673,7 @@ int64_t dequant_chunks(const uint8_t* row, int64_t K, float* out) {
         d0 = _mm256_set1_ps(fs[j] * (float)(int8_t)sc[0]);
         d1 = _mm256_set1_ps(fs[j] * (float)(int8_t)sc[1]);
       }
-      dequant32<TYPE>(u, d0, d1, _mm256_set1_ps(F::MIN ? fm[j] : 0.0f), o + 32 * j);
+      dequant32<stored_of(TYPE)>(u, d0, d1, _mm256_set1_ps(F::MIN ? fm[j] : 0.0f), o + 32 * j);
     }
   }
   return nchunk * 256;
@@ -659,7 +694,7 @@ void dequant_row(const uint8_t* row, int64_t K, float* out) {
     for (int j = 0; j < SUBS; ++j) {
       float fs, fm;
       int sc2[2];
-      decode_sub<TYPE>(b, j, w, &fs, &fm, sc2);
+      decode_sub<stored_of(TYPE)>(b, j, w, &fs, &fm, sc2);
       float* o = out + (bi * SUBS + j) * QK;
       if (TYPE == GGUF_Q6_K) {
         const float d0 = fs * (float)sc2[0], d1 = fs * (float)sc2[1];
@@ -706,6 +741,10 @@ void dispatch(int type, Args&&... args) {
     case GGUF_Q4_K: Op<GGUF_Q4_K>::run(args...); break;
     case GGUF_Q5_K: Op<GGUF_Q5_K>::run(args...); break;
     case GGUF_Q6_K: Op<GGUF_Q6_K>::run(args...); break;
+#ifdef EDGELLM_G_AVX2
+    case GGUF_Q5_0_R8: Op<GGUF_Q5_0_R8>::run(args...); break;
+    case GGUF_Q5_1_R8: Op<GGUF_Q5_1_R8>::run(args...); break;
+#endif
     default: break;
   }
 }
@@ -988,6 +1027,57 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
     if (TYPE == GGUF_Q8_0 && !P_Q8_U8) split_panel_signs(nsub, s0, P);
   }
 }
+
+#ifdef EDGELLM_G_AVX2
+// The same panel from r8 rows of a Q5_0 / Q5_1 tensor: full chunks through decode_chunk (codes back in each
+// block's order), the blocks after a row's last chunk as stored.
+template <int BASE>
+void build_panel_r8(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nvalid, int64_t k0, int64_t kc,
+                    const Panel& P) {
+  using F = Fmt<BASE>;
+  constexpr int NR = P_NR;
+  const int64_t nchunk = rb / F::BYTES / 8;
+  alignas(32) uint8_t tmp[NR][256];
+  alignas(32) float fs[8], fm[8];
+  for (int64_t u0 = 0; u0 < kc; u0 += 256) {
+    const int nsub = (int)std::min<int64_t>(8, (kc - u0) / 32);
+    const int64_t s0 = u0 / 32, c = (k0 + u0) / 256;  // k0 and u0 are multiples of 256 (kc: whole super-blocks or K)
+    for (int r = 0; r < NR; ++r) {
+      if (r >= nvalid) {
+        std::memset(tmp[r], 0, 256);
+        for (int j = 0; j < nsub; ++j) {
+          P.ws[(s0 + j) * NR + r] = 0.0f;
+          if (F::MIN) P.wm[(s0 + j) * NR + r] = 0.0f;
+        }
+        continue;
+      }
+      const uint8_t* row = blocks + (int64_t)rows[r] * rb;
+      if (c < nchunk) {  // nsub == 8
+        Chunk ch;
+        decode_chunk<GGUF_R8 + BASE>(row, c, ch);
+        for (int j = 0; j < 8; j += 2) {
+          _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), _mm256_permute2x128_si256(ch.u[j], ch.u[j + 1], 0x20));
+          _mm256_store_si256((__m256i*)(tmp[r] + 32 * j + 32), _mm256_permute2x128_si256(ch.u[j], ch.u[j + 1], 0x31));
+        }
+        _mm256_store_ps(fs, ch.fs);
+        if (F::MIN) _mm256_store_ps(fm, ch.fm);
+        for (int j = 0; j < 8; ++j) {
+          P.ws[(s0 + j) * NR + r] = fs[j];
+          if (F::MIN) P.wm[(s0 + j) * NR + r] = fm[j];
+        }
+      } else {
+        for (int j = 0; j < nsub; ++j) {
+          const uint8_t* b = row + ((k0 + u0) / 32 + j) * F::BYTES;
+          _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), codes32<BASE>(b));
+          P.ws[(s0 + j) * NR + r] = f16(b);
+          if (F::MIN) P.wm[(s0 + j) * NR + r] = f16(b + 2);
+        }
+      }
+    }
+    store_panel_codes(tmp, nsub, s0, P);
+  }
+}
+#endif
 
 // Our int8 / int4 weights (cpu_gguf.h QuantWeights) as a panel: int4 symmetric as Q4_0's codes, asymmetric as
 // Q4_1's, int8 as Q8_0's; the fp16 scales (and mins) of a group serve each of its 32-value sub-blocks.
@@ -1313,6 +1403,12 @@ template <int TYPE> struct StoredRows {
 };
 
 #ifdef EDGELLM_G_AVX2
+template <int TYPE> struct R8Rows : StoredRows<TYPE> {  // TYPE: the stored type (Q5_0, Q5_1)
+  void build(int64_t n0, int nvalid, int64_t k0, int64_t kc, const Panel& P) const {
+    build_panel_r8<TYPE>(this->blocks, this->rb, this->rows + n0, nvalid, k0, kc, P);
+  }
+};
+
 template <int TYPE> struct X8Rows {
   const uint8_t* x8;
   int64_t K;
@@ -1391,14 +1487,17 @@ template <int TYPE, bool X8 = false> struct PromptOp {
     } else {
       for (int64_t n = 0; n < N; ++n) rows[(size_t)n] = cols[(size_t)n] = (int32_t)n;
     }
+    const int64_t rb = a.K / Fmt<TYPE>::QV * Fmt<TYPE>::BYTES;
 #ifdef EDGELLM_G_AVX2
-    if (X8) {
+    if constexpr (is_r8(TYPE)) {
+      prompt_gemm<stored_of(TYPE)>(a, R8Rows<stored_of(TYPE)>{{blocks, rb, rows.data()}}, N, cols.data(), y, ldy);
+      return;
+    } else if (X8) {
       prompt_gemm<TYPE>(a, X8Rows<TYPE>{blocks, a.K}, N, cols.data(), y, ldy);
       return;
     }
 #endif
-    const int64_t rb = a.K / Fmt<TYPE>::QV * Fmt<TYPE>::BYTES;
-    prompt_gemm<TYPE>(a, StoredRows<TYPE>{blocks, rb, rows.data()}, N, cols.data(), y, ldy);
+    if constexpr (!is_r8(TYPE)) prompt_gemm<TYPE>(a, StoredRows<TYPE>{blocks, rb, rows.data()}, N, cols.data(), y, ldy);
   }
 };
 
@@ -1421,6 +1520,7 @@ void prompt_quant(const GgufActs& a, const QuantWeights& w, int64_t N, float* y,
 bool gguf_supported(int type) { return gguf_block_values(type) != 0; }
 
 int64_t gguf_block_values(int type) {
+  if (type > GGUF_R8) return gguf_r8_supported(type - GGUF_R8) ? 32 : 0;
   if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? 256 : 0;
   switch (type) {
     case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q5_0: case GGUF_Q5_1: case GGUF_Q8_0: return 32;
@@ -1430,6 +1530,7 @@ int64_t gguf_block_values(int type) {
 }
 
 int64_t gguf_block_bytes(int type) {
+  if (type > GGUF_R8) return gguf_r8_supported(type - GGUF_R8) ? gguf_block_bytes(type - GGUF_R8) : 0;
   if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? gguf_x8_bytes(type - GGUF_X8) / 8 : 0;
   switch (type) {
     case GGUF_Q4_0: return Fmt<GGUF_Q4_0>::BYTES;
@@ -1442,6 +1543,68 @@ int64_t gguf_block_bytes(int type) {
     case GGUF_Q6_K: return Fmt<GGUF_Q6_K>::BYTES;
     default: return 0;
   }
+}
+
+bool gguf_r8_supported(int base_type) {
+#ifdef EDGELLM_G_AVX2
+  return base_type == GGUF_Q5_0 || base_type == GGUF_Q5_1;
+#else
+  (void)base_type;
+  return false;  // the portable and NEON kernels read the stored layout
+#endif
+}
+
+// One chunk either way: 8 stored blocks (bs bytes each: d, [m,] qh, qs) <-> the r8 chunk (see Fmt<GGUF_Q5_0_R8>).
+template <bool TO_R8>
+void convert_r8_chunk(uint8_t* blk, uint8_t* chunk, int64_t bs, bool has_min) {
+  const int64_t hoff = has_min ? 4 : 2;        // qh within a block (qs after it)
+  uint8_t* h = chunk + (has_min ? 32 : 16);    // the chunk's fifth bits, then its nibbles
+  uint8_t* qs = h + 32;
+  uint32_t qh[8] = {};
+  for (int j = 0; j < 8; ++j) {
+    uint8_t* b = blk + j * bs;
+    uint8_t* q = qs + 32 * (j / 2) + 16 * (j % 2);
+    if (TO_R8) {
+      std::memcpy(chunk + 2 * j, b, 2);
+      if (has_min) std::memcpy(chunk + 16 + 2 * j, b + 2, 2);
+      std::memcpy(&qh[j], b + hoff, 4);
+      std::memcpy(q, b + hoff + 4, 16);
+    } else {
+      std::memcpy(b, chunk + 2 * j, 2);
+      if (has_min) std::memcpy(b + 2, chunk + 16 + 2 * j, 2);
+      std::memcpy(b + hoff + 4, q, 16);
+    }
+  }
+  // code vector v = 2k + e, lane l: block 2k + (l >= 16), value (l & 15) + 16 e
+  for (int l = 0; l < 32; ++l) {
+    uint8_t byte = TO_R8 ? 0 : h[l];
+    for (int v = 0; v < 8; ++v) {
+      const int blkno = (v & ~1) + (l >= 16), bit = (l & 15) + 16 * (v & 1);
+      if (TO_R8) byte = (uint8_t)(byte | (((qh[blkno] >> bit) & 1u) << v));
+      else qh[blkno] |= (uint32_t)((byte >> v) & 1) << bit;
+    }
+    if (TO_R8) h[l] = byte;
+  }
+  if (!TO_R8)
+    for (int j = 0; j < 8; ++j) std::memcpy(blk + j * bs + hoff, &qh[j], 4);
+}
+
+void gguf_convert_r8(const uint8_t* src, int base_type, int64_t N, int64_t K, uint8_t* dst, bool to_r8) {
+  const int64_t bs = gguf_block_bytes(base_type), rb = K / 32 * bs, nchunk = K / 256;
+  const bool has_min = base_type == GGUF_Q5_1;
+  parallel_run(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(rb, 1)), [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      uint8_t* out = dst + n * rb;
+      std::memcpy(out, src + n * rb, (size_t)rb);  // the tail blocks as they are; chunks rewritten below
+      for (int64_t c = 0; c < nchunk; ++c) {
+        uint8_t* o = out + c * 8 * bs;
+        uint8_t tmp[8 * 24];
+        std::memcpy(tmp, o, (size_t)(8 * bs));
+        if (to_r8) convert_r8_chunk<true>(tmp, o, bs, has_min);
+        else convert_r8_chunk<false>(o, tmp, bs, has_min);
+      }
+    }
+  });
 }
 
 GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K, bool paired) {
@@ -1495,7 +1658,7 @@ GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K, bool paired) {
 void gguf_gemm(const GgufActs& acts, const uint8_t* blocks, int type, int64_t N, int64_t K, float* y, int64_t ldy,
                const int32_t* out_index) {
   if (N <= 0 || acts.M <= 0 || K != acts.K || !gguf_supported(type) || K % gguf_block_values(type) != 0) return;
-  if (type > GGUF_X8) {
+  if (gguf_is_x8(type)) {
     if (N % 8 == 0) gguf_gemm_x8(acts, blocks, type - GGUF_X8, N, y, ldy, out_index);
     return;
   }
@@ -1504,7 +1667,7 @@ void gguf_gemm(const GgufActs& acts, const uint8_t* blocks, int type, int64_t N,
 
 void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K, float* out) {
   if (N <= 0 || !gguf_supported(type) || K % gguf_block_values(type) != 0) return;
-  if (type > GGUF_X8) {  // back to the stored layout, then as stored (a fallback path: exports, other devices)
+  if (gguf_is_x8(type)) {  // back to the stored layout, then as stored (a fallback path: exports, other devices)
     if (N % 8 != 0) return;
     std::vector<uint8_t> raw((size_t)gguf_row_bytes(type - GGUF_X8, K) * (size_t)N);
     gguf_unrepack_x8(blocks, type - GGUF_X8, N, K, raw.data());
@@ -1518,7 +1681,7 @@ void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K,
 void gguf_gemm_prompt(const GgufActs& acts, const uint8_t* blocks, int type, int64_t N, int64_t K, float* y,
                       int64_t ldy, const int32_t* out_index) {
   if (N <= 0 || acts.M <= 0 || K != acts.K || !gguf_supported(type) || K % gguf_block_values(type) != 0) return;
-  if (type > GGUF_X8) {
+  if (gguf_is_x8(type)) {
     if (N % 8 != 0) return;
     // x8 parts: panels built from the x8 groups (at M = 17 .. 512 as fast as from the stored blocks, and 1-2x the
     // x8 row kernel: Q4_K 230-280 GOP/s against 160-230, Q6_K 100-230 against 90-110, one thread)

@@ -11,6 +11,10 @@ enum GgufType { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF
 
 // A type id plus GGUF_X8: that K-quant's rows repacked 8 at a time (cpu_gguf_x8.cpp), N a multiple of 8.
 constexpr int GGUF_X8 = 1000;
+// A type id plus GGUF_R8: that 32-value type's rows with each run of 8 blocks regrouped (Q5_0, Q5_1; cpu_gguf.cpp
+// "r8"): the same bytes per row, any N and K % 32 == 0, a row's last (K / 32) % 8 blocks as stored.
+constexpr int GGUF_R8 = 2000;
+inline bool gguf_is_x8(int type) { return type > GGUF_X8 && type < GGUF_R8; }
 
 bool gguf_supported(int type);
 int64_t gguf_block_values(int type);  // 32 or 256 (0: unsupported type)
@@ -76,6 +80,10 @@ void gguf_repack_x8(const uint8_t* raw, int base_type, int64_t N, int64_t K, uin
 void gguf_unrepack_x8(const uint8_t* x8, int base_type, int64_t N, int64_t K, uint8_t* raw);
 void gguf_gemm_x8(const GgufActs& acts, const uint8_t* x8, int base_type, int64_t N, float* y, int64_t ldy,
                   const int32_t* out_index);
+// The r8 layout: whether this build multiplies it for a base type (Q5_0, Q5_1 with the AVX2 kernels), and the
+// conversion either way (bit for bit; rows independent).
+bool gguf_r8_supported(int base_type);
+void gguf_convert_r8(const uint8_t* src, int base_type, int64_t N, int64_t K, uint8_t* dst, bool to_r8);
 // One x8 super-block (8 rows x 256 values) as the prompt GEMM's panels hold it (AVX2 builds): the u8 codes of sub-block
 // j, 4-value group g, rows 0..7 (32 bytes) at codes + (8 j + g) * cstride; the fp32 scales d sc of sub-block j (Q6_K:
 // of 16-value sub-block t) at ws + j (t) * wstride, and -(dmin m) at wm + j * wstride (Q4_K / Q5_K).

@@ -19,6 +19,7 @@ GGUF_NATIVE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_
 GGUF_KERNEL_MAX_ROWS = {"Q4_K": 64, "Q5_K": 32, "Q6_K": 32}
 _DEFAULT_MAX_ROWS = 16  # the decode / verification passes (<= 16 rows) take the kernel in any case
 X8 = 1000  # a K-quant's type id + X8: its rows repacked 8 at a time (kernels/cpu_gguf_x8.cpp)
+R8 = 2000  # a Q5_0 / Q5_1 type id + R8: each row's runs of 8 blocks regrouped (kernels/cpu_gguf.cpp)
 
 
 # Where the prompt GEMM is vectorized it takes every product of more than this many rows: it beat the row kernel

@@ -7,9 +7,10 @@ for RoPE), `out_index` says which output column each stored row feeds: the rows 
 
 On a CPU whose kernel build has them (AVX2), K-quant parts are repacked at load into the x8 layout
 (kernels/cpu_gguf_x8.cpp): the same bytes, 8 rows interleaved so that the integer dots need no horizontal sums,
-which makes decode memory-bound rather than compute-bound (llama.cpp repacks its Q4_K likewise). The mapped
-pages of the original are then dropped from RSS, so the process still holds one copy; a part's last rows % 8
-stay as stored.
+which makes decode memory-bound rather than compute-bound (llama.cpp repacks its Q4_K likewise); a part's last
+rows % 8 stay as stored. Q5_0 / Q5_1 parts get the r8 layout (kernels/cpu_gguf.cpp): each row's runs of 8 blocks
+regrouped so that their fifth bits cost three vector operations a block instead of five. The mapped pages of the
+original are then dropped from RSS, so the process still holds one copy.
 
 How the product is computed:
   CPU with the C++ kernels (kernels/cpu_gguf.cpp, x rounded to int8 per 32 values; kernels/gguf_ops.py chooses):
@@ -33,7 +34,7 @@ from torch import nn
 from ..gguf_file import gguf_type, row_bytes
 from ..kernels import matmul as K
 from ..kernels import gguf_ops
-from ..kernels.gguf_ops import X8  # a type id + X8: that K-quant repacked 8 rows at a time (kernels/cpu_gguf.h)
+from ..kernels.gguf_ops import R8, X8  # a type id + X8 / R8: repacked for the CPU kernels (kernels/cpu_gguf.h)
 from .gguf_tensor import dequantize_blocks
 from .linear import _move_packed
 
@@ -43,14 +44,18 @@ X8_GROUP_BYTES = {12: 1184, 13: 1440, 14: 1680}  # Q4_K, Q5_K, Q6_K: bytes of 8 
 
 
 def part_row_bytes(type_id: int, k: int) -> int:
-    """Bytes per row of a part: a GGUF type's, or an x8 type's (one eighth of its 8-row groups)."""
+    """Bytes per row of a part: a GGUF type's (r8 types: the same), or an x8 type's (one eighth of its 8-row groups)."""
+    if type_id >= R8:
+        return row_bytes(type_id - R8, k)
     if type_id >= X8:
         return k // 256 * X8_GROUP_BYTES[type_id - X8] // 8
     return row_bytes(type_id, k)
 
 
 def stored_type(type_id: int) -> int:
-    """The GGUF type a part's blocks are (an x8 part: the type it was repacked from)."""
+    """The GGUF type a part's blocks are (an x8 or r8 part: the type it was repacked from)."""
+    if type_id >= R8:
+        return type_id - R8
     return type_id - X8 if type_id >= X8 else type_id
 
 
@@ -131,7 +136,7 @@ def _dequantize(p: GGUFPart, k: int, dtype: torch.dtype) -> torch.Tensor:
     if ext is not None and hasattr(ext, "gguf_dequantize") and p.type in _native_types(ext):
         return ext.gguf_dequantize(p.raw, p.type, p.rows, k, None).to(dtype)
     if p.type >= X8:
-        raise RuntimeError("these GGUF blocks were repacked for the CPU kernels (x8 layout), which are not loaded "
+        raise RuntimeError("these GGUF blocks were repacked for the CPU kernels (x8 / r8 layout), which are not loaded "
                            "now: load the model again for this device or without the C++ kernels")
     return dequantize_blocks(p.raw, p.type, (p.rows, k), dtype)
 
@@ -144,6 +149,7 @@ def _native_types(ext) -> frozenset[int]:
     if key not in _native:
         types = {int(t) for t in ext.gguf_types()} if hasattr(ext, "gguf_types") else set()
         types |= {int(t) + X8 for t in getattr(ext, "gguf_x8_types", list)()}
+        types |= {int(t) + R8 for t in getattr(ext, "gguf_r8_types", list)()}
         _native[key] = frozenset(types)
     return _native[key]
 
@@ -225,15 +231,27 @@ class GGUFEmbedding(_GGUFWeight):
         return f"{self.num_embeddings}, {self.embedding_dim}, gguf {self._fmt()}"
 
 
+# Whether repack_for_cpu gives Q5_0 / Q5_1 parts the r8 layout (False: they run as stored; benchmarks' A/B switch).
+REGROUP_Q5 = True
+
+
 def repack_for_cpu(parts: list[GGUFPart], k: int,
                    release: Callable[[torch.Tensor], None] | None = None) -> list[GGUFPart]:
     """The parts with their K-quant rows in the x8 layout where this CPU's kernel build multiplies it (a part's
-    first rows // 8 * 8 rows; the rest stay as stored, with their out_index entries). `release(raw)` is called on
-    each repacked original (the loader drops its mapped pages)."""
+    first rows // 8 * 8 rows; the rest stay as stored, with their out_index entries), and their Q5_0 / Q5_1 rows in
+    the r8 layout (all of them). `release(raw)` is called on each repacked original (the loader drops its mapped
+    pages)."""
     ext = K.cpu_extension()
     types = set(getattr(ext, "gguf_x8_types", list)()) if ext is not None else set()
+    r8_types = set(getattr(ext, "gguf_r8_types", list)()) if ext is not None and REGROUP_Q5 else set()
     out = []
     for p in parts:
+        if p.type in r8_types and k >= 256 and p.raw.device.type == "cpu":
+            raw = p.raw.contiguous()
+            out.append(GGUFPart(ext.gguf_repack_r8(raw, p.type, p.rows, k), p.type + R8, p.rows, p.out_index))
+            if release is not None and raw.data_ptr() == p.raw.data_ptr():
+                release(raw)
+            continue
         n8 = p.rows // 8 * 8
         if p.type not in types or n8 == 0 or k % 256 or p.raw.device.type != "cpu":
             out.append(p)
