@@ -6,6 +6,8 @@ of M rows the int-dot row kernel re-decodes each weight row for every 4 activati
 (the same product as an int8 panel GEMM, cpu_gguf.cpp "prompt GEMM") decodes each weight once per call and runs
 ~2.5-3x an fp32 GEMM's rate where it is vectorized (`ext.gguf_prompt_gemm_fast()`: AVX2, AVX-512 VNNI). Elsewhere
 (the portable and NEON builds) dequantize + an fp32 GEMM takes the long prompts, past the row counts below.
+Parts repacked at load for the AVX2 / AVX-512 kernels carry their type id + X8 (K-quants, 8 rows interleaved) or
++ R8 (Q5_0 / Q5_1, each row's runs of 8 blocks regrouped): see quant/gguf_linear.repack_for_cpu.
 """
 from __future__ import annotations
 
