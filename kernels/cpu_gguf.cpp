@@ -1576,6 +1576,21 @@ void convert_r8_chunk(uint8_t* blk, uint8_t* chunk, int64_t bs, bool has_min) {
     }
   }
   // code vector v = 2k + e, lane l: block 2k + (l >= 16), value (l & 15) + 16 e
+#ifdef EDGELLM_G_AVX2
+  if (TO_R8) {  // each block's 32 bits as bytes (bits32: 0x10 where set), lanes picked per vector, packed by bit
+    __m256i hv = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+      const __m256i a = bits32(reinterpret_cast<const uint8_t*>(&qh[2 * k]));
+      const __m256i b = bits32(reinterpret_cast<const uint8_t*>(&qh[2 * k + 1]));
+      const __m256i lo = _mm256_srli_epi16(_mm256_permute2x128_si256(a, b, 0x20), 4);  // 0x10 -> 1 (bytes stay apart)
+      const __m256i hi = _mm256_srli_epi16(_mm256_permute2x128_si256(a, b, 0x31), 4);
+      hv = _mm256_or_si256(hv, _mm256_or_si256(_mm256_sll_epi16(lo, _mm_cvtsi32_si128(2 * k)),
+                                               _mm256_sll_epi16(hi, _mm_cvtsi32_si128(2 * k + 1))));
+    }
+    _mm256_storeu_si256((__m256i*)h, hv);
+    return;
+  }
+#endif
   for (int l = 0; l < 32; ++l) {
     uint8_t byte = TO_R8 ? 0 : h[l];
     for (int v = 0; v < 8; ++v) {
