@@ -401,6 +401,25 @@ struct Chunk {
   __m256i scall;    // Q6_K: the 16 scales as int16
 };
 
+// u[2k] / u[2k+1] = the low / high nibbles of qs[32 k .. 32 k + 32), k = 0..3, and where qhp is given, bit 2k / 2k+1
+// of each of its 32 bytes as their bit 4 (16-bit shifts: the bits crossing bytes miss bit 4).  Q4_K / Q5_K, r8.
+inline void nibble_codes(const uint8_t* qs, const uint8_t* qhp, Chunk& ch) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), b4 = _mm256_set1_epi8(0x10);
+  const __m256i qh = qhp ? _mm256_loadu_si256((const __m256i*)qhp) : _mm256_setzero_si256();
+  for (int k = 0; k < 4; ++k) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * k));
+    ch.u[2 * k] = _mm256_and_si256(v, m4);
+    ch.u[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    if (qhp) {
+      const int i0 = 2 * k, i1 = 2 * k + 1;
+      const __m256i h0 = i0 < 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - i0)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(i0 - 4));
+      const __m256i h1 = i1 < 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - i1)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(i1 - 4));
+      ch.u[i0] = _mm256_or_si256(ch.u[i0], _mm256_and_si256(h0, b4));
+      ch.u[i1] = _mm256_or_si256(ch.u[i1], _mm256_and_si256(h1, b4));
+    }
+  }
+}
+
 template <int TYPE>
 inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
   using F = Fmt<TYPE>;
@@ -410,15 +429,7 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     ch.fs = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)c0));
     if (F::MIN) ch.fm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(c0 + 16)));
     const uint8_t* hp = c0 + (F::MIN ? 32 : 16);
-    const __m256i qh = _mm256_loadu_si256((const __m256i*)hp), b4 = _mm256_set1_epi8(0x10);
-    for (int k = 0; k < 4; ++k) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(hp + 32 + 32 * k));
-      const int i0 = 2 * k, i1 = 2 * k + 1;  // bit i of each qh byte to bit 4 (16-bit shifts: what crosses bytes misses it)
-      const __m256i h0 = i0 < 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - i0)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(i0 - 4));
-      const __m256i h1 = i1 < 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - i1)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(i1 - 4));
-      ch.u[i0] = _mm256_or_si256(_mm256_and_si256(v, m4), _mm256_and_si256(h0, b4));
-      ch.u[i1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), _mm256_and_si256(h1, b4));
-    }
+    nibble_codes(hp + 32, hp, ch);
     return;
   }
   if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1) {  // u[2k] / u[2k+1]: low / high nibbles of blocks 2k | 2k+1
@@ -452,22 +463,7 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     // -(dmin m_j): the kernels add fm * d_x sum(q_x)
     const __m256 dm = _mm256_mul_ps(_mm256_set1_ps(f16(b + 2)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(s8, 8))));
     ch.fm = _mm256_xor_ps(dm, _mm256_set1_ps(-0.0f));
-    const uint8_t* qs = b + (TYPE == GGUF_Q4_K ? 16 : 48);
-    __m256i qh = _mm256_setzero_si256();
-    if (TYPE == GGUF_Q5_K) qh = _mm256_loadu_si256((const __m256i*)(b + 16));
-    const __m256i b4 = _mm256_set1_epi8(0x10);
-    for (int k = 0; k < 4; ++k) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * k));
-      ch.u[2 * k] = _mm256_and_si256(v, m4);
-      ch.u[2 * k + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-      if (TYPE == GGUF_Q5_K) {  // bit i of each qh byte to bit 4 (16-bit shifts: the bits crossing bytes miss bit 4)
-        const int i0 = 2 * k, i1 = 2 * k + 1;
-        const __m256i h0 = i0 < 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - i0)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(i0 - 4));
-        const __m256i h1 = i1 < 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - i1)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(i1 - 4));
-        ch.u[i0] = _mm256_or_si256(ch.u[i0], _mm256_and_si256(h0, b4));
-        ch.u[i1] = _mm256_or_si256(ch.u[i1], _mm256_and_si256(h1, b4));
-      }
-    }
+    nibble_codes(b + (TYPE == GGUF_Q4_K ? 16 : 48), TYPE == GGUF_Q5_K ? b + 16 : nullptr, ch);
     return;
   }
   // Q6_K
@@ -967,11 +963,13 @@ inline void split_panel_signs(int nsub, int64_t s0, const Panel& P) {
 #endif
 
 // Unpack rows[0 .. nvalid) (stored row numbers; the rest of the panel's NR rows are zeros) over [k0, k0 + kc).
+// r8 types: full chunks through decode_chunk (codes back in each block's order), a row's tail blocks as stored.
 template <int TYPE>
 void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nvalid, int64_t k0, int64_t kc,
                  const Panel& P) {
   using F = Fmt<TYPE>;
   constexpr int NR = P_NR;
+  const int64_t nchunk = is_r8(TYPE) ? rb / F::BYTES / 8 : 0;  // r8: full chunks per row
   alignas(32) uint8_t tmp[NR][256];
   alignas(32) float fs[8], fm[8];
   for (int64_t u0 = 0; u0 < kc; u0 += 256) {
@@ -1012,6 +1010,19 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
             P.wm[(s0 + j) * NR + r] = fm[j];
           }
         }
+      } else if (is_r8(TYPE) && (k0 + u0) / 256 < nchunk) {  // k0, u0: multiples of 256 (kc: whole chunks or K)
+        Chunk ch;
+        decode_chunk<TYPE>(row, (k0 + u0) / 256, ch);
+        for (int j = 0; j < 8; j += 2) {
+          _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), _mm256_permute2x128_si256(ch.u[j], ch.u[j + 1], 0x20));
+          _mm256_store_si256((__m256i*)(tmp[r] + 32 * j + 32), _mm256_permute2x128_si256(ch.u[j], ch.u[j + 1], 0x31));
+        }
+        _mm256_store_ps(fs, ch.fs);
+        if (F::MIN) _mm256_store_ps(fm, ch.fm);
+        for (int j = 0; j < 8; ++j) {
+          P.ws[(s0 + j) * NR + r] = fs[j];
+          if (F::MIN) P.wm[(s0 + j) * NR + r] = fm[j];
+        }
       } else {
         for (int j = 0; j < nsub; ++j) {
           const uint8_t* b = row + ((k0 + u0) / 32 + j) * F::BYTES;
@@ -1027,57 +1038,6 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
     if (TYPE == GGUF_Q8_0 && !P_Q8_U8) split_panel_signs(nsub, s0, P);
   }
 }
-
-#ifdef EDGELLM_G_AVX2
-// The same panel from r8 rows of a Q5_0 / Q5_1 tensor: full chunks through decode_chunk (codes back in each
-// block's order), the blocks after a row's last chunk as stored.
-template <int BASE>
-void build_panel_r8(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nvalid, int64_t k0, int64_t kc,
-                    const Panel& P) {
-  using F = Fmt<BASE>;
-  constexpr int NR = P_NR;
-  const int64_t nchunk = rb / F::BYTES / 8;
-  alignas(32) uint8_t tmp[NR][256];
-  alignas(32) float fs[8], fm[8];
-  for (int64_t u0 = 0; u0 < kc; u0 += 256) {
-    const int nsub = (int)std::min<int64_t>(8, (kc - u0) / 32);
-    const int64_t s0 = u0 / 32, c = (k0 + u0) / 256;  // k0 and u0 are multiples of 256 (kc: whole super-blocks or K)
-    for (int r = 0; r < NR; ++r) {
-      if (r >= nvalid) {
-        std::memset(tmp[r], 0, 256);
-        for (int j = 0; j < nsub; ++j) {
-          P.ws[(s0 + j) * NR + r] = 0.0f;
-          if (F::MIN) P.wm[(s0 + j) * NR + r] = 0.0f;
-        }
-        continue;
-      }
-      const uint8_t* row = blocks + (int64_t)rows[r] * rb;
-      if (c < nchunk) {  // nsub == 8
-        Chunk ch;
-        decode_chunk<GGUF_R8 + BASE>(row, c, ch);
-        for (int j = 0; j < 8; j += 2) {
-          _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), _mm256_permute2x128_si256(ch.u[j], ch.u[j + 1], 0x20));
-          _mm256_store_si256((__m256i*)(tmp[r] + 32 * j + 32), _mm256_permute2x128_si256(ch.u[j], ch.u[j + 1], 0x31));
-        }
-        _mm256_store_ps(fs, ch.fs);
-        if (F::MIN) _mm256_store_ps(fm, ch.fm);
-        for (int j = 0; j < 8; ++j) {
-          P.ws[(s0 + j) * NR + r] = fs[j];
-          if (F::MIN) P.wm[(s0 + j) * NR + r] = fm[j];
-        }
-      } else {
-        for (int j = 0; j < nsub; ++j) {
-          const uint8_t* b = row + ((k0 + u0) / 32 + j) * F::BYTES;
-          _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), codes32<BASE>(b));
-          P.ws[(s0 + j) * NR + r] = f16(b);
-          if (F::MIN) P.wm[(s0 + j) * NR + r] = f16(b + 2);
-        }
-      }
-    }
-    store_panel_codes(tmp, nsub, s0, P);
-  }
-}
-#endif
 
 // Our int8 / int4 weights (cpu_gguf.h QuantWeights) as a panel: int4 symmetric as Q4_0's codes, asymmetric as
 // Q4_1's, int8 as Q8_0's; the fp16 scales (and mins) of a group serve each of its 32-value sub-blocks.
@@ -1405,7 +1365,7 @@ template <int TYPE> struct StoredRows {
 #ifdef EDGELLM_G_AVX2
 template <int TYPE> struct R8Rows : StoredRows<TYPE> {  // TYPE: the stored type (Q5_0, Q5_1)
   void build(int64_t n0, int nvalid, int64_t k0, int64_t kc, const Panel& P) const {
-    build_panel_r8<TYPE>(this->blocks, this->rb, this->rows + n0, nvalid, k0, kc, P);
+    build_panel<GGUF_R8 + TYPE>(this->blocks, this->rb, this->rows + n0, nvalid, k0, kc, P);
   }
 };
 
@@ -1609,15 +1569,13 @@ void gguf_convert_r8(const uint8_t* src, int base_type, int64_t N, int64_t K, ui
   const bool has_min = base_type == GGUF_Q5_1;
   parallel_run(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(rb, 1)), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
+      uint8_t* in = const_cast<uint8_t*>(src + n * rb);  // only read (convert_r8_chunk writes its other side)
       uint8_t* out = dst + n * rb;
-      std::memcpy(out, src + n * rb, (size_t)rb);  // the tail blocks as they are; chunks rewritten below
       for (int64_t c = 0; c < nchunk; ++c) {
-        uint8_t* o = out + c * 8 * bs;
-        uint8_t tmp[8 * 24];
-        std::memcpy(tmp, o, (size_t)(8 * bs));
-        if (to_r8) convert_r8_chunk<true>(tmp, o, bs, has_min);
-        else convert_r8_chunk<false>(o, tmp, bs, has_min);
+        if (to_r8) convert_r8_chunk<true>(in + c * 8 * bs, out + c * 8 * bs, bs, has_min);
+        else convert_r8_chunk<false>(out + c * 8 * bs, in + c * 8 * bs, bs, has_min);
       }
+      std::memcpy(out + nchunk * 8 * bs, in + nchunk * 8 * bs, (size_t)(rb - nchunk * 8 * bs));  // the tail as stored
     }
   });
 }
