@@ -45,11 +45,9 @@ X8_GROUP_BYTES = {12: 1184, 13: 1440, 14: 1680}  # Q4_K, Q5_K, Q6_K: bytes of 8 
 
 def part_row_bytes(type_id: int, k: int) -> int:
     """Bytes per row of a part: a GGUF type's (r8 types: the same), or an x8 type's (one eighth of its 8-row groups)."""
-    if type_id >= R8:
-        return row_bytes(type_id - R8, k)
-    if type_id >= X8:
+    if X8 <= type_id < R8:
         return k // 256 * X8_GROUP_BYTES[type_id - X8] // 8
-    return row_bytes(type_id, k)
+    return row_bytes(stored_type(type_id), k)
 
 
 def stored_type(type_id: int) -> int:
