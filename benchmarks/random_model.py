@@ -1,7 +1,7 @@
 """Write a Hugging Face folder with seeded random weights in a real model's shape, for speed runs where
 the real weights cannot travel (the GPU machine). The tokenizer is the bundled SmolLM2 one.
 
-    python benchmarks/random_model.py OUT [--shape smollm2-135m|llama-3.2-1b] [--dtype bf16]
+    python benchmarks/random_model.py OUT [--shape smollm2-135m|llama-3.2-1b|llama-3.2-3b|qwen2.5-0.5b] [--dtype bf16]
 
 Speed depends on shapes only; quality figures from such a model mean nothing.
 """
@@ -19,6 +19,12 @@ SHAPES = {  # vocab kept at the bundled tokenizer's 49152 so every id decodes
                          num_key_value_heads=3, rope_theta=100000.0, tie_word_embeddings=True),
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                          num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=True),
+    "llama-3.2-3b": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
+                         num_key_value_heads=8, rope_theta=500000.0, tie_word_embeddings=True),
+    # Qwen2.5-0.5B's matrices (no q/k/v biases: the Llama architecture): 896 = 3.5 x 256, so a Q4_K_M file falls
+    # back to legacy types for the rows along it, as real 0.5B files do
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, rope_theta=1000000.0, tie_word_embeddings=True),
 }
 
 
