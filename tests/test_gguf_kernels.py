@@ -71,6 +71,15 @@ def rel_err(y, ref) -> float:
     return float(np.linalg.norm(y - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def require_layout(ext, layout: str, types) -> None:
+    """Skip where this build has no kernels for a repacked layout ("x8", "r8": AVX2 only); where it has them, they
+    must cover exactly `types`."""
+    listed = getattr(ext, f"gguf_{layout}_types", lambda: [])()
+    if not listed:
+        pytest.skip(f"this build has no {layout} kernels (they need AVX2)")
+    assert sorted(listed) == sorted(int(t) for t in types)
+
+
 def check_linear(ext, qtype, m, n, k, seed):
     raw = make_weights(qtype, n, k, seed)
     w = dequant_ref(raw, qtype).astype(np.float64)

@@ -17,7 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tests.test_cpu_kernels import ext  # noqa: F401  (the extension fixture, shared)
-from tests.test_gguf_kernels import TOL_EMULATED, dequant_ref, emulate_int8_x, make_weights, rel_err
+from tests.test_gguf_kernels import TOL_EMULATED, dequant_ref, emulate_int8_x, make_weights, rel_err, require_layout
 
 R8 = 2000
 R8_TYPES = [Q.Q5_0, Q.Q5_1]
@@ -27,9 +27,7 @@ SHAPES = [(5, 576), (16, 1536), (3, 96)]
 
 @pytest.fixture
 def r8_ext(ext):  # noqa: F811
-    if not getattr(ext, "gguf_r8_types", lambda: [])():
-        pytest.skip("this build has no r8 kernels (they need AVX2)")
-    assert sorted(ext.gguf_r8_types()) == sorted(int(t) for t in R8_TYPES)
+    require_layout(ext, "r8", R8_TYPES)
     return ext
 
 

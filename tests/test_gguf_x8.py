@@ -14,7 +14,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tests.test_cpu_kernels import ext  # noqa: F401  (the extension fixture, shared)
-from tests.test_gguf_kernels import TOL_EMULATED, TOL_EXACT, dequant_ref, emulate_int8_x, make_weights, rel_err
+from tests.test_gguf_kernels import (TOL_EMULATED, TOL_EXACT, dequant_ref, emulate_int8_x, make_weights, rel_err,
+                                     require_layout)
 
 X8 = 1000
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
@@ -22,9 +23,7 @@ K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 @pytest.fixture
 def x8_ext(ext):  # noqa: F811
-    if not getattr(ext, "gguf_x8_types", lambda: [])():
-        pytest.skip("this build has no x8 kernels (they need AVX2)")
-    assert sorted(ext.gguf_x8_types()) == sorted(int(t) for t in K_QUANTS)
+    require_layout(ext, "x8", K_QUANTS)
     return ext
 
 
