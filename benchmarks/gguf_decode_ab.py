@@ -1,11 +1,13 @@
-"""Decode speed (and TTFT) of a GGUF model with Q5_0 / Q5_1 as stored against the r8 layout (kernels/cpu_gguf.cpp),
-both models loaded in one process, runs interleaved (robust to a loaded machine).
+"""Decode speed (and TTFT) of a GGUF model with its Q5_0 / Q5_1 tensors in each layout (quant/gguf_linear.Q5_LAYOUT:
+"stored", "r8" = each row's runs of 8 blocks regrouped, kernels/cpu_gguf.cpp, "x8" = 8 rows interleaved,
+kernels/cpu_gguf_x8.cpp, the default), the models loaded in one process, runs interleaved (robust to a loaded
+machine).
 
-    python benchmarks/gguf_decode_ab.py [-m /work/ggufs/SmolLM2-135M-Instruct.Q5_0.gguf] [--runs 6] [--threads 2]
-                                        [--tokens 128] [--json FILE]
+    python benchmarks/gguf_decode_ab.py [-m /work/ggufs/SmolLM2-135M-Instruct.Q5_0.gguf] [--layouts r8 x8]
+                                        [--runs 6] [--threads 2] [--tokens 128] [--json FILE]
 
-A = quant/gguf_linear.REGROUP_Q5 False (the blocks as stored), B = True (the default). Decode: the chat prompt of
-benchmarks/gguf_vs_llamacpp.py, then --tokens tokens, tok/s per run; TTFT: 512 tokens of GPL-3 text.
+Decode: the chat prompt of benchmarks/gguf_vs_llamacpp.py, then --tokens tokens, tok/s per run; TTFT: 512 tokens of
+GPL-3 text. Ratios are against the first layout named.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ CHAT = "Tell me a random fun fact about the Roman Empire"
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="/work/ggufs/SmolLM2-135M-Instruct.Q5_0.gguf")
+    ap.add_argument("--layouts", nargs="+", default=["r8", "x8"], choices=["stored", "r8", "x8"])
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
@@ -39,35 +42,41 @@ def main() -> None:
     from edgellm.cli import build_parser
     from edgellm.quant import gguf_linear
 
-    engines, loaded = {}, None
-    for regroup in (False, True):
-        gguf_linear.REGROUP_Q5 = regroup
+    engines, loaded, default = {}, None, gguf_linear.Q5_LAYOUT
+    for layout in args.layouts:
+        gguf_linear.Q5_LAYOUT = layout
         cli = build_parser().parse_args(["run", "x", "-m", args.model, "--ctx", "1024", "--threads", str(args.threads)])
         loaded = load_from_args(cli)
-        engines[regroup] = engine_from_args(cli, loaded)
-    gguf_linear.REGROUP_Q5 = True
+        engines[layout] = engine_from_args(cli, loaded)
+    gguf_linear.Q5_LAYOUT = default
     tok = loaded.tokenizer
     chat = tok.encode_chat([{"role": "user", "content": CHAT}])
     text = tok.encode(Path(TEXT).read_text())[:512]
     for e in engines.values():
         run_once(e, chat, 8)  # warm-up: first touch of the weights
-    decode = {False: [], True: []}
-    ttft = {False: [], True: []}
+    decode = {k: [] for k in args.layouts}
+    ttft = {k: [] for k in args.layouts}
     for r in range(args.runs):
-        for regroup in ((False, True) if r % 2 == 0 else (True, False)):
-            decode[regroup].append(run_once(engines[regroup], chat, args.tokens)[0].decode_tok_s)
-            ttft[regroup].append(run_once(engines[regroup], text, 1)[0].ttft_s)
-    result = {}
-    for regroup, name in ((False, "stored"), (True, "r8")):
-        result[name] = {"decode_tok_s": statistics.median(decode[regroup]), "ttft_512_s": statistics.median(ttft[regroup]),
-                        "decode_runs": decode[regroup], "ttft_runs": ttft[regroup]}
+        for layout in (args.layouts if r % 2 == 0 else args.layouts[::-1]):
+            decode[layout].append(run_once(engines[layout], chat, args.tokens)[0].decode_tok_s)
+            ttft[layout].append(run_once(engines[layout], text, 1)[0].ttft_s)
+    result, base = {}, args.layouts[0]
+    for name in args.layouts:
+        result[name] = {"decode_tok_s": statistics.median(decode[name]), "ttft_512_s": statistics.median(ttft[name]),
+                        "decode_runs": decode[name], "ttft_runs": ttft[name]}
         print(f"{name:6s} decode {result[name]['decode_tok_s']:7.1f} tok/s   TTFT(512) {result[name]['ttft_512_s']:.3f} s")
-    ratio = result["r8"]["decode_tok_s"] / result["stored"]["decode_tok_s"]
-    print(f"decode r8 / stored x{ratio:.2f}   TTFT r8 / stored x{result['r8']['ttft_512_s'] / result['stored']['ttft_512_s']:.2f}")
+    ratios = {}
+    for name in args.layouts[1:]:
+        ratios[name] = {"decode": result[name]["decode_tok_s"] / result[base]["decode_tok_s"],
+                        "ttft_512": result[name]["ttft_512_s"] / result[base]["ttft_512_s"],
+                        "decode_per_run": [a / b for a, b in zip(decode[name], decode[base])]}
+        print(f"decode {name} / {base} x{ratios[name]['decode']:.2f} (per run "
+              f"{' '.join(f'{v:.2f}' for v in ratios[name]['decode_per_run'])})   "
+              f"TTFT {name} / {base} x{ratios[name]['ttft_512']:.2f}")
     if args.json:
         out = {"command": "python " + " ".join(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
-               "file": args.model, "runs_as": loaded.runs_as_text(), "decode_ratio": ratio, **result}
+               "file": args.model, "runs_as": loaded.runs_as_text(), "ratios_vs_" + base: ratios, **result}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
 

@@ -359,11 +359,12 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t N, int64
   return out;
 }
 
-// x8: a K-quant's rows repacked 8 at a time (cpu_gguf_x8.cpp); raw [N, row bytes] -> x8 [N, x8 row bytes] and back.
+// x8: a K-quant's or Q5_0 / Q5_1's rows repacked 8 at a time (cpu_gguf_x8.cpp); raw [N, row bytes] -> x8 [N, x8 row bytes] and back.
 at::Tensor gguf_x8_convert(const at::Tensor& src, int64_t type, int64_t N, int64_t K, bool to_x8) {
   TORCH_CHECK(edgellm::gguf_x8_supported((int)type), "edgellm gguf_repack: type ", type, " has no x8 kernels in this build");
-  TORCH_CHECK(N > 0 && N % 8 == 0 && K > 0 && K % 256 == 0, "edgellm gguf_repack: N=", N, " must be a multiple of 8 "
-              "and K=", K, " of 256");
+  const int64_t qv = edgellm::gguf_block_values((int)type);
+  TORCH_CHECK(N > 0 && N % 8 == 0 && K > 0 && K % qv == 0, "edgellm gguf_repack: N=", N, " must be a multiple of 8 "
+              "and K=", K, " of ", qv);
   const int64_t rb = edgellm::gguf_row_bytes((int)type, K), xb = edgellm::gguf_row_bytes((int)type + edgellm::GGUF_X8, K);
   TORCH_CHECK(src.device().is_cpu() && src.scalar_type() == at::kByte && src.is_contiguous() &&
                   src.numel() == N * (to_x8 ? rb : xb), "edgellm gguf_repack: expected a contiguous uint8 CPU tensor of ",

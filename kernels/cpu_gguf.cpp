@@ -1324,6 +1324,25 @@ inline void prompt_write(const float* out, float* y, int64_t ldy, int64_t m0, in
 template <int TYPE>
 void build_panel_x8(const uint8_t* x8, int64_t n0, int nvalid, int64_t K, int64_t k0, int64_t kc, const Panel& P) {
   constexpr int NR = P_NR;
+  if constexpr (Fmt<TYPE>::QV == 32) {  // Q5_0 / Q5_1: units of 32 values
+    const int64_t xb = gguf_x8_bytes(TYPE), gbytes = K / 32 * xb;
+    for (int64_t u0 = 0; u0 < kc; u0 += 32) {
+      const int64_t s = (k0 + u0) / 32, sl = u0 / 32;
+      for (int gi = 0; gi < NR / 8; ++gi) {
+        uint8_t* codes = P.codes + sl * 8 * NR * 4 + gi * 32;
+        float* ws = P.ws + sl * NR + gi * 8;
+        float* wm = P.wm + sl * NR + gi * 8;
+        if (8 * gi >= nvalid) {  // past the part's last group: zeros
+          for (int g = 0; g < 8; ++g) std::memset(codes + g * NR * 4, 0, 32);
+          std::memset(ws, 0, 32);
+          if (Fmt<TYPE>::MIN) std::memset(wm, 0, 32);
+          continue;
+        }
+        gguf_x8_panel_sb(x8 + (n0 / 8 + gi) * gbytes + s * xb, TYPE, codes, NR * 4, ws, wm, NR);
+      }
+    }
+    return;
+  }
   const int64_t xb = gguf_x8_bytes(TYPE), gbytes = K / 256 * xb;
   for (int64_t u0 = 0; u0 < kc; u0 += 256) {
     const int64_t s = (k0 + u0) / 256, sl = u0 / 256;  // super-block, and its place in the panel
@@ -1481,7 +1500,7 @@ bool gguf_supported(int type) { return gguf_block_values(type) != 0; }
 
 int64_t gguf_block_values(int type) {
   if (type > GGUF_R8) return gguf_r8_supported(type - GGUF_R8) ? 32 : 0;
-  if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? 256 : 0;
+  if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? gguf_block_values(type - GGUF_X8) : 0;
   switch (type) {
     case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q5_0: case GGUF_Q5_1: case GGUF_Q8_0: return 32;
     case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: return 256;
@@ -1661,6 +1680,8 @@ void gguf_gemm_prompt(const GgufActs& acts, const uint8_t* blocks, int type, int
     if (type - GGUF_X8 == GGUF_Q4_K) PromptX8Op<GGUF_Q4_K>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_Q5_K) PromptX8Op<GGUF_Q5_K>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_Q6_K) PromptX8Op<GGUF_Q6_K>::run(acts, blocks, N, y, ldy, out_index);
+    else if (type - GGUF_X8 == GGUF_Q5_0) PromptX8Op<GGUF_Q5_0>::run(acts, blocks, N, y, ldy, out_index);
+    else if (type - GGUF_X8 == GGUF_Q5_1) PromptX8Op<GGUF_Q5_1>::run(acts, blocks, N, y, ldy, out_index);
     return;
   }
   dispatch<PromptOp>(type, acts, blocks, N, y, ldy, out_index);

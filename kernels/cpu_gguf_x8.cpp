@@ -15,6 +15,13 @@
 //        qh[r][i] = qh[32h + 4g + i] (bits 2j', 2j' + 1: bits 4, 5 of sub-block 4h + j'): one stream in the
 //        order the kernel reads it (two streams 1 KiB apart left the prefetchers behind: 9 GB/s against 26)
 // The unpacked Q4_K / Q5_K scales cost 32 bytes per 8 super-blocks (2.8%) and save the 6-bit unpacking per row.
+// The 32-value types with a fifth bit take the same idea per 32-value block ("x8 unit" = 32 values of 8 rows; their
+// tensors are the ones whose K is not a multiple of 256, e.g. most of a Qwen2.5-0.5B or SmolLM2 Q4_K_M):
+//   Q5_0 (176 bytes): d[r] fp16 | qh[r][i] (bit g: the fifth bit of row r's value 4g + i) | nib[j][r][i] = row r's
+//        qs[4j + i] (j = 0..3; low nibble: value 4j + i, high: 16 + 4j + i)
+//   Q5_1 (192): d[r] fp16 | m[r] fp16 | then as Q5_0
+// A code vector (value 4g + i of each row r at byte 4r + i) is then an and or a shift, a shift of qh, an and and an
+// or: against the stored blocks' broadcast, shuffle, compare and horizontal sums, 1.6-1.9x the rows a second.
 // Rows are taken in groups of 8: a tensor's first N / 8 * 8 rows (the loader keeps the rest as stored).
 #include <algorithm>
 #include <cstring>
@@ -42,20 +49,64 @@ void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function
 
 namespace {
 
-// The raw super-block: bytes, and where its parts lie.
+// The raw block (QV values of a row, BYTES bytes), the x8 unit (8 rows: XB bytes), and where the raw parts lie.
 template <int TYPE> struct Raw;
-template <> struct Raw<GGUF_Q4_K> { static constexpr int64_t BYTES = 144, XB = 1184, QS = 16; };
-template <> struct Raw<GGUF_Q5_K> { static constexpr int64_t BYTES = 176, XB = 1440, QS = 48, QH = 16; };
-template <> struct Raw<GGUF_Q6_K> { static constexpr int64_t BYTES = 210, XB = 1680, QS = 0; };
+template <> struct Raw<GGUF_Q4_K> { static constexpr int64_t QV = 256, BYTES = 144, XB = 1184, QS = 16; };
+template <> struct Raw<GGUF_Q5_K> { static constexpr int64_t QV = 256, BYTES = 176, XB = 1440, QS = 48, QH = 16; };
+template <> struct Raw<GGUF_Q6_K> { static constexpr int64_t QV = 256, BYTES = 210, XB = 1680, QS = 0; };
+// Q5_0 / Q5_1: HOFF = the stored qh's offset (qs after it), XH = the x8 unit's qh (nibbles after it)
+template <> struct Raw<GGUF_Q5_0> { static constexpr int64_t QV = 32, BYTES = 22, XB = 176, HOFF = 2, XH = 16; };
+template <> struct Raw<GGUF_Q5_1> { static constexpr int64_t QV = 32, BYTES = 24, XB = 192, HOFF = 4, XH = 32; };
+constexpr bool is_q5(int type) { return type == GGUF_Q5_0 || type == GGUF_Q5_1; }
 
-// f(std::integral_constant<int, TYPE>()) for a K-quant base type (nothing for the others).
+// f(std::integral_constant<int, TYPE>()) for a base type with an x8 layout (nothing for the others).
 template <class F>
-void on_kquant(int base_type, F&& f) {
+void on_x8_type(int base_type, F&& f) {
   switch (base_type) {
     case GGUF_Q4_K: f(std::integral_constant<int, GGUF_Q4_K>()); break;
     case GGUF_Q5_K: f(std::integral_constant<int, GGUF_Q5_K>()); break;
     case GGUF_Q6_K: f(std::integral_constant<int, GGUF_Q6_K>()); break;
+    case GGUF_Q5_0: f(std::integral_constant<int, GGUF_Q5_0>()); break;
+    case GGUF_Q5_1: f(std::integral_constant<int, GGUF_Q5_1>()); break;
     default: break;
+  }
+}
+
+// A stored qh's bits i, 4 + i, .., 28 + i (value i of each 4-value group g) as the 8 bits of one byte, and back.
+inline uint8_t gather_fifth_bits(uint32_t qh, int i) {
+  uint32_t x = (qh >> i) & 0x11111111u;
+  x = (x | (x >> 3)) & 0x03030303u;
+  x = (x | (x >> 6)) & 0x000F000Fu;
+  return (uint8_t)((x | (x >> 12)) & 0xFFu);
+}
+inline uint32_t spread_fifth_bits(uint8_t byte, int i) {
+  uint32_t x = byte;
+  x = (x | (x << 12)) & 0x000F000Fu;
+  x = (x | (x << 6)) & 0x03030303u;
+  return ((x | (x << 3)) & 0x11111111u) << i;
+}
+
+// One Q5_0 / Q5_1 unit of 8 rows, either way (TO_X8: raw -> x8).  raw[r] = row r's block.
+template <int TYPE, bool TO_X8>
+void convert_q5(uint8_t* const raw[8], uint8_t* o) {
+  using R = Raw<TYPE>;
+  for (int r = 0; r < 8; ++r) {
+    uint8_t* b = raw[r];
+    if (TO_X8) {
+      std::memcpy(o + 2 * r, b, 2);
+      if (TYPE == GGUF_Q5_1) std::memcpy(o + 16 + 2 * r, b + 2, 2);
+      uint32_t qh;
+      std::memcpy(&qh, b + R::HOFF, 4);
+      for (int i = 0; i < 4; ++i) o[R::XH + 4 * r + i] = gather_fifth_bits(qh, i);
+      for (int j = 0; j < 4; ++j) std::memcpy(o + R::XH + 32 + 32 * j + 4 * r, b + R::HOFF + 4 + 4 * j, 4);
+    } else {
+      std::memcpy(b, o + 2 * r, 2);
+      if (TYPE == GGUF_Q5_1) std::memcpy(b + 2, o + 16 + 2 * r, 2);
+      uint32_t qh = 0;
+      for (int i = 0; i < 4; ++i) qh |= spread_fifth_bits(o[R::XH + 4 * r + i], i);
+      std::memcpy(b + R::HOFF, &qh, 4);
+      for (int j = 0; j < 4; ++j) std::memcpy(b + R::HOFF + 4 + 4 * j, o + R::XH + 32 + 32 * j + 4 * r, 4);
+    }
   }
 }
 
@@ -150,13 +201,14 @@ void convert_sb(uint8_t* const raw[8], uint8_t* o) {
 template <int TYPE, bool TO_X8>
 void convert(uint8_t* raw, uint8_t* x8, int64_t N, int64_t K) {
   using R = Raw<TYPE>;
-  const int64_t nsb = K / 256, rb = nsb * R::BYTES;
+  const int64_t nsb = K / R::QV, rb = nsb * R::BYTES;
   parallel_run(0, N / 8, 16, [&](int64_t g0, int64_t g1) {
     for (int64_t grp = g0; grp < g1; ++grp)
       for (int64_t s = 0; s < nsb; ++s) {
         uint8_t* rows[8];
         for (int r = 0; r < 8; ++r) rows[r] = raw + (grp * 8 + r) * rb + s * R::BYTES;
-        convert_sb<TYPE, TO_X8>(rows, x8 + (grp * nsb + s) * R::XB);
+        if constexpr (is_q5(TYPE)) convert_q5<TYPE, TO_X8>(rows, x8 + (grp * nsb + s) * R::XB);
+        else convert_sb<TYPE, TO_X8>(rows, x8 + (grp * nsb + s) * R::XB);
       }
   });
 }
@@ -320,11 +372,68 @@ void group_q6k(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
   for (int t = 0; t < T; ++t) out[t] = acc[t];
 }
 
+// Code vector g (value 4g + i of row r at byte 4r + i, fifth bit included) of a Q5_0 / Q5_1 x8 unit, its qh loaded.
+template <int TYPE>
+inline __m256i codes_q5(const uint8_t* o, __m256i qh, int g) {
+  const __m256i v = _mm256_loadu_si256((const __m256i*)(o + Raw<TYPE>::XH + 32 + 32 * (g & 3)));
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i lo = g < 4 ? _mm256_and_si256(v, m4) : _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+  // bit g of each qh byte to bit 4 (16-bit shifts by <= 4: the bits crossing bytes are masked off)
+  const __m256i h = g < 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - g)) : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(g - 4));
+  return _mm256_or_si256(lo, _mm256_and_si256(h, _mm256_set1_epi8(0x10)));
+}
+
+// As group_k for Q5_0 / Q5_1: per 32-value block, the int dot of each row (codes 0..31) in one int32 lane, then
+// Q5_0: (dot - 16 sum(q_x)) d d_x; Q5_1: dot d d_x + m s_x.
+template <int TYPE, int T>
+void group_q5(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
+  using R = Raw<TYPE>;
+  __m256 acc[T], accm[T];
+  for (int t = 0; t < T; ++t) acc[t] = accm[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* o = w + b * R::XB;
+    prefetch_sb<R::XB>(o);
+    const __m256i qh = _mm256_loadu_si256((const __m256i*)(o + R::XH));
+    __m256i is[T];
+    for (int t = 0; t < T; ++t) is[t] = _mm256_setzero_si256();
+#ifdef EDGELLM_X8_VNNI
+    for (int g = 0; g < 8; ++g) {
+      const __m256i u = codes_q5<TYPE>(o, qh, g);
+      for (int t = 0; t < T; ++t) is[t] = dot4(is[t], u, bcast4(a.q + (m0 + t) * a.K + b * 32 + 4 * g));
+    }
+#else
+    // maddubs pair sums in int16: 4 groups of codes <= 31 stay below 4 * 2 * 31 * 127 = 31496
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int g0 = 0; g0 < 8; g0 += 4) {
+      __m256i h16[T];
+      for (int t = 0; t < T; ++t) h16[t] = _mm256_setzero_si256();
+      for (int g = g0; g < g0 + 4; ++g) {
+        const __m256i u = codes_q5<TYPE>(o, qh, g);
+        for (int t = 0; t < T; ++t)
+          h16[t] = _mm256_add_epi16(h16[t], _mm256_maddubs_epi16(u, bcast4(a.q + (m0 + t) * a.K + b * 32 + 4 * g)));
+      }
+      for (int t = 0; t < T; ++t) is[t] = _mm256_add_epi32(is[t], _mm256_madd_epi16(h16[t], ones));
+    }
+#endif
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
+    const __m256 mw = TYPE == GGUF_Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 16))) : d;
+    for (int t = 0; t < T; ++t) {
+      const int64_t ab = (m0 + t) * a.nb + b;
+      __m256i v = is[t];
+      if (TYPE == GGUF_Q5_0) v = _mm256_sub_epi32(v, _mm256_set1_epi32(16 * a.sum32[ab]));
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(d, _mm256_set1_ps(a.d[ab])), acc[t]);
+      if (TYPE == GGUF_Q5_1) accm[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a.s[ab]), accm[t]);
+    }
+  }
+  for (int t = 0; t < T; ++t) out[t] = TYPE == GGUF_Q5_1 ? _mm256_add_ps(acc[t], accm[t]) : acc[t];
+}
+
 template <int TYPE, int T>
 inline void group_rows(const GgufActs& a, int64_t m0, const uint8_t* w, float* y, int64_t ldy, const int32_t* cols,
                        int64_t n0) {
   __m256 out[T];
-  if (TYPE == GGUF_Q6_K) group_q6k<T>(a, m0, w, out);
+  if constexpr (TYPE == GGUF_Q6_K) group_q6k<T>(a, m0, w, out);
+  else if constexpr (is_q5(TYPE)) group_q5<TYPE, T>(a, m0, w, out);
   else group_k<TYPE, T>(a, m0, w, out);
   for (int t = 0; t < T; ++t) {
     float* yr = y + (m0 + t) * ldy;
@@ -343,7 +452,7 @@ constexpr int64_t X8_TILE = 4;  // 6 measured 20% slower at M = 512 (registers)
 
 template <int TYPE>
 void gemm_x8(const GgufActs& a, const uint8_t* x8, int64_t N, float* y, int64_t ldy, const int32_t* cols) {
-  const int64_t nsb = a.K / 256, gbytes = nsb * Raw<TYPE>::XB;
+  const int64_t gbytes = a.K / Raw<TYPE>::QV * Raw<TYPE>::XB;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, a.K / 8 * std::min<int64_t>(a.M, 4)));
   parallel_run(0, N / 8, grain, [&](int64_t g0, int64_t g1) {
     for (int64_t grp = g0; grp < g1; ++grp) {
@@ -361,6 +470,14 @@ void gemm_x8(const GgufActs& a, const uint8_t* x8, int64_t N, float* y, int64_t 
 }
 template <int TYPE>
 void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, float* wm, int64_t wstride) {
+  if constexpr (is_q5(TYPE)) {  // one 32-value unit: its 8 code vectors, d (and m) of each row
+    (void)wstride;
+    const __m256i qh = _mm256_loadu_si256((const __m256i*)(o + Raw<TYPE>::XH));
+    for (int g = 0; g < 8; ++g) _mm256_storeu_si256((__m256i*)(codes + g * cstride), codes_q5<TYPE>(o, qh, g));
+    _mm256_storeu_ps(ws, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o)));
+    if (TYPE == GGUF_Q5_1) _mm256_storeu_ps(wm, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 16))));
+    return;
+  }
   if (TYPE == GGUF_Q6_K) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h)
@@ -402,7 +519,7 @@ void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, floa
 void gguf_x8_panel_sb(const uint8_t* sb, int base_type, uint8_t* codes, int64_t cstride, float* ws, float* wm,
                       int64_t wstride) {
 #ifdef EDGELLM_X8
-  on_kquant(base_type, [&](auto t) { panel_sb<decltype(t)::value>(sb, codes, cstride, ws, wm, wstride); });
+  on_x8_type(base_type, [&](auto t) { panel_sb<decltype(t)::value>(sb, codes, cstride, ws, wm, wstride); });
 #else
   (void)sb; (void)base_type; (void)codes; (void)cstride; (void)ws; (void)wm; (void)wstride;
 #endif
@@ -419,24 +536,24 @@ bool gguf_x8_supported(int base_type) {
 
 int64_t gguf_x8_bytes(int base_type) {
   int64_t bytes = 0;
-  on_kquant(base_type, [&](auto t) { bytes = Raw<decltype(t)::value>::XB; });
+  on_x8_type(base_type, [&](auto t) { bytes = Raw<decltype(t)::value>::XB; });
   return bytes;
 }
 
 void gguf_repack_x8(const uint8_t* raw, int base_type, int64_t N, int64_t K, uint8_t* x8) {
   uint8_t* r = const_cast<uint8_t*>(raw);  // only read (convert<..., true> writes x8)
-  on_kquant(base_type, [&](auto t) { convert<decltype(t)::value, true>(r, x8, N, K); });
+  on_x8_type(base_type, [&](auto t) { convert<decltype(t)::value, true>(r, x8, N, K); });
 }
 
 void gguf_unrepack_x8(const uint8_t* x8, int base_type, int64_t N, int64_t K, uint8_t* raw) {
   uint8_t* o = const_cast<uint8_t*>(x8);  // only read (convert<..., false> writes raw)
-  on_kquant(base_type, [&](auto t) { convert<decltype(t)::value, false>(raw, o, N, K); });
+  on_x8_type(base_type, [&](auto t) { convert<decltype(t)::value, false>(raw, o, N, K); });
 }
 
 void gguf_gemm_x8(const GgufActs& acts, const uint8_t* x8, int base_type, int64_t N, float* y, int64_t ldy,
                   const int32_t* out_index) {
 #ifdef EDGELLM_X8
-  on_kquant(base_type, [&](auto t) { gemm_x8<decltype(t)::value>(acts, x8, N, y, ldy, out_index); });
+  on_x8_type(base_type, [&](auto t) { gemm_x8<decltype(t)::value>(acts, x8, N, y, ldy, out_index); });
 #else
   (void)acts; (void)x8; (void)base_type; (void)N; (void)y; (void)ldy; (void)out_index;
 #endif

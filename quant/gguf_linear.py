@@ -5,10 +5,10 @@ Q6_K in a Q4_K_M file), usually read-only views of the memory-mapped file, so th
 with no second copy. Where the source rows are stored in another order than ours (llama.cpp permutes Q/K rows
 for RoPE), `out_index` says which output column each stored row feeds: the rows are never moved.
 
-On a CPU whose kernel build has them (AVX2), K-quant parts are repacked at load into the x8 layout
+On a CPU whose kernel build has them (AVX2), K-quant, Q5_0 and Q5_1 parts are repacked at load into the x8 layout
 (kernels/cpu_gguf_x8.cpp): the same bytes, 8 rows interleaved so that the integer dots need no horizontal sums,
-which makes decode memory-bound rather than compute-bound (llama.cpp repacks its Q4_K likewise); a part's last
-rows % 8 stay as stored. Q5_0 / Q5_1 parts get the r8 layout (kernels/cpu_gguf.cpp): each row's runs of 8 blocks
+which makes decode memory-bound rather than compute-bound (llama.cpp repacks its Q4_K likewise). A part's last
+rows % 8 stay as stored, or for Q5_0 / Q5_1 take the r8 layout (kernels/cpu_gguf.cpp): each row's runs of 8 blocks
 regrouped so that their fifth bits cost three vector operations a block instead of five. The mapped pages of the
 original are then dropped from RSS, so the process still holds one copy.
 
@@ -40,13 +40,15 @@ from .linear import _move_packed
 
 __all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "raw_tensor", "install_gguf", "weight_formats", "repack_for_cpu"]
 
-X8_GROUP_BYTES = {12: 1184, 13: 1440, 14: 1680}  # Q4_K, Q5_K, Q6_K: bytes of 8 rows x 256 values
+# the x8 layout's unit per base type: (values, bytes of 8 rows x those values)
+X8_UNITS = {12: (256, 1184), 13: (256, 1440), 14: (256, 1680), 6: (32, 176), 7: (32, 192)}  # Q4_K Q5_K Q6_K Q5_0 Q5_1
 
 
 def part_row_bytes(type_id: int, k: int) -> int:
     """Bytes per row of a part: a GGUF type's (r8 types: the same), or an x8 type's (one eighth of its 8-row groups)."""
     if X8 <= type_id < R8:
-        return k // 256 * X8_GROUP_BYTES[type_id - X8] // 8
+        values, group_bytes = X8_UNITS[type_id - X8]
+        return k // values * group_bytes // 8
     return row_bytes(stored_type(type_id), k)
 
 
@@ -229,39 +231,55 @@ class GGUFEmbedding(_GGUFWeight):
         return f"{self.num_embeddings}, {self.embedding_dim}, gguf {self._fmt()}"
 
 
-# Whether repack_for_cpu gives Q5_0 / Q5_1 parts the r8 layout (False: they run as stored; benchmarks' A/B switch).
-REGROUP_Q5 = True
+# How repack_for_cpu lays out Q5_0 / Q5_1 parts (benchmarks' A/B switch): "x8" (8 rows interleaved, the rows % 8
+# left over in r8), "r8" (each row's runs of 8 blocks regrouped), or "stored".
+Q5_LAYOUT = "x8"
+
+
+def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int]) -> list[GGUFPart]:
+    """One part as the CPU kernels multiply it fastest: its first rows // 8 * 8 rows in the x8 layout where there is
+    one for its type, the others (Q5_0 / Q5_1) in the r8 layout, the rest as stored (with their out_index entries)."""
+    index = p.out_index
+    n8 = p.rows // 8 * 8 if p.type in x8_types and k % X8_UNITS[p.type][0] == 0 else 0
+    out = []
+    if n8:
+        head = p.raw[:n8].contiguous()
+        out.append(GGUFPart(ext.gguf_repack(head, p.type, n8, k), p.type + X8, n8,
+                            None if index is None else index[:n8].contiguous()))
+    if n8 < p.rows:
+        tail = p.raw[n8:] if n8 else p.raw
+        tail_index = None if index is None or not n8 else index[n8:].contiguous()
+        if p.type in r8_types and k >= 256:
+            out.append(GGUFPart(ext.gguf_repack_r8(tail.contiguous(), p.type, p.rows - n8, k), p.type + R8,
+                                p.rows - n8, index if not n8 else tail_index))
+        else:
+            out.append(GGUFPart(tail, p.type, p.rows - n8, index if not n8 else tail_index))
+    return out
 
 
 def repack_for_cpu(parts: list[GGUFPart], k: int,
                    release: Callable[[torch.Tensor], None] | None = None) -> list[GGUFPart]:
-    """The parts with their K-quant rows in the x8 layout where this CPU's kernel build multiplies it (a part's
-    first rows // 8 * 8 rows; the rest stay as stored, with their out_index entries), and their Q5_0 / Q5_1 rows in
-    the r8 layout (all of them). `release(raw)` is called on each repacked original (the loader drops its mapped
-    pages)."""
+    """The parts in the layouts this CPU's kernel build multiplies fastest (see _repack_part; Q5_LAYOUT picks Q5_0 /
+    Q5_1's). `release(raw)` is called on each original whose blocks were all copied into a repacked layout (the
+    loader drops its mapped pages)."""
     ext = K.cpu_extension()
-    types = set(getattr(ext, "gguf_x8_types", list)()) if ext is not None else set()
-    r8_types = set(getattr(ext, "gguf_r8_types", list)()) if ext is not None and REGROUP_Q5 else set()
+    x8_types = set(getattr(ext, "gguf_x8_types", list)()) if ext is not None else set()
+    r8_types = set(getattr(ext, "gguf_r8_types", list)()) if ext is not None else set()
+    if Q5_LAYOUT != "x8":
+        x8_types -= {6, 7}
+    if Q5_LAYOUT == "stored":
+        r8_types = set()
     out = []
     for p in parts:
-        if p.type in r8_types and k >= 256 and p.raw.device.type == "cpu":
-            raw = p.raw.contiguous()
-            out.append(GGUFPart(ext.gguf_repack_r8(raw, p.type, p.rows, k), p.type + R8, p.rows, p.out_index))
-            if release is not None and raw.data_ptr() == p.raw.data_ptr():
-                release(raw)
-            continue
-        n8 = p.rows // 8 * 8
-        if p.type not in types or n8 == 0 or k % 256 or p.raw.device.type != "cpu":
+        if p.raw.device.type != "cpu":
             out.append(p)
             continue
-        head = p.raw[:n8].contiguous()
-        x8 = ext.gguf_repack(head, p.type, n8, k)
-        index = p.out_index
-        out.append(GGUFPart(x8, p.type + X8, n8, None if index is None else index[:n8].contiguous()))
-        if n8 < p.rows:
-            out.append(GGUFPart(p.raw[n8:], p.type, p.rows - n8, None if index is None else index[n8:].contiguous()))
-        if release is not None and head.data_ptr() == p.raw.data_ptr():
-            release(head)
+        repacked = _repack_part(ext, p, k, x8_types, r8_types)
+        out.extend(repacked)
+        if release is not None and p.raw.is_contiguous() and all(q.raw.data_ptr() != p.raw.data_ptr() for q in repacked):
+            release(p.raw)  # every row was copied (x8 head, r8 tail): the mapped blocks need not stay resident
+        elif release is not None and len(repacked) == 2 and repacked[1].type == p.type:
+            release(p.raw[:repacked[0].rows])  # the x8 head was copied; the stored tail stays mapped
     return out
 
 

@@ -7,7 +7,8 @@ and against the same blocks as stored.
   M across the row kernel's tiles: the regrouping changes how the codes are decoded, not one integer sum.
 - gguf_linear_prompt (the panel GEMM) on r8 parts with out_index: to 1e-5 of a float64 product of gguf.quants'
   weights with x rounded to int8 per 32 values (tests/test_gguf_kernels.py's emulation).
-- The loader gives a GGUF's Q5_0 / Q5_1 linears the r8 layout where the build multiplies it.
+- The loader gives a GGUF's Q5_0 / Q5_1 linears the x8 layout (tests/test_gguf_x8.py) for their rows in groups of
+  8 and the r8 layout for the rest, where the build multiplies them; with Q5_LAYOUT = "r8", r8 for all.
 """
 from __future__ import annotations
 
@@ -87,17 +88,29 @@ def test_bad_arguments_raise(r8_ext):
         r8_ext.gguf_repack_r8(raw, int(Q.Q5_0), 4, 250)
 
 
-def test_loader_regroups_q5_linears(r8_ext):
-    """repack_for_cpu (what install_gguf calls on the CPU): Q5_0 / Q5_1 parts become r8 parts of the same rows and
-    out_index, other types keep theirs, and the layer's product is unchanged bit for bit."""
-    from edgellm.quant.gguf_linear import GGUFLinear, GGUFPart, repack_for_cpu
+def q5_linear_parts(k: int):
+    """A fused linear as the loader sees it: Q5_0 (12 rows), Q4_0 (8), Q5_1 (7), routed by a shuffled out_index."""
+    from edgellm.quant.gguf_linear import GGUFPart
 
-    k = 576
     raws = [make_weights(t, n, k, seed=i) for i, (t, n) in enumerate(((Q.Q5_0, 12), (Q.Q4_0, 8), (Q.Q5_1, 7)))]
     cols = torch.randperm(27, generator=torch.Generator().manual_seed(0)).to(torch.int32)
     parts = [GGUFPart(torch.from_numpy(raws[0]), int(Q.Q5_0), 12, cols[:12].contiguous()),
              GGUFPart(torch.from_numpy(raws[1]), int(Q.Q4_0), 8, cols[12:20].contiguous()),
              GGUFPart(torch.from_numpy(raws[2]), int(Q.Q5_1), 7, cols[20:].contiguous())]
+    w = np.empty((27, k))
+    w[cols.numpy()] = np.concatenate([dequant_ref(r, t) for r, t in zip(raws, (Q.Q5_0, Q.Q4_0, Q.Q5_1))])
+    return parts, w
+
+
+def test_loader_regroups_q5_linears(r8_ext, monkeypatch):
+    """repack_for_cpu with Q5_LAYOUT = "r8": Q5_0 / Q5_1 parts become r8 parts of the same rows and out_index, other
+    types keep theirs, and the layer's product is unchanged bit for bit."""
+    from edgellm.quant import gguf_linear
+    from edgellm.quant.gguf_linear import GGUFLinear, repack_for_cpu
+
+    monkeypatch.setattr(gguf_linear, "Q5_LAYOUT", "r8")
+    k = 576
+    parts, _ = q5_linear_parts(k)
     released = []
     repacked = repack_for_cpu(parts, k, released.append)
     assert [p.type for p in repacked] == [int(Q.Q5_0) + R8, int(Q.Q4_0), int(Q.Q5_1) + R8]
@@ -107,3 +120,29 @@ def test_loader_regroups_q5_linears(r8_ext):
     assert after.type_names() == ["Q5_0", "Q4_0", "Q5_1"]
     x = torch.randn(1, 3, k, generator=torch.Generator().manual_seed(1))
     assert torch.equal(before(x), after(x))
+
+
+@pytest.mark.parametrize("m", [3, 40])
+def test_loader_interleaves_q5_linears(r8_ext, m):
+    """repack_for_cpu as loaded (Q5_LAYOUT = "x8" where the build has it): a Q5_0 part's first 8 rows in the x8
+    layout and its last 4 in r8, Q5_1's 7 rows (no group of 8) in r8, Q4_0 as stored; every originally mapped
+    part whose rows were all copied released; the product (row kernel at M = 3, prompt GEMM at 40) against the
+    float64 reference."""
+    from edgellm.quant import gguf_linear
+    from edgellm.quant.gguf_linear import X8, GGUFLinear, repack_for_cpu
+
+    require_layout(r8_ext, "x8", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1])
+    assert gguf_linear.Q5_LAYOUT == "x8"
+    k = 896
+    parts, w = q5_linear_parts(k)
+    released = []
+    repacked = repack_for_cpu(parts, k, released.append)
+    assert [p.type for p in repacked] == [int(Q.Q5_0) + X8, int(Q.Q5_0) + R8, int(Q.Q4_0), int(Q.Q5_1) + R8]
+    assert [p.rows for p in repacked] == [8, 4, 8, 7] and len(released) == 2
+    index = torch.cat([p.out_index for p in repacked])
+    assert torch.equal(index, torch.cat([p.out_index for p in parts]))
+    layer = GGUFLinear(repacked, k)
+    assert layer.type_names() == ["Q5_0", "Q5_0", "Q4_0", "Q5_1"]
+    x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
+    y = layer(torch.from_numpy(x)).numpy()
+    assert rel_err(y, emulate_int8_x(x) @ w.T) <= TOL_EMULATED

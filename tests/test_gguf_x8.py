@@ -1,4 +1,4 @@
-"""K-quant rows repacked 8 at a time (kernels/cpu_gguf_x8.cpp) against gguf.quants.
+"""K-quant, Q5_0 and Q5_1 rows repacked 8 at a time (kernels/cpu_gguf_x8.cpp) against gguf.quants.
 
 - gguf_repack / gguf_unrepack: the x8 layout holds the stored blocks bit for bit (the round trip is the identity,
   and the repacked tensor dequantizes to gguf.quants.dequantize's floats exactly).
@@ -19,12 +19,19 @@ from tests.test_gguf_kernels import (TOL_EMULATED, TOL_EXACT, dequant_ref, emula
 
 X8 = 1000
 K_QUANTS = [Q.Q4_K, Q.Q5_K, Q.Q6_K]
+Q5 = [Q.Q5_0, Q.Q5_1]  # x8 per 32-value block: any K % 32 == 0
+X8_TYPES = K_QUANTS + Q5
 
 
 @pytest.fixture
 def x8_ext(ext):  # noqa: F811
-    require_layout(ext, "x8", K_QUANTS)
+    require_layout(ext, "x8", X8_TYPES)
     return ext
+
+
+def k_for(qtype, k: int) -> int:
+    """K-quants take k (a multiple of 256); Q5_0 / Q5_1 k + 96 too (not a multiple of 256, as where files use them)."""
+    return k + 96 if qtype in Q5 else k
 
 
 def repacked(ext, qtype, n, k, seed):
@@ -32,9 +39,9 @@ def repacked(ext, qtype, n, k, seed):
     return raw, ext.gguf_repack(torch.from_numpy(raw), int(qtype), n, k)
 
 
-@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
 def test_repack_round_trip_and_dequantize(x8_ext, qtype):
-    n, k = 24, 768
+    n, k = 24, k_for(qtype, 768)
     raw, x8 = repacked(x8_ext, qtype, n, k, seed=int(qtype))
     assert x8.dtype == torch.uint8 and x8.shape[0] == n
     back = x8_ext.gguf_unrepack(x8, int(qtype), n, k).numpy()
@@ -43,9 +50,10 @@ def test_repack_round_trip_and_dequantize(x8_ext, qtype):
     np.testing.assert_array_equal(got.view(np.uint32), dequant_ref(raw, qtype).view(np.uint32))
 
 
-@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m,n,k", [(1, 64, 256), (3, 16, 512), (5, 40, 2304), (16, 8, 1024)])
 def test_linear_matches_reference(x8_ext, qtype, m, n, k):
+    k = k_for(qtype, k)
     raw, x8 = repacked(x8_ext, qtype, n, k, seed=int(qtype) * 100 + m + n + k)
     w = dequant_ref(raw, qtype).astype(np.float64)
     x = np.random.default_rng(m + n).standard_normal((m, k)).astype(np.float32)
@@ -73,9 +81,9 @@ def test_parts_with_out_index_and_stored_tail(x8_ext):
     assert rel_err(y, emulate_int8_x(x) @ w.T) <= TOL_EMULATED
 
 
-@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
 def test_rows_bit_identical_whatever_m(x8_ext, qtype):
-    n, k = 40, 1536
+    n, k = 40, k_for(qtype, 1536)
     _, x8 = repacked(x8_ext, qtype, n, k, seed=7)
     x = torch.randn(17, k, generator=torch.Generator().manual_seed(int(qtype)))
     parts = [(x8, int(qtype) + X8, n, None)]
@@ -90,17 +98,19 @@ def test_bad_arguments_raise(x8_ext):
         x8_ext.gguf_repack(raw, int(Q.Q4_K), 12, 256)
     with pytest.raises(RuntimeError, match="no x8 kernels"):
         x8_ext.gguf_repack(raw, int(Q.Q8_0), 12, 256)
+    with pytest.raises(RuntimeError, match="of 256"):  # a K-quant's rows are whole super-blocks
+        x8_ext.gguf_repack(raw[:8].contiguous(), int(Q.Q4_K), 8, 320)
     x8 = x8_ext.gguf_repack(raw[:8].contiguous(), int(Q.Q4_K), 8, 256)
     with pytest.raises(RuntimeError, match="multiple of 8 rows"):
         x8_ext.gguf_linear(torch.randn(1, 256), [(x8.reshape(-1)[:x8.numel() // 8 * 4], int(Q.Q4_K) + X8, 4, None)], 4)
 
 
-@pytest.mark.parametrize("qtype", K_QUANTS, ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("m", [1, 9, 17, 64, 200])
 def test_prompt_gemm_takes_x8_parts(x8_ext, qtype, m):
     """gguf_linear_prompt on x8 parts (the panel GEMM, its panels built from the x8 groups), with out_index, a
     partial last panel (N = 24: 1.5 panels of 16 rows on AVX-512), against the float64 reference."""
-    n, k = 24, 512
+    n, k = 24, k_for(qtype, 512)
     raw, x8 = repacked(x8_ext, qtype, n, k, seed=m)
     cols = torch.randperm(n, generator=torch.Generator().manual_seed(m)).to(torch.int32)
     w = np.empty((n, k))
