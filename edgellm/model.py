@@ -21,6 +21,16 @@ from .errors import ContextOverflowError
 from .kernels import pointwise
 
 
+class Linear(nn.Linear):
+    """nn.Linear, except that on the meta device (the loader's skeleton, whose every weight it assigns) the random
+    init is skipped: there it runs through torch's Python decompositions, ~1 ms a linear (0.12 s of loading a
+    30-layer model)."""
+
+    def reset_parameters(self) -> None:
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -57,8 +67,8 @@ class Attention(nn.Module):
         self.layer_id = layer_id
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
-        self.wqkv = nn.Linear(cfg.dim, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.wo = nn.Linear(cfg.q_size, cfg.dim, bias=False)
+        self.wqkv = Linear(cfg.dim, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
+        self.wo = Linear(cfg.q_size, cfg.dim, bias=False)
         self.scale = cfg.attn_scale
         self.window, self.softcap = cfg.window(layer_id), cfg.attn_softcap
         self.local_rope = cfg.local_rope(layer_id)  # the sliding layers' own RoPE table (Gemma 3)
@@ -89,8 +99,8 @@ class FeedForward(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.hidden = cfg.intermediate_size
-        self.w13 = nn.Linear(cfg.dim, 2 * cfg.intermediate_size, bias=False)  # gate and up, fused
-        self.w2 = nn.Linear(cfg.intermediate_size, cfg.dim, bias=False)
+        self.w13 = Linear(cfg.dim, 2 * cfg.intermediate_size, bias=False)  # gate and up, fused
+        self.w2 = Linear(cfg.intermediate_size, cfg.dim, bias=False)
         self.gelu = cfg.hidden_act == "gelu_tanh"  # GeGLU (Gemma), else SwiGLU
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,7 +144,7 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.empty(cfg.vocab_size, cfg.dim))
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.output = Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.rope_len = 0

@@ -17,6 +17,8 @@ never worse than round-to-nearest on any group. Everything is vectorised over a 
 """
 from __future__ import annotations
 
+import warnings
+
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -338,17 +340,16 @@ def from_gguf(raw: np.ndarray, ggml_type: Any, shape: tuple[int, int]) -> Quanti
     if arr.dtype != np.uint8 or arr.size != n * (k // 32) * block_bytes:
         raise QuantizationError(f"{name} tensor of shape ({n}, {k}): expected {n * (k // 32) * block_bytes} "
                                 f"raw bytes (uint8), got {arr.size} {arr.dtype}")
-    blocks = arr.reshape(n, k // 32, block_bytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only view of the mapped file: only read, then copied
+        blocks = torch.from_numpy(arr.reshape(n, k // 32, block_bytes))
 
-    def fp16_field(i: int) -> torch.Tensor:
-        field = np.ascontiguousarray(blocks[:, :, 2 * i:2 * i + 2]).view("<f2").reshape(n, k // 32)
-        return torch.from_numpy(field.astype(np.float16, copy=False))
+    def fp16_field(i: int) -> torch.Tensor:  # (GGUF is little-endian, as every host torch runs on)
+        return blocks[:, :, 2 * i:2 * i + 2].contiguous().view(torch.float16).reshape(n, k // 32)
 
-    payload = np.ascontiguousarray(blocks[:, :, 2 * n_fp16:])
-    if bits == 8:
-        codes = torch.from_numpy(payload.view(np.int8).reshape(n, k))
-    else:
-        codes = torch.from_numpy(payload.reshape(n, k // 2))
+    # torch's strided copy: 7x numpy's for these 32-byte runs at a 34-byte stride (a 30 MB Q8_0 table: 13 vs 90 ms)
+    payload = blocks[:, :, 2 * n_fp16:].contiguous()
+    codes = payload.view(torch.int8).reshape(n, k) if bits == 8 else payload.reshape(n, k // 2)
     mins = None if sym else fp16_field(1)
     return QuantizedTensor(bits, 32, sym, (n, k), codes, fp16_field(0), mins)
 
