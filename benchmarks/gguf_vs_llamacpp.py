@@ -87,11 +87,23 @@ def child_llamacpp(path: str, decode_only: bool = False) -> dict:
             "ttft_2048_s": statistics.median(ttft2048)}
 
 
+# Each child runs as on a user's machine, where Python caches modules' bytecode (pip compiles an installed package's;
+# an editable install's are written on first import): a sandbox's PYTHONDONTWRITEBYTECODE=1 would otherwise charge
+# edgellm's load (an editable install) ~0.2-0.3 s of compiling its own modules from source on every start, and
+# llama-cpp-python's (pip-installed, compiled) nothing. `warm_bytecode` writes the caches once before any timing.
+CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+
+
+def warm_bytecode(python: str) -> None:
+    subprocess.run([python, "-c", "import edgellm.args, edgellm.bench, edgellm.cli, edgellm.loading, edgellm.tokenizer, "
+                    "edgellm.quant.gguf_linear, edgellm.quant.convert, edgellm.kernels.cpu_decode"],
+                   env=CHILD_ENV, check=True)
+
+
 def measure(python: str, engine: str, path: str, decode_only: bool = False) -> dict:
     """One engine on one file in a fresh process: its JSON line plus its own peak RSS (wait4's rusage)."""
     proc = subprocess.Popen([python, __file__, "--child", engine, path] + (["--decode-only"] if decode_only else []),
-                            stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CHILD_ENV)
     out_chunks: list[str] = []
     err_chunks: list[str] = []
 
@@ -149,6 +161,7 @@ def main() -> None:
         fn = child_edgellm if args.child[0] == "edgellm" else child_llamacpp
         print(json.dumps(fn(args.child[1], args.decode_only)))
         return
+    warm_bytecode(sys.executable)
     rows = []
     for f in args.files:
         runs: dict[str, list[dict]] = {"edgellm": [], "llama.cpp": []}

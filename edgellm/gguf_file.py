@@ -157,8 +157,25 @@ class _Reader:
             raise self.fail(f"{what} is not valid UTF-8 (byte {start + e.start})") from None
 
     def strings(self, count: int, what: str) -> list[str]:
-        # Vocabularies are arrays of 50k-300k strings: one tight loop, each length bounded before it is read; the
-        # messages are built only on the way out (formatting two per item was most of a 1B model's header time).
+        # Vocabularies are arrays of 50k-300k strings: a loop with no check per item (a length past the end shows
+        # as the position past it, or as unpack_from's error one item later); any doubt, and the checked loop
+        # reads it again to say which item is bad.
+        buf, pos, out = self.buf, self.pos, []
+        unpack, append = struct.Struct("<Q").unpack_from, out.append
+        try:
+            for _ in range(count):
+                end = pos + 8 + unpack(buf, pos)[0]
+                append(str(buf[pos + 8:end], "utf-8"))
+                pos = end
+        except (struct.error, OverflowError, UnicodeDecodeError):
+            pos = self.size + 1
+        if pos > self.size:
+            return self._strings_checked(count, what)
+        self.pos = pos
+        return out
+
+    def _strings_checked(self, count: int, what: str) -> list[str]:
+        # each length bounded before it is read; the messages built only on the way out
         buf, pos, size, out = self.buf, self.pos, self.size, []
         unpack, append = struct.Struct("<Q").unpack_from, out.append
         for i in range(count):

@@ -9,7 +9,8 @@ namespace edgellm {
 enum GgufType { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8,
                 GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14 };
 
-// A type id plus GGUF_X8: that K-quant's rows repacked 8 at a time (cpu_gguf_x8.cpp), N a multiple of 8.
+// A type id plus GGUF_X8: that K-quant's, Q5_0's or Q5_1's rows repacked 8 at a time (cpu_gguf_x8.cpp), N a
+// multiple of 8.
 constexpr int GGUF_X8 = 1000;
 // A type id plus GGUF_R8: that 32-value type's rows with each run of 8 blocks regrouped (Q5_0, Q5_1; cpu_gguf.cpp
 // "r8"): the same bytes per row, any N and K % 32 == 0, a row's last (K / 32) % 8 blocks as stored.
@@ -71,9 +72,10 @@ bool gguf_prompt_gemm_fast();
 // W [N, K] fp32, bit-identical to gguf.quants.dequantize.
 void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K, float* out);
 
-// The x8 layout (cpu_gguf_x8.cpp): whether this build multiplies it for a base type (Q4_K, Q5_K, Q6_K with the
-// AVX2 kernels), its bytes per 8-row super-block (0: no x8 layout), the conversions either way (N % 8 == 0, K %
-// 256 == 0; bit for bit), and the product, as gguf_gemm (rows' results bit-identical whatever M).
+// The x8 layout (cpu_gguf_x8.cpp): whether this build multiplies it for a base type (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1
+// with the AVX2 kernels), its bytes per unit of 8 rows x the type's block (256 values, Q5_0 / Q5_1: 32; 0: no x8
+// layout), the conversions either way (N % 8 == 0, K a multiple of the block; bit for bit), and the product, as
+// gguf_gemm (rows' results bit-identical whatever M).
 bool gguf_x8_supported(int base_type);
 int64_t gguf_x8_bytes(int base_type);
 void gguf_repack_x8(const uint8_t* raw, int base_type, int64_t N, int64_t K, uint8_t* x8);
@@ -84,9 +86,10 @@ void gguf_gemm_x8(const GgufActs& acts, const uint8_t* x8, int base_type, int64_
 // conversion either way (bit for bit; rows independent).
 bool gguf_r8_supported(int base_type);
 void gguf_convert_r8(const uint8_t* src, int base_type, int64_t N, int64_t K, uint8_t* dst, bool to_r8);
-// One x8 super-block (8 rows x 256 values) as the prompt GEMM's panels hold it (AVX2 builds): the u8 codes of sub-block
-// j, 4-value group g, rows 0..7 (32 bytes) at codes + (8 j + g) * cstride; the fp32 scales d sc of sub-block j (Q6_K:
-// of 16-value sub-block t) at ws + j (t) * wstride, and -(dmin m) at wm + j * wstride (Q4_K / Q5_K).
+// One x8 unit (8 rows x 256 values; Q5_0 / Q5_1: x 32, one sub-block) as the prompt GEMM's panels hold it (AVX2
+// builds): the u8 codes of sub-block j, 4-value group g, rows 0..7 (32 bytes) at codes + (8 j + g) * cstride; the fp32
+// scales d sc of sub-block j (Q6_K: of 16-value sub-block t; Q5_0 / Q5_1: d) at ws + j (t) * wstride, and -(dmin m)
+// at wm + j * wstride (Q4_K / Q5_K; Q5_1: m).
 void gguf_x8_panel_sb(const uint8_t* sb, int base_type, uint8_t* codes, int64_t cstride, float* ws, float* wm,
                       int64_t wstride);
 
