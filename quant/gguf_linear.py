@@ -276,10 +276,9 @@ def repack_for_cpu(parts: list[GGUFPart], k: int,
             continue
         repacked = _repack_part(ext, p, k, x8_types, r8_types)
         out.extend(repacked)
-        if release is not None and p.raw.is_contiguous() and all(q.raw.data_ptr() != p.raw.data_ptr() for q in repacked):
-            release(p.raw)  # every row was copied (x8 head, r8 tail): the mapped blocks need not stay resident
-        elif release is not None and len(repacked) == 2 and repacked[1].type == p.type:
-            release(p.raw[:repacked[0].rows])  # the x8 head was copied; the stored tail stays mapped
+        copied = p.rows - sum(q.rows for q in repacked if q.type == p.type)  # the rows before a stored tail
+        if release is not None and copied and p.raw.is_contiguous():
+            release(p.raw[:copied])  # their mapped blocks need not stay resident (a stored tail's stay mapped)
     return out
 
 

@@ -118,3 +118,17 @@ def test_prompt_gemm_takes_x8_parts(x8_ext, qtype, m):
     x = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
     y = x8_ext.gguf_linear_prompt(torch.from_numpy(x), [(x8, int(qtype) + X8, n, cols)], n).numpy()
     assert rel_err(y, emulate_int8_x(x) @ w.T) <= TOL_EMULATED
+
+
+def test_loader_releases_only_the_copied_rows(x8_ext):
+    """repack_for_cpu on a K-quant part of 13 rows: the first 8 in x8, the last 5 left as stored, in place; only the
+    copied rows' blocks are handed to `release` (the loader drops their mapped pages), never the stored tail's."""
+    from edgellm.quant.gguf_linear import GGUFPart, repack_for_cpu
+
+    k = 512
+    raw = torch.from_numpy(make_weights(Q.Q4_K, 13, k, seed=4))
+    released = []
+    parts = repack_for_cpu([GGUFPart(raw, int(Q.Q4_K), 13)], k, released.append)
+    assert [(p.type, p.rows) for p in parts] == [(int(Q.Q4_K) + X8, 8), (int(Q.Q4_K), 5)]
+    assert parts[1].raw.data_ptr() == raw[8:].data_ptr()  # the tail used where it lies
+    assert len(released) == 1 and released[0].data_ptr() == raw.data_ptr() and released[0].shape[0] == 8
