@@ -1324,37 +1324,20 @@ inline void prompt_write(const float* out, float* y, int64_t ldy, int64_t m0, in
 template <int TYPE>
 void build_panel_x8(const uint8_t* x8, int64_t n0, int nvalid, int64_t K, int64_t k0, int64_t kc, const Panel& P) {
   constexpr int NR = P_NR;
-  if constexpr (Fmt<TYPE>::QV == 32) {  // Q5_0 / Q5_1: units of 32 values
-    const int64_t xb = gguf_x8_bytes(TYPE), gbytes = K / 32 * xb;
-    for (int64_t u0 = 0; u0 < kc; u0 += 32) {
-      const int64_t s = (k0 + u0) / 32, sl = u0 / 32;
-      for (int gi = 0; gi < NR / 8; ++gi) {
-        uint8_t* codes = P.codes + sl * 8 * NR * 4 + gi * 32;
-        float* ws = P.ws + sl * NR + gi * 8;
-        float* wm = P.wm + sl * NR + gi * 8;
-        if (8 * gi >= nvalid) {  // past the part's last group: zeros
-          for (int g = 0; g < 8; ++g) std::memset(codes + g * NR * 4, 0, 32);
-          std::memset(ws, 0, 32);
-          if (Fmt<TYPE>::MIN) std::memset(wm, 0, 32);
-          continue;
-        }
-        gguf_x8_panel_sb(x8 + (n0 / 8 + gi) * gbytes + s * xb, TYPE, codes, NR * 4, ws, wm, NR);
-      }
-    }
-    return;
-  }
-  const int64_t xb = gguf_x8_bytes(TYPE), gbytes = K / 256 * xb;
-  for (int64_t u0 = 0; u0 < kc; u0 += 256) {
-    const int64_t s = (k0 + u0) / 256, sl = u0 / 256;  // super-block, and its place in the panel
+  constexpr int64_t QV = Fmt<TYPE>::QV, SUB = QV / 32;       // values per x8 unit (256; Q5_0 / Q5_1: 32), sub-blocks
+  constexpr int64_t NWS = TYPE == GGUF_Q6_K ? 2 * SUB : SUB;  // scales per unit (Q6_K: one per 16 values)
+  const int64_t xb = gguf_x8_bytes(TYPE), gbytes = K / QV * xb;
+  for (int64_t u0 = 0; u0 < kc; u0 += QV) {
+    const int64_t s = (k0 + u0) / QV, sl = u0 / QV;  // the unit, and its place in the panel
     for (int gi = 0; gi < NR / 8; ++gi) {
-      uint8_t* codes = P.codes + sl * 8 * 8 * NR * 4 + gi * 32;
-      float* ws = P.ws + (TYPE == GGUF_Q6_K ? 16 : 8) * sl * NR + gi * 8;
-      float* wm = P.wm + 8 * sl * NR + gi * 8;
+      uint8_t* codes = P.codes + sl * SUB * 8 * NR * 4 + gi * 32;
+      float* ws = P.ws + NWS * sl * NR + gi * 8;
+      float* wm = P.wm + SUB * sl * NR + gi * 8;
       if (8 * gi >= nvalid) {  // past the part's last group: zeros
-        for (int jg = 0; jg < 64; ++jg) std::memset(codes + jg * NR * 4, 0, 32);
-        for (int t = 0; t < (TYPE == GGUF_Q6_K ? 16 : 8); ++t) std::memset(ws + t * NR, 0, 32);
-        if (TYPE != GGUF_Q6_K)
-          for (int j = 0; j < 8; ++j) std::memset(wm + j * NR, 0, 32);
+        for (int jg = 0; jg < 8 * SUB; ++jg) std::memset(codes + jg * NR * 4, 0, 32);
+        for (int t = 0; t < NWS; ++t) std::memset(ws + t * NR, 0, 32);
+        if (Fmt<TYPE>::MIN)
+          for (int j = 0; j < SUB; ++j) std::memset(wm + j * NR, 0, 32);
         continue;
       }
       gguf_x8_panel_sb(x8 + (n0 / 8 + gi) * gbytes + s * xb, TYPE, codes, NR * 4, ws, wm, NR);

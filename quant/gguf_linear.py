@@ -247,13 +247,12 @@ def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int
         out.append(GGUFPart(ext.gguf_repack(head, p.type, n8, k), p.type + X8, n8,
                             None if index is None else index[:n8].contiguous()))
     if n8 < p.rows:
-        tail = p.raw[n8:] if n8 else p.raw
-        tail_index = None if index is None or not n8 else index[n8:].contiguous()
+        tail, rows = p.raw[n8:], p.rows - n8
+        tail_index = index if index is None or not n8 else index[n8:].contiguous()
         if p.type in r8_types and k >= 256:
-            out.append(GGUFPart(ext.gguf_repack_r8(tail.contiguous(), p.type, p.rows - n8, k), p.type + R8,
-                                p.rows - n8, index if not n8 else tail_index))
+            out.append(GGUFPart(ext.gguf_repack_r8(tail.contiguous(), p.type, rows, k), p.type + R8, rows, tail_index))
         else:
-            out.append(GGUFPart(tail, p.type, p.rows - n8, index if not n8 else tail_index))
+            out.append(GGUFPart(tail, p.type, rows, tail_index))
     return out
 
 
@@ -266,7 +265,7 @@ def repack_for_cpu(parts: list[GGUFPart], k: int,
     x8_types = set(getattr(ext, "gguf_x8_types", list)()) if ext is not None else set()
     r8_types = set(getattr(ext, "gguf_r8_types", list)()) if ext is not None else set()
     if Q5_LAYOUT != "x8":
-        x8_types -= {6, 7}
+        x8_types -= {gguf_ops.GGUF_NATIVE_TYPES["Q5_0"], gguf_ops.GGUF_NATIVE_TYPES["Q5_1"]}
     if Q5_LAYOUT == "stored":
         r8_types = set()
     out = []
