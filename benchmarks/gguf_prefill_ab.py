@@ -11,6 +11,8 @@ both with the prompt GEMM off.
 B = through kernels/cpu_attention.cpp.
 --compare pointwise: A = RMSNorm and the MLP's gated activation as torch ops (kernels/pointwise.ENABLED = False),
 B = one C++ pass each (kernels/cpu_pointwise.cpp).
+--compare rows: A = every prompt row through the last layer (model.SKIP_UNUSED_ROWS = False), B = the last layer's
+attention output and MLP for the last row only (the others need only their K/V there).
 --compare gemm: A = the prompt GEMM off (gguf_ops.PROMPT_GEMM = False: the row kernel up to GGUF_KERNEL_MAX_ROWS,
 then dequantize + fp32 GEMM, as before the prompt GEMM; matmul.QUANT_PROMPT_GEMM = False: the tensors loaded as our
 int8 / int4 (Q8_0, Q4_0, Q4_1) on the int kernel / GEMM by matmul's table), B = on (gguf_linear_prompt and
@@ -43,7 +45,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--a", default="Q4_K=64,Q5_K=32,Q6_K=32", help="setting A's table, TYPE=ROWS comma list")
-    ap.add_argument("--compare", choices=["table", "gemm", "causal", "pointwise"], default="table")
+    ap.add_argument("--compare", choices=["table", "gemm", "causal", "pointwise", "rows"], default="table")
     ap.add_argument("--isa", choices=["avx2", "scalar"], default=None, help="another kernel build than the best")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -73,15 +75,18 @@ def main() -> None:
     table_b = dict(gguf_ops.GGUF_KERNEL_MAX_ROWS)
     table_a = {k: int(v) for k, v in (kv.split("=") for kv in args.a.split(",") if kv)}
     gemm, causal, fused = args.compare == "gemm", args.compare == "causal", args.compare == "pointwise"
-    if gemm or causal or fused:
+    rows = args.compare == "rows"
+    if gemm or causal or fused or rows:
         table_a = table_b
     prompt_gemm = gguf_ops.PROMPT_GEMM
+    from edgellm import model as model_module
     from edgellm.kernels import attention, pointwise
 
     def setting(name: str) -> None:
         gguf_ops.GGUF_KERNEL_MAX_ROWS.clear()
         gguf_ops.GGUF_KERNEL_MAX_ROWS.update(table_a if name == "A" else table_b)
-        gguf_ops.PROMPT_GEMM = matmul.QUANT_PROMPT_GEMM = (gemm and name == "B") or causal or fused
+        gguf_ops.PROMPT_GEMM = matmul.QUANT_PROMPT_GEMM = (gemm and name == "B") or causal or fused or rows
+        model_module.SKIP_UNUSED_ROWS = not rows or name == "B"
         attention.CPU_CAUSAL_KERNEL = not causal or name == "B"
         pointwise.ENABLED = not fused or name == "B"
 
@@ -100,11 +105,11 @@ def main() -> None:
     gguf_ops.GGUF_KERNEL_MAX_ROWS.clear()
     gguf_ops.GGUF_KERNEL_MAX_ROWS.update(table_b)
     gguf_ops.PROMPT_GEMM = matmul.QUANT_PROMPT_GEMM = prompt_gemm
-    attention.CPU_CAUSAL_KERNEL = pointwise.ENABLED = True
+    attention.CPU_CAUSAL_KERNEL = pointwise.ENABLED = model_module.SKIP_UNUSED_ROWS = True
     res = {k: {"median_s": statistics.median(v), "min_s": min(v), "runs_s": v,
                "cpu_median_s": statistics.median(cpu[k]), "cpu_runs_s": cpu[k]} for k, v in times.items()}
     print(f"A {table_a}{' prompt GEMM off' if gemm else ''}{' causal kernel off' if causal else ''}"
-          f"{' torch pointwise ops' if fused else ''}: "
+          f"{' torch pointwise ops' if fused else ''}{' every row through the last layer' if rows else ''}: "
           f"{res['A']['median_s']:.2f} s   "
           f"B {table_b}{' prompt GEMM on' if gemm else ''}: {res['B']['median_s']:.2f} s   "
           f"B/A = {res['B']['median_s'] / res['A']['median_s']:.2f} (min {res['B']['min_s'] / res['A']['min_s']:.2f}, "
@@ -115,10 +120,10 @@ def main() -> None:
                "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
                "load_average": os.getloadavg(), "model": args.model, "kernel_isa": isa, "tokens": args.tokens,
                "threads": args.threads, "compare": args.compare,
-               "A": {"max_rows": table_a, "prompt_gemm": causal or fused, "causal_kernel": not causal,
-                     "pointwise": not fused, **res["A"]},
-               "B": {"max_rows": table_b, "prompt_gemm": gemm or causal or fused, "causal_kernel": True,
-                     "pointwise": True, **res["B"]}}
+               "A": {"max_rows": table_a, "prompt_gemm": causal or fused or rows, "causal_kernel": not causal,
+                     "pointwise": not fused, "skip_unused_rows": not rows, **res["A"]},
+               "B": {"max_rows": table_b, "prompt_gemm": gemm or causal or fused or rows, "causal_kernel": True,
+                     "pointwise": True, "skip_unused_rows": True, **res["B"]}}
         tmp = Path(args.json).with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
         tmp.replace(args.json)

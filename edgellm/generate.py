@@ -176,7 +176,7 @@ class Engine:
         for i in range(start, len(prompt), PREFILL_CHUNK):
             chunk = prompt[i:i + PREFILL_CHUNK]
             x = torch.tensor([chunk], dtype=torch.long, device=self.device)
-            logits = self.model(x, self.cache, i)
+            logits = self.model(x, self.cache, i, logits=i + PREFILL_CHUNK >= len(prompt))  # only the last chunk's
             self.cached_ids.extend(chunk)
         return logits[0, -1]
 

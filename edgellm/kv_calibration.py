@@ -138,7 +138,8 @@ def kv_calibration(model, float_cache: Callable[[int], Any]) -> KVCalibration | 
     cfg = model.config
     probe = _Recorder(float_cache(len(ids)), cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads)
     with torch.no_grad():
-        model(torch.tensor([ids], dtype=torch.long, device=model.device), probe, 0)
+        # every row through every layer (the last layer's queries too), no logits
+        model(torch.tensor([ids], dtype=torch.long, device=model.device), probe, 0, all_logits=True, logits=False)
     centers, scales = [], []
     for i in range(cfg.n_layers):
         k, v = probe.kv[i]  # [Hkv, T, D]

@@ -20,6 +20,11 @@ from .config import ModelConfig, rope_inv_freq
 from .errors import ContextOverflowError
 from .kernels import pointwise
 
+# A forward that returns only the last position's logits (a prompt) runs the last layer's attention output,
+# MLP and residual for that position alone: the other positions need only their K/V there. False: every row
+# through every layer (benchmarks' A/B switch).
+SKIP_UNUSED_ROWS = True
+
 
 class Linear(nn.Linear):
     """nn.Linear, except that on the meta device (the loader's skeleton, whose every weight it assigns) the random
@@ -76,7 +81,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, cache, start_pos: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache, start_pos: int, keep: int | None = None) -> torch.Tensor | None:
+        """x [1, T, dim] → the attention output [1, T, dim]; K/V of the T rows written into `cache`. keep: only the
+        last `keep` rows' output (0: none, None: all)."""
         T = x.shape[1]
         qkv = self.wqkv(x)
         qk = qkv[0, :, :self.q_size + self.kv_size].view(T, self.n_heads + self.n_kv_heads, self.head_dim)
@@ -88,6 +95,10 @@ class Attention(nn.Module):
         k = qk[:, self.n_heads:].transpose(0, 1)  # [Hkv, T, D]
         v = qkv[0, :, self.q_size + self.kv_size:].view(T, self.n_kv_heads, self.head_dim).transpose(0, 1)
         cache.write(self.layer_id, k, v, start_pos)
+        if keep == 0:
+            return None
+        if keep is not None and keep < T:  # the last rows' queries, at their positions, against the whole cache
+            q, start_pos, T = q[:, :, T - keep:], start_pos + T - keep, keep
         if self.window or self.softcap:
             out = cache.attend(self.layer_id, q, start_pos, self.scale, window=self.window, softcap=self.softcap)
         else:
@@ -123,12 +134,16 @@ class Block(nn.Module):
             self.post_attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.post_ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
 
-    def forward(self, x, cos, sin, cache, start_pos: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, cache, start_pos: int, keep: int | None = None) -> torch.Tensor | None:
+        """x [1, T, dim] → [1, T, dim]; keep: only the last `keep` rows (0: K/V written, nothing returned)."""
         if self.attention.local_rope:
             cos, sin = cos[1], sin[1]
         elif isinstance(cos, tuple):
             cos, sin = cos[0], sin[0]
-        a = self.attention(self.attention_norm(x), cos, sin, cache, start_pos)
+        a = self.attention(self.attention_norm(x), cos, sin, cache, start_pos, keep)
+        if a is None:
+            return None
+        x = x[:, x.shape[1] - a.shape[1]:]
         if hasattr(self, "post_attention_norm"):
             h = x + self.post_attention_norm(a)
             return h + self.post_ffn_norm(self.feed_forward(self.ffn_norm(h)))
@@ -171,9 +186,12 @@ class Transformer(nn.Module):
         self.rope_len = max_seq_len
 
     def forward(self, tokens: torch.Tensor, cache, start_pos: int | DevicePosition,
-                all_logits: bool = False) -> torch.Tensor:
+                all_logits: bool = False, logits: bool = True) -> torch.Tensor | None:
         """tokens [1, T] → logits [1, T or 1, vocab] (fp32). Writes K/V of the T tokens into `cache`
-        at positions [start_pos, start_pos+T) and sets cache.length to start_pos+T.
+        at positions [start_pos, start_pos+T) and sets cache.length to start_pos+T. all_logits=False: only
+        the last position's logits, and the last layer computes only that row past its K/V (SKIP_UNUSED_ROWS);
+        logits=False: none (returns None; a prompt chunk before the last, or all rows for a caller that
+        records the attention inputs, with all_logits=True).
 
         A `DevicePosition` start (one token, the position held on the device) is what a CUDA graph
         captures: nothing here reads it on the host, and the caller (decode_step.py) keeps
@@ -197,17 +215,20 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(tokens)
         if self.config.embed_scale != 1.0:  # Gemma: sqrt(dim), rounded to the compute dtype as transformers does
             h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin, cache, start_pos)
+        keep = None if all_logits or not SKIP_UNUSED_ROWS or end is None else int(logits)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, cache, start_pos, keep if i == len(self.layers) - 1 else None)
         if end is not None:
             cache.length = end
+        if not logits:
+            return None
         if not all_logits:
             h = h[:, -1:]
-        logits = self.output(self.norm(h)).float()
+        out = self.output(self.norm(h)).float()
         if self.config.final_softcap:  # Gemma 2
             cap = self.config.final_softcap
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+            out = torch.tanh(out / cap) * cap
+        return out
 
 
 def rope_tables(cfg: ModelConfig, max_seq_len: int, local: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -177,7 +177,7 @@ class DraftModelProposer(Proposer):
         for i in range(n, len(context), DRAFT_PREFILL_CHUNK):
             chunk = context[i:i + DRAFT_PREFILL_CHUNK]
             x = torch.tensor([chunk], dtype=torch.long, device=self.model.device)
-            logits = self.model(x, self.cache, i)
+            logits = self.model(x, self.cache, i, logits=i + DRAFT_PREFILL_CHUNK >= len(context))
             self.ids.extend(chunk)
         self._trusted = len(context)
         return logits[0, -1]

@@ -44,6 +44,20 @@ def test_prefill_and_decode_match_transformers(tiny_models, variant, source):
     cache.truncate(7)
     chunk = model(torch.tensor([TOKENS[7:11]]), cache, 7, all_logits=True)[0]
     torch.testing.assert_close(chunk, ref[7:11], atol=1e-4, rtol=1e-4)
+    # a prompt in chunks as Engine.prefill runs it: the first without logits (its last layer writes K/V only), the
+    # second with the last position's (its last layer's attention output and MLP for that row alone), then decode
+    cache = KVCache(model.config, 64, torch.float32, "cpu")
+    mlp_rows = []
+    hook = model.layers[-1].feed_forward.register_forward_hook(lambda mod, args, out: mlp_rows.append(args[0].shape[1]))
+    try:
+        assert model(torch.tensor([TOKENS[:4]]), cache, 0, logits=False) is None
+        last = model(torch.tensor([TOKENS[4:9]]), cache, 4)
+    finally:
+        hook.remove()
+    assert mlp_rows == [1] and last.shape[1] == 1 and cache.length == 9
+    torch.testing.assert_close(last[0, -1], ref[8], atol=1e-4, rtol=1e-4)
+    step = model(torch.tensor([[TOKENS[9]]]), cache, 9)
+    torch.testing.assert_close(step[0, -1], ref[9], atol=1e-4, rtol=1e-4)
 
 
 def test_config_flags(tiny_models):

@@ -439,9 +439,9 @@ class _PaddedVocab(torch.nn.Module):
         self.config = dataclasses.replace(model.config, vocab_size=model.config.vocab_size + pad)
         self.rope_len, self.dtype, self.device = model.rope_len, model.dtype, model.device
 
-    def forward(self, tokens, cache, start_pos, all_logits=False):
-        logits = self.inner(tokens, cache, start_pos, all_logits)
-        return torch.cat([logits, torch.full((*logits.shape[:-1], self.pad), 1e4)], -1)
+    def forward(self, tokens, cache, start_pos, all_logits=False, logits=True):
+        logits = self.inner(tokens, cache, start_pos, all_logits, logits)
+        return None if logits is None else torch.cat([logits, torch.full((*logits.shape[:-1], self.pad), 1e4)], -1)
 
 
 def test_padded_draft_vocab_uses_common_prefix(target, other):
