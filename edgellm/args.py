@@ -57,6 +57,8 @@ def add_kernel_options(g) -> None:
 def kv_format_arg(value: str) -> str:
     from .cache import parse_kv_format
 
+    if value == "auto":
+        return value
     try:
         parse_kv_format(value)
     except ValueError as e:
@@ -71,8 +73,9 @@ def add_format_options(p: argparse.ArgumentParser, draft: bool = False) -> None:
                         "them in place, a float model stays float; fp = the compute dtype; int8 | int4 = quantize "
                         "at load (default auto)")
     g.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4/int8 group size")
-    g.add_argument("--kv", default="fp", type=kv_format_arg,
-                   help="KV-cache storage: fp | int8 | int4, optionally :GROUP (int8:32, int4:64) (default: fp)")
+    g.add_argument("--kv", default="auto", type=kv_format_arg,
+                   help="KV-cache storage: auto (f16 on the CPU, else fp) | fp (the compute dtype) | f16 | int8 | int4, "
+                        "optionally :GROUP (int8:32, int4:64) (default: auto)")
     add_activations_option(g)
     if draft:
         g.add_argument("--draft", default="none",
@@ -174,7 +177,7 @@ def load_from_options(options: Options, on_tensor: Callable[[str], None] | None 
                       embeddings=lo.embeddings, search=lo.search, calibration=lo.calibration, options=options)
 
 
-def engine_from_options(options: Options, loaded, kv: str = "fp", draft: str | None = None,
+def engine_from_options(options: Options, loaded, kv: str = "auto", draft: str | None = None,
                         draft_tokens: int | None = None):
     """The Engine for a loaded model: KV format, draft proposer (--draft), the decode options."""
     from .cache import KVCache
@@ -199,7 +202,7 @@ def load_from_args(args: argparse.Namespace, on_tensor=None):
 def engine_from_args(args: argparse.Namespace, loaded):
     """The Engine the options describe: KV format (--kv), draft proposer (--draft, --draft-tokens)."""
     ns = vars(args)
-    return engine_from_options(options_from_args(args), loaded, kv=ns.get("kv", "fp"), draft=ns.get("draft"),
+    return engine_from_options(options_from_args(args), loaded, kv=ns.get("kv", "auto"), draft=ns.get("draft"),
                                draft_tokens=ns.get("draft_tokens"))
 
 

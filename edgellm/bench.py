@@ -39,7 +39,7 @@ from .device import reset_process_peak_rss
 from .options import Options
 
 WEIGHT_FORMATS = ("auto", "fp", "int8", "int4")
-KV_FORMATS = ("fp", "int8", "int4")
+KV_FORMATS = ("auto", "fp", "f16", "int8", "int4")
 DRAFT_KINDS = ("none", "self", "lookup")  # plus self:<spec> and a draft model path
 AGAINST = ("llama.cpp",)
 DEFAULT_PROMPT_FILE = Path("/usr/share/common-licenses/GPL-3")
@@ -150,12 +150,10 @@ def missing_feature(kind: str, value: str, loaded=None) -> str | None:
             return f"--weights {value} not available yet (edgellm.quant.convert: {_first_line(e)})"
         if not all(hasattr(mod, a) for a in ("QuantSettings", "install_quantized")):
             return f"--weights {value} not available yet (edgellm.quant.convert lacks QuantSettings/install_quantized)"
-    if kind == "kv" and value != "fp":
+    if kind == "kv" and value not in ("auto", "fp"):
         # engine_from_args builds KVCache(..., kv_format=value); it refuses formats it cannot store
         from .cache import KVCache
 
-        if "kv_format" not in inspect.signature(KVCache).parameters:
-            return f"--kv {value} not available yet (KVCache has no kv_format)"
         if loaded is not None:
             try:
                 KVCache(loaded.config, 1, loaded.model.dtype, "meta", kv_format=value)
@@ -757,7 +755,8 @@ def bench_engine(run: BenchRun, options: Options, formats: tuple[str, str, str],
     rows = []
     for c in plan.contexts:
         pp_name, tg_name = row_labels(plan, c)
-        row = {**info, "weights": weights, "kv": kv, "draft": draft, "context": c, "prompt_tokens": c,
+        shown = f"auto={engine.cache.kv_format}" if kv == "auto" and engine is not None else kv
+        row = {**info, "weights": weights, "kv": shown, "draft": draft, "context": c, "prompt_tokens": c,
                "gen_tokens": plan.gen_tokens, "repetitions": plan.reps, "test_pp": pp_name, "test_tg": tg_name,
                "error": error, "stats": None, "runs": None, "llama_cpp": None, "vs_llama_cpp": None}
         rows.append(row)
@@ -887,7 +886,8 @@ def add_parser(sub) -> None:
     g.add_argument("--ctx", default=None, help="comma list of prompt lengths to decode after, e.g. 256,2048,6144")
     g.add_argument("--weights", default="auto", help="comma list of auto,fp,int8,int4 (default auto: as stored)")
     g.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128), help="int4/int8 group size")
-    g.add_argument("--kv", default="fp", help="comma list of fp,int8,int4 (default fp)")
+    g.add_argument("--kv", default="auto", help="comma list of auto,fp,f16,int8,int4 (default auto: f16 on the CPU, "
+                                                "else fp)")
     g.add_argument("--activations", default=None, choices=("int8", "int8x2", "fp32"),
                    help="CPU int8/int4 matmuls' activations (default int8; see edgellm run --help)")
     g.add_argument("--draft", default="none", help="comma list of none,self,lookup (default none)")

@@ -1,6 +1,7 @@
 """The KV cache: static, preallocated at creation, one per model; one class per storage format behind one
-interface (KVCache): FloatKVCache ("fp", the model's dtype), Int8KVCache ("int8", "int8:G") and Int4KVCache
-("int4", "int4:G"). `KVCache(cfg, max_seq_len, dtype, device, kv_format)` is the one way to make one: it
+interface (KVCache): FloatKVCache ("fp", the model's dtype), Float16KVCache ("f16": float16 whatever the compute
+dtype, llama.cpp's default cache; on the CPU half the bytes of fp32), Int8KVCache ("int8", "int8:G") and
+Int4KVCache ("int4", "int4:G"). `KVCache(cfg, max_seq_len, dtype, device, kv_format)` is the one way to make one: it
 returns the class of that format. Every cache has `write` (the model's new K/V), `attend` (its queries
 against the cache), `truncate` / `reset`, `bytes_per_token` / `nbytes`, `prepare(model)` (a quantized
 cache's calibration) and `decode_spec()`, what the fused C++ decode step reads (kernels/cpu_decode.py).
@@ -35,7 +36,7 @@ from .kernels.attention import attention, cpu_flash_prefill, masked_attention, w
 from .kernels.kv_store import FloatKV, Int4KV, Int8KV, KVStore, groups
 from .kv_calibration import KVCalibration, kv_calibration
 
-KV_FORMATS = ("fp", "int8", "int4")
+KV_FORMATS = ("fp", "f16", "int8", "int4")
 # Scales and mins in fp16: a quarter of an int4 token's bytes at head dim 64 instead of half of them.
 SCALE_DTYPE = torch.float16
 # int4 groups: values 32, keys 16 (the keys' error decides the int4 cache's quality: on SmolLM2-135M over
@@ -47,11 +48,20 @@ INT4_K_GROUP = 16
 KV_SINK_TOKENS = 4
 
 
+def resolve_kv_format(kv_format: str, dtype: torch.dtype, device: torch.device | str) -> str:
+    """The format "auto" stands for (Engine's and the command line's default): f16 for a model computing in fp32 on the CPU (half the memory and
+    of a decode step's attention reads; KL to the fp32 cache ~1e-6 on SmolLM2-135M over GPL-3, 1/100 of int8's),
+    else "fp", the compute dtype (already 16-bit on CUDA and MPS). Other formats pass through."""
+    if kv_format == "auto":
+        return "f16" if torch.device(device).type == "cpu" and dtype == torch.float32 else "fp"
+    return kv_format
+
+
 def parse_kv_format(kv_format: str) -> tuple[str, int | None]:
     """'fp' | 'int8' | 'int8:32' | 'int4' | 'int4:64' → (kind, group or None for the default)."""
     kind, sep, group = kv_format.partition(":")
-    if kind not in KV_FORMATS or (sep and (kind == "fp" or not group.isdigit())):
-        raise ValueError(f"unknown KV-cache format {kv_format!r} (choose from fp, int8, int8:G, int4, int4:G)")
+    if kind not in KV_FORMATS or (sep and (kind in ("fp", "f16") or not group.isdigit())):
+        raise ValueError(f"unknown KV-cache format {kv_format!r} (choose from fp, f16, int8, int8:G, int4, int4:G)")
     return kind, int(group) if group else None
 
 
@@ -104,11 +114,12 @@ def _opaque_triton_attention():
 
 class KVCache:
     """The interface every format implements, and the construction entry point: `KVCache(cfg, max_seq_len,
-    dtype, device, kv_format)` returns a FloatKVCache, Int8KVCache or Int4KVCache (pathlib.Path's way), so
-    callers name a format string, never a class. Keeps what all formats share: the per-layer storages
+    dtype, device, kv_format)` returns a FloatKVCache, Float16KVCache, Int8KVCache or Int4KVCache (pathlib.Path's
+    way), so callers name a format string, never a class; without one, "fp" (Engine and the command line say
+    "auto": resolve_kv_format). Keeps what all formats share: the per-layer storages
     (kernels/kv_store.py), `length` and the bookkeeping around it."""
 
-    kind = ""  # the format's name in kv_format strings: "fp" | "int8" | "int4"
+    kind = ""  # the format's name in kv_format strings: "fp" | "f16" | "int8" | "int4"
     rotation: torch.Tensor | None = None  # [D, D] of a quantized cache (see the module docstring)
     centers: torch.Tensor | None = None  # [n_layers, 2, Hkv, 1, D] fp32, calibrated (the fused C++ step reads it)
     key_scales: torch.Tensor | None = None  # [n_layers, Hkv, 1, D] fp32, calibrated (the fused C++ step reads it)
@@ -116,13 +127,17 @@ class KVCache:
 
     def __new__(cls, *args, **kwargs):
         if cls is KVCache:  # the format's class; Python then runs its __init__ with the same arguments
-            kv_format = kwargs.get("kv_format", args[4] if len(args) > 4 else "fp")
-            cls = _CLASSES[parse_kv_format(kv_format)[0]]
+            def arg(i: int, name: str):
+                return kwargs.get(name, args[i] if len(args) > i else None)
+
+            kv_format = arg(4, "kv_format") or "fp"
+            cls = _CLASSES[parse_kv_format(resolve_kv_format(kv_format, arg(2, "dtype"), arg(3, "device")))[0]]
         return super().__new__(cls)
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device | str,
                  kv_format: str | None = None):
-        kv_format = kv_format or self.kind
+        # None: the class's own format (through KVCache(...): fp; "auto": the class __new__ chose)
+        kv_format = self.kind if kv_format is None else resolve_kv_format(kv_format, dtype, device)
         kind, group = parse_kv_format(kv_format)
         if kind != self.kind:
             raise ValueError(f"{type(self).__name__} stores the {self.kind!r} KV format, not {kv_format!r}")
@@ -217,7 +232,10 @@ class FloatKVCache(KVCache):
 
     def attend(self, layer: int, q: torch.Tensor, start: int | DevicePosition, scale: float, window: int = 0,
                softcap: float = 0.0) -> torch.Tensor:
-        store = self.layers[layer]
+        return self._attend_store(self.layers[layer], q, start, scale, window, softcap)
+
+    def _attend_store(self, store: FloatKV, q: torch.Tensor, start: int | DevicePosition, scale: float, window: int,
+                      softcap: float) -> torch.Tensor:
         if not (window or softcap or isinstance(start, DevicePosition)):
             T = q.shape[2]
             if (T > 1 or q.is_cuda) and not cpu_flash_prefill(q, store):
@@ -236,6 +254,41 @@ class FloatKVCache(KVCache):
                                                       enable_gqa=self.group > 1)
         # decode, windows, soft caps and CUDA graphs: over the storage in place
         return self._read(store, q, start, scale, window, softcap)
+
+
+class Float16KVCache(FloatKVCache):
+    """K and V stored as float16 whatever the compute dtype (llama.cpp's default cache type): on the CPU, where the
+    model computes in fp32, half the fp32 cache's memory and of the bytes a decode step's attention reads. Written
+    rounded to nearest even; read converted back to the compute dtype (exact), a tile at a time: the fused C++ step
+    converts 32 rows at a time, a prompt chunk's attention the cache's prefix once per layer."""
+
+    kind = "f16"
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device | str,
+                 kv_format: str | None = None):
+        if torch.device(device).type not in ("cpu", "meta") and dtype != torch.float16:
+            raise ValueError(f"the f16 KV cache is for CPU models and float16 ones; this model computes in {dtype} on "
+                             f"{torch.device(device).type}: use --kv fp (the model's dtype), int8 or int4")
+        super().__init__(cfg, max_seq_len, dtype, device, kv_format)
+
+    def _new_store(self, cfg, max_seq_len, dtype, device, group) -> FloatKV:
+        return FloatKV.empty(cfg.n_kv_heads, max_seq_len, cfg.head_dim, dtype=torch.float16, device=device)
+
+    def decode_spec(self) -> list[tuple] | None:
+        """(K, V) fp16 tensors per layer."""
+        if any(t.device.type != "cpu" or not t.is_contiguous() for store in self.layers for t in store):
+            return None
+        return [(store.k, store.v) for store in self.layers]
+
+    def attend(self, layer: int, q: torch.Tensor, start: int | DevicePosition, scale: float, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
+        store = self.layers[layer]
+        if q.dtype == store.k.dtype or q.shape[2] == 1:  # a float16 model's own cache, or one row (CPU: a converted
+            return super().attend(layer, q, start, scale, window, softcap)  # tile at a time)
+        # a prompt chunk: the prefix and the chunk's own rows once in the compute dtype, then the float cache's paths
+        end = start + q.shape[2]
+        prefix = FloatKV(store.k[:, :end].to(q.dtype), store.v[:, :end].to(q.dtype))
+        return self._attend_store(prefix, q, start, scale, window, softcap)
 
 
 class _QuantizedKVCache(KVCache):
@@ -346,4 +399,4 @@ class Int4KVCache(_QuantizedKVCache):
         return store.k_scale, store.k_min, store.v_scale, store.v_min
 
 
-_CLASSES: dict[str, type[KVCache]] = {c.kind: c for c in (FloatKVCache, Int8KVCache, Int4KVCache)}
+_CLASSES: dict[str, type[KVCache]] = {c.kind: c for c in (FloatKVCache, Float16KVCache, Int8KVCache, Int4KVCache)}

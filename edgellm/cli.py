@@ -118,11 +118,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     cfg = loaded.config
     model = loaded.model
     weight_bytes = sum(t.nbytes for t in {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values())
-    from .cache import KVCache
+    from .cache import KV_FORMATS, KVCache, resolve_kv_format
 
-    kv_per_token = KVCache(cfg, 1, model.dtype, "meta", kv_format=args.kv).bytes_per_token
+    kv = resolve_kv_format(args.kv, model.dtype, model.device)
+    kv_per_token = KVCache(cfg, 1, model.dtype, "meta", kv_format=kv).bytes_per_token
     decode_path = probe_decode_path(loaded, options, args.kv)
-    kv_all = {f: KVCache(cfg, 1, model.dtype, "meta", kv_format=f).bytes_per_token for f in ("fp", "int8", "int4")}
+    kv_all = {f: KVCache(cfg, 1, model.dtype, "meta", kv_format=f).bytes_per_token for f in KV_FORMATS}
     ctx = model.rope_len
     rows = [
         ("model", str(loaded.path)), ("format", loaded.source_format), ("architecture", cfg.arch),
@@ -136,7 +137,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("weights run as", f"{loaded.runs_as_text()} (--weights {args.weights})"),
         ("file size", _mib(loaded.file_bytes)),
         ("weights in memory", f"{_mib(weight_bytes)} ({model.dtype})".replace("torch.", "")),
-        ("KV cache", f"{kv_per_token / 1024:.1f} KiB/token, {_mib(kv_per_token * ctx)} at {ctx} tokens"),
+        ("KV cache", f"{kv}, {kv_per_token / 1024:.1f} KiB/token, {_mib(kv_per_token * ctx)} at {ctx} tokens"),
         ("KV cache by format", ", ".join(f"{f} {_mib(b * ctx)}" for f, b in kv_all.items()) + f" at {ctx} tokens"),
         ("memory needed", _mib(weight_bytes + kv_per_token * ctx)),
         ("chat template", "yes" if loaded.tokenizer.chat_template else "no"),

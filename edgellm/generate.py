@@ -127,7 +127,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.max_seq_len = max_seq_len or model.rope_len
-        self.cache = cache or KVCache(model.config, self.max_seq_len, model.dtype, model.device)
+        self.cache = cache or KVCache(model.config, self.max_seq_len, model.dtype, model.device, kv_format="auto")
         self.cache.prepare(model)  # a quantized cache's K/V centres now, not inside the first answer's TTFT
         self.cached_ids: list[int] = []  # the tokens whose K/V the cache holds, in order
         self.device = model.device

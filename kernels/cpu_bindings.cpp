@@ -474,10 +474,19 @@ struct DecodePlan {
     return L;
   }
 
-  // One layer's K or V: an fp32 tensor [Hkv, S, D], or (kind 8 | 4, group, codes, fp16 scales, fp16 mins or None).
+  // One layer's K or V: an fp32 or fp16 tensor [Hkv, S, D], or (kind 8 | 4, group, codes, fp16 scales, fp16 mins or
+  // None).
   edgellm::DecodeKV kv(const py::handle& o, const char* what) {
     const int64_t Hkv = m.n_kv_heads, S = m.max_seq_len, D = m.head_dim;
     edgellm::DecodeKV c;
+    if (!py::isinstance<py::tuple>(o) && !o.is_none() && py::cast<at::Tensor>(o).scalar_type() == at::kHalf) {
+      const at::Tensor& t = hold(py::cast<at::Tensor>(o), at::kHalf, what);
+      TORCH_CHECK(t.numel() == Hkv * S * D, "edgellm decode plan: ", what, ": fp16 cache ", t.sizes());
+      c.kind = edgellm::DecodeKV::F16;
+      c.G = D;
+      c.h = reinterpret_cast<uint16_t*>(t.data_ptr());
+      return c;
+    }
     if (!py::isinstance<py::tuple>(o)) {
       c.f = const_cast<float*>(f32(o, Hkv * S * D, what));
       TORCH_CHECK(c.f, "edgellm decode plan: ", what, ": no tensor");
@@ -595,9 +604,10 @@ struct DecodePlan {
     TORCH_CHECK(M.kv_center == nullptr || M.kv_rot != nullptr, "edgellm decode plan: KV centres without a quantized cache");
     M.kv_key_scale = f32(kv_key_scale, (int64_t)M.layers.size() * M.n_kv_heads * D, "kv key scales");
     TORCH_CHECK(M.kv_key_scale == nullptr || M.kv_center != nullptr, "edgellm decode plan: key scales without KV centres");
-    const bool quantized = !M.layers.empty() && M.layers[0].k.kind != edgellm::DecodeKV::F32;
+    const int kind = M.layers.empty() ? edgellm::DecodeKV::F32 : M.layers[0].k.kind;
+    const bool quantized = kind == edgellm::DecodeKV::INT8 || kind == edgellm::DecodeKV::INT4;
     for (const auto& L : M.layers)
-      TORCH_CHECK((L.k.kind != edgellm::DecodeKV::F32) == quantized, "edgellm decode plan: mixed KV kinds");
+      TORCH_CHECK(L.k.kind == kind && L.v.kind == kind, "edgellm decode plan: mixed KV kinds");
     TORCH_CHECK(quantized == (M.kv_rot != nullptr), "edgellm decode plan: a quantized cache needs its rotation");
     edgellm::decode_prepare(M);
   }

@@ -477,6 +477,10 @@ void kv_write(const DecodeKV& c, int64_t j, int64_t p, int64_t S, int64_t D, con
     std::memcpy(c.f + row * D, x, sizeof(float) * D);
     return;
   }
+  if (c.kind == DecodeKV::F16) {  // round to nearest even, as torch's copy into the fp16 cache
+    for (int64_t i = 0; i < D; ++i) c.h[row * D + i] = float_to_half(x[i]);
+    return;
+  }
   if (p < c.n_sink) std::memcpy(c.sink + (j * (c.n_sink + 1) + p) * D, x, sizeof(float) * D);
   const int64_t ng = D / c.G;
   uint16_t* sc = c.scales + row * ng;
@@ -511,8 +515,13 @@ void kv_write(const DecodeKV& c, int64_t j, int64_t p, int64_t S, int64_t D, con
   for (int64_t i = 0; i < D / 2; ++i) out[i] = (uint8_t)(codes[i] | (codes[i + D / 2] << 4));
 }
 
-// Row (head j, position p) of a quantized cache in fp32: code * scale (+ min), or the exact sink row.
+// Row (head j, position p) of an fp16 or quantized cache in fp32: the half value, code * scale (+ min), or the
+// exact sink row.
 void kv_row(const DecodeKV& c, int64_t j, int64_t p, int64_t S, int64_t D, float* out) {
+  if (c.kind == DecodeKV::F16) {
+    for (int64_t i = 0; i < D; ++i) out[i] = half_to_float(c.h[(j * S + p) * D + i]);
+    return;
+  }
   if (p < c.n_sink) {  // an attention sink, kept exactly
     std::memcpy(out, c.sink + (j * (c.n_sink + 1) + p) * D, sizeof(float) * D);
     return;
@@ -564,10 +573,16 @@ inline float hmax(__m256 v) {
   return _mm_cvtss_f32(t);
 }
 
-// Rows [p0, p0 + np) of head j of a quantized cache into out [np, D] fp32 (code * scale (+ min), FMA),
-// D % 16 == 0, D <= 256 and G % 8 == 0: 8 lanes never straddle a group. (The group of each 8 lanes is
-// looked up, not divided for: an idiv per vector was half of this function's time.)
+// Rows [p0, p0 + np) of head j of an fp16 or quantized cache into out [np, D] fp32 (fp16: F16C's convert;
+// code * scale (+ min), FMA), D % 16 == 0, D <= 256 and G % 8 == 0: 8 lanes never straddle a group. (The group
+// of each 8 lanes is looked up, not divided for: an idiv per vector was half of this function's time.)
 void kv_rows_avx2(const DecodeKV& c, int64_t j, int64_t p0, int64_t np, int64_t S, int64_t D, float* out) {
+  if (c.kind == DecodeKV::F16) {
+    const uint16_t* src = c.h + (j * S + p0) * D;
+    for (int64_t i = 0; i < np * D; i += 8)
+      _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+    return;
+  }
   const int64_t ng = D / c.G, half = D / 2;
   int gl[16], gh[16];  // group of elements d.. and d + D/2.. for the 8-byte step d = 8 i
   for (int64_t i = 0; i < half / 8; ++i) {
@@ -711,7 +726,8 @@ void attention_tile(const DecodeModel& m, const float* q, int64_t j, int64_t a, 
 // Whether quantized_key_scores() takes this key cache: int8 or int4, 64 or 128 dims (one or two 64-code vectors
 // a row), groups of 16 elements or more (each 16-element chunk within one group), at most 16 query heads per KV head.
 bool vnni_keys(const DecodeKV& kc, int64_t D, int64_t g) {
-  return kc.kind != DecodeKV::F32 && (D == 64 || D == 128) && kc.G % 16 == 0 && kc.G <= D && g <= 16;
+  return (kc.kind == DecodeKV::INT8 || kc.kind == DecodeKV::INT4) && (D == 64 || D == 128) && kc.G % 16 == 0 &&
+         kc.G <= D && g <= 16;
 }
 
 // The first two levels of a 16 x 16 transpose-and-add: from 16 vectors (one per key), 4 vectors u[i] whose
@@ -883,7 +899,8 @@ void quantized_key_scores(const DecodeModel& m, const float* q, const DecodeKV& 
 
 // Whether register_tile_values() takes this value cache: int8 or int4, 64 or 128 dims, groups of 16 or more.
 bool vnni_values(const DecodeKV& vc, int64_t D) {
-  return vc.kind != DecodeKV::F32 && (D == 64 || D == 128) && vc.G % 16 == 0 && vc.G <= D;
+  return (vc.kind == DecodeKV::INT8 || vc.kind == DecodeKV::INT4) && (D == 64 || D == 128) && vc.G % 16 == 0 &&
+         vc.G <= D;
 }
 
 // Row `row` of an int8 / int4 cache, dims h0 .. h0 + 63, dequantized into 4 registers (int8: c * s, int4:
@@ -1183,6 +1200,11 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
       float* o = att + t * qsz;
       if (fp) {
         attention_rows(m, qkv + t * qkvw, qkvw, L.k.f, L.v.f, pos + t, 1, o, qsz, L.window);
+        continue;
+      }
+      if (L.k.kind == DecodeKV::F16) {  // tiles converted to fp32 32 rows at a time (attention_quantized's readers)
+        const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos + t + 1 - L.window) : 0;
+        attention_quantized(m, qkv + t * qkvw, L.k, L.v, lo, pos + t + 1, o, work);
         continue;
       }
       float* qr = m.qrot.data();  // q (/ key scales) @ R per head, attention, then the output rotated back (R^T)

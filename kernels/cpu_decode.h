@@ -27,14 +27,16 @@ struct DecodeLinear {
   const float* bias = nullptr;      // [N] or null
 };
 
-// K or V of one layer's cache: fp32 [Hkv, S, D], or edgellm.cache's int8 / int4 groups of the head dim
-// (int8: codes [Hkv, S, D], symmetric; int4: split-halves nibbles [Hkv, S, D/2], scale + min), fp16 scales
-// [Hkv, S, D/G]. Quantized rows hold K/V rotated by DecodeModel::kv_rot.
+// K or V of one layer's cache: fp32 [Hkv, S, D], fp16 [Hkv, S, D] (the "f16" cache, as computed: no rotation),
+// or edgellm.cache's int8 / int4 groups of the head dim (int8: codes [Hkv, S, D], symmetric; int4: split-halves
+// nibbles [Hkv, S, D/2], scale + min), fp16 scales [Hkv, S, D/G]. Quantized rows hold K/V rotated by
+// DecodeModel::kv_rot.
 struct DecodeKV {
-  enum Kind { F32 = 0, INT4 = 4, INT8 = 8 };
+  enum Kind { F32 = 0, INT4 = 4, INT8 = 8, F16 = 16 };
   int kind = F32;
-  int64_t G = 0;
+  int64_t G = 0;  // (F16: D, so that the tiled readers take it as one group)
   float* f = nullptr;
+  uint16_t* h = nullptr;  // F16's rows
   uint8_t* codes = nullptr;
   uint16_t* scales = nullptr;
   uint16_t* mins = nullptr;

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import edgellm
-from edgellm.cache import FloatKVCache, Int4KVCache, Int8KVCache, KVCache
+from edgellm.cache import Float16KVCache, FloatKVCache, Int4KVCache, Int8KVCache, KVCache
 from edgellm.config import ModelConfig
 from edgellm.kernels.attention import reference_attention
 from edgellm.kernels.kv_store import Int8KV
@@ -17,7 +17,7 @@ from edgellm.kv_calibration import KVCalibration
 
 CFG = ModelConfig(arch="llama", vocab_size=64, dim=128, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=64,
                   head_dim=64)
-CLASSES = {"fp": FloatKVCache, "int8": Int8KVCache, "int8:32": Int8KVCache, "int4": Int4KVCache,
+CLASSES = {"fp": FloatKVCache, "f16": Float16KVCache, "int8": Int8KVCache, "int8:32": Int8KVCache, "int4": Int4KVCache,
            "int4:64": Int4KVCache}
 
 
@@ -35,6 +35,8 @@ def test_the_entry_point_makes_the_class_of_the_format():
         Int4KVCache(CFG, 8, torch.float32, "meta", kv_format="int8")
     with pytest.raises(ValueError, match="int4:48"):
         KVCache(CFG, 8, torch.float32, "meta", kv_format="int4:48")  # 48 does not divide the head dim
+    with pytest.raises(ValueError, match="f16:32"):
+        KVCache(CFG, 8, torch.float32, "meta", kv_format="f16:32")  # a float cache has no groups
 
 
 def test_truncate_and_reset():
@@ -89,6 +91,40 @@ def test_write_then_attend_is_attention_over_what_was_written(fmt, tol, calibrat
     assert err < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_f16_cache_is_attention_over_the_rounded_values(dtype):
+    """The f16 cache stores K/V rounded to float16 (nearest even) and attends over them in the compute dtype: the
+    same checks as above against float64 attention over K/V rounded to float16 first, to the compute dtype's own
+    rounding; and against the unrounded K/V only to float16's (so the rounding really happens)."""
+    g = torch.Generator().manual_seed(1)
+    cache = KVCache(CFG, 48, dtype, "cpu", kv_format="f16")
+    assert all(t.dtype == torch.float16 for store in cache.layers for t in store)
+    Hq, Hkv, D, T = CFG.n_heads, CFG.n_kv_heads, CFG.head_dim, 40
+    k = (torch.randn(Hkv, T, D, generator=g) * 4).to(dtype)
+    v = torch.randn(Hkv, T, D, generator=g).to(dtype)
+    q = torch.randn(1, Hq, T, D, generator=g).to(dtype)
+    kr, vr = k.half().double(), v.half().double()
+    cache.write(0, k[:, :30], v[:, :30], 0)
+    cache.write(0, k[:, 30:], v[:, 30:], 30)
+    cache.length = T
+    tol = 1e-5 if dtype == torch.float32 else 1e-6  # (float64: one decode row's tiles are read in fp32 on the CPU)
+    for start, n, window in ((0, 30, 0), (30, 9, 0), (39, 1, 0), (30, 9, 8), (39, 1, 8)):
+        out = cache.attend(0, q[:, :, start:start + n], start, 0.125, window=window)
+        assert out.dtype == dtype
+        if window:  # row by row: each sees its own last `window` positions
+            want = torch.cat([reference_attention(q[:, :, t:t + 1].double(), kr[:, t + 1 - window:t + 1],
+                                                  vr[:, t + 1 - window:t + 1], window, window - 1, 0.125)
+                              for t in range(start, start + n)], dim=2)
+        else:
+            want = reference_attention(q[:, :, start:start + n].double(), kr, vr, start + n, start, 0.125)
+        err = ((out.double() - want).norm() / want.norm()).item()
+        assert err < tol, (start, n, window, err)
+        unrounded = reference_attention(q[:, :, start:start + n].double(), k.double(), v.double(), start + n, start,
+                                        0.125) if not window else None
+        if unrounded is not None:
+            assert 1e-6 < ((out.double() - unrounded).norm() / unrounded.norm()).item() < 3e-3
+
+
 def test_decode_spec_hands_over_the_storage_itself():
     """What the fused C++ step reads is the cache's own tensors (it writes K/V through them), with the layout it
     takes: fp32 K/V; codes with fp16 scales (+ mins for int4), the groups, and fp32 sink rows."""
@@ -107,6 +143,9 @@ def test_decode_spec_hands_over_the_storage_itself():
                 assert ks[4] is store.k_min and vs[4] is store.v_min
             else:
                 assert ks[4] is None and vs[4] is None
+    f16 = KVCache(CFG, 16, torch.float32, "cpu", kv_format="f16")
+    assert all(sk is store.k and sv is store.v and sk.dtype == torch.float16
+               for (sk, sv), store in zip(f16.decode_spec(), f16.layers))
     # layouts the C++ step does not read
     assert KVCache(CFG, 16, torch.bfloat16, "cpu").decode_spec() is None
     assert KVCache(CFG, 16, torch.float32, "meta", kv_format="int4").decode_spec() is None

@@ -139,7 +139,7 @@ async def test_answer_streams_and_status_shows_figures(model, data_dir, monkeypa
         used = len(app.session.engine.cached_ids)
         assert f"ctx {app.session.context_tokens(app.conv)}/256" in status.machine_text
         assert f"KV {fmt_bytes(used * cache.bytes_per_token)} / {fmt_bytes(cache.nbytes)}" in status.machine_text
-        assert "mem 300.0 MiB · cpu fp32 · 1 thread · weights fp · kv fp" in status.machine_text
+        assert "mem 300.0 MiB · cpu fp32 · 1 thread · weights fp · kv f16" in status.machine_text  # auto: f16 on the CPU
 
 
 @run_async

@@ -412,7 +412,7 @@ class ChatApp(App):
         self.show_drafts = bool(args.show_drafts)
         self.draft_name = str(args.draft or "none")
         self.weights_name = str(args.weights or "auto")
-        self.kv_name = str(args.kv or "fp")
+        self.kv_name = str(args.kv or "auto")
         self.device_name = self.dtype_name = "?"
         self.threads: int | None = args.threads
         self.loaded: Any = None
@@ -537,6 +537,8 @@ class ChatApp(App):
         if self.weights_name == "auto" and getattr(loaded, "runs_as", None):  # say what "as stored" turned out to be
             kinds = sorted(loaded.runs_as, key=lambda k: -loaded.runs_as[k])
             self.weights_name = "fp" if all(k in ("f32", "f16", "bf16") for k in kinds) else "+".join(kinds)
+        if self.kv_name == "auto" and getattr(getattr(engine, "cache", None), "kv_format", None):
+            self.kv_name = engine.cache.kv_format  # what "auto" turned out to be (f16 on the CPU)
         settings = ChatSettings.from_args(self.args)
         self.session = ChatSession(engine, loaded.tokenizer, settings)
         name = Path(str(loaded.path)).name
