@@ -199,7 +199,7 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
                                                                     dtype="fp32"))
         same = args.weights == "fp" and loaded.model.dtype == torch.float32
         ref_loaded = loaded if same else load_from_options(ref)  # same weights: only the KV cache differs
-        reference = (ref_loaded.model, engine_from_options(ref, ref_loaded).cache)
+        reference = (ref_loaded.model, engine_from_options(ref, ref_loaded, kv="fp").cache)  # fp32 K/V too
     n_windows = len(ids) // ctx
     if args.max_windows:
         ids = ids[: args.max_windows * ctx]

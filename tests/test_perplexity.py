@@ -122,5 +122,9 @@ def test_perplexity_cli_quantization_options(tiny_llama, tmp_path):
     assert out["group_size"] == "channel" and out["embeddings"] == "int4" and out["search"] is False
     assert set(out["stored_formats"]) == {"int8-channel-sym", "int4-g32-sym"}  # linears; embedding table and LM head
     assert 4 < out["bits_per_weight"] < 32 and 0 < out["kl_mean"] < 1  # random tiny weights: loose
+    # the reference keeps fp32 K/V whatever the scored run's cache: the float16 cache's own cost shows (and is small)
+    kv = {f: json.loads(subprocess.run(base + ["--weights", "fp", "--kv", f], capture_output=True, text=True,
+                                       timeout=300, check=True).stdout) for f in ("fp", "f16")}
+    assert kv["fp"]["kl_mean"] == 0 and 0 < kv["f16"]["kl_mean"] < 1e-4, kv
     bad = subprocess.run(base + ["--weights", "int4", "--per-channel"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "--per-channel" in bad.stderr and "Traceback" not in bad.stderr
