@@ -219,13 +219,14 @@ class FloatKVCache(KVCache):
     """K and V in the model's dtype, as computed."""
 
     kind = "fp"
+    step_dtype = torch.float32  # the storage dtype the fused C++ step reads for this format
 
     def _new_store(self, cfg, max_seq_len, dtype, device, group) -> FloatKV:
         return FloatKV.empty(cfg.n_kv_heads, max_seq_len, cfg.head_dim, dtype=dtype, device=device)
 
     def decode_spec(self) -> list[tuple] | None:
-        """(K, V) fp32 tensors per layer."""
-        if any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+        """(K, V) tensors per layer, in step_dtype (fp32; the f16 cache: fp16)."""
+        if any(t.dtype != self.step_dtype or t.device.type != "cpu" or not t.is_contiguous()
                for store in self.layers for t in store):
             return None
         return [(store.k, store.v) for store in self.layers]
@@ -263,6 +264,7 @@ class Float16KVCache(FloatKVCache):
     converts 32 rows at a time, a prompt chunk's attention the cache's prefix once per layer."""
 
     kind = "f16"
+    step_dtype = torch.float16
 
     def __init__(self, cfg: ModelConfig, max_seq_len: int, dtype: torch.dtype, device: torch.device | str,
                  kv_format: str | None = None):
@@ -274,17 +276,12 @@ class Float16KVCache(FloatKVCache):
     def _new_store(self, cfg, max_seq_len, dtype, device, group) -> FloatKV:
         return FloatKV.empty(cfg.n_kv_heads, max_seq_len, cfg.head_dim, dtype=torch.float16, device=device)
 
-    def decode_spec(self) -> list[tuple] | None:
-        """(K, V) fp16 tensors per layer."""
-        if any(t.device.type != "cpu" or not t.is_contiguous() for store in self.layers for t in store):
-            return None
-        return [(store.k, store.v) for store in self.layers]
-
     def attend(self, layer: int, q: torch.Tensor, start: int | DevicePosition, scale: float, window: int = 0,
                softcap: float = 0.0) -> torch.Tensor:
         store = self.layers[layer]
-        if q.dtype == store.k.dtype or q.shape[2] == 1:  # a float16 model's own cache, or one row (CPU: a converted
-            return super().attend(layer, q, start, scale, window, softcap)  # tile at a time)
+        # a float16 model's own cache, or one row (on the CPU: read a converted tile at a time)
+        if q.dtype == store.k.dtype or q.shape[2] == 1:
+            return super().attend(layer, q, start, scale, window, softcap)
         # a prompt chunk: the prefix and the chunk's own rows once in the compute dtype, then the float cache's paths
         end = start + q.shape[2]
         prefix = FloatKV(store.k[:, :end].to(q.dtype), store.v[:, :end].to(q.dtype))

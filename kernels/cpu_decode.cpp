@@ -1202,8 +1202,8 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
         attention_rows(m, qkv + t * qkvw, qkvw, L.k.f, L.v.f, pos + t, 1, o, qsz, L.window);
         continue;
       }
+      const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos + t + 1 - L.window) : 0;
       if (L.k.kind == DecodeKV::F16) {  // tiles converted to fp32 32 rows at a time (attention_quantized's readers)
-        const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos + t + 1 - L.window) : 0;
         attention_quantized(m, qkv + t * qkvw, L.k, L.v, lo, pos + t + 1, o, work);
         continue;
       }
@@ -1218,7 +1218,6 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
         }
         rotate(qh, m.kv_rot, qr + h * D, D);
       }
-      const int64_t lo = L.window > 0 ? std::max<int64_t>(0, pos + t + 1 - L.window) : 0;
       attention_quantized(m, qr, L.k, L.v, lo, pos + t + 1, qr + qsz, work);
       for (int64_t h = 0; h < Hq; ++h) {
         rotate(qr + qsz + h * D, m.kv_rot_t.data(), o + h * D, D);  // back: x @ R^T
