@@ -17,7 +17,7 @@ attention output and MLP for the last row only (the others need only their K/V t
 then dequantize + fp32 GEMM, as before the prompt GEMM; matmul.QUANT_PROMPT_GEMM = False: the tensors loaded as our
 int8 / int4 (Q8_0, Q4_0, Q4_1) on the int kernel / GEMM by matmul's table), B = on (gguf_linear_prompt and
 quant_linear_prompt above 16 rows).
-The prompt is GPL-3 text, as benchmarks/gguf_vs_llamacpp.py's; prompts past PREFILL_CHUNK run in chunks.
+The prompt is GPL-3 text, as benchmarks/gguf_vs_llamacpp.py's; prompts past edgellm.device.prefill_chunk's rows run in chunks.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ interleaved.
     python benchmarks/prefill_attention.py [--threads 2] [--tokens 128,512] [--reps 20] [--json FILE]
 
 Per model shape (query heads, KV heads, head dim: SmolLM2-135M, Llama-3.2-1B, Qwen2-1.5B, Llama-3-8B) and chunk
-length T (a prefill runs in chunks of PREFILL_CHUNK = 512 rows; these are the chunk's rows against its own keys): q
+length T (a prefill runs in chunks of edgellm.device.prefill_chunk rows, 256 or 512; these are the chunk's rows against its own keys): q
 [Hq, T, D] scaled, K/V [Hkv, T, D]; torch's kernel gets K/V repeated over the group as _flash_rows gave them. Best
 of --reps per path; GFLOP/s counts the causal triangle (2 T^2 D Hq multiply-adds), the work either path must do.
 """

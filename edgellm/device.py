@@ -49,6 +49,23 @@ def set_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+# Prompt rows per forward pass. 512, except on the CPU where 512 rows' gate/up product (rows x 2 x intermediate fp32)
+# would pass PREFILL_TEMPORARIES_BYTES: there 256. Peak RSS counts these temporaries; side by side
+# (benchmarks/prefill_chunk_ab.py) 256 rows took 56 MB off the peak of the Qwen2.5-0.5B- and 1B-shaped GGUFs
+# (intermediate 4864 / 8192) at the same TTFT (1.02x / 0.99x), where on SmolLM2 (1536: 6 MB at 512 rows) it cost
+# 8-12% TTFT (per-chunk work: panel builds, Python per layer) for 15 MB. Below 256 rows TTFT grows (128: +7-10%).
+PREFILL_CHUNK = 512
+CPU_MIN_PREFILL_CHUNK = 256
+PREFILL_TEMPORARIES_BYTES = 16 << 20
+
+
+def prefill_chunk(device: torch.device, intermediate_size: int) -> int:
+    """How many prompt tokens one forward pass takes (a longer prompt runs in chunks of this many)."""
+    if device.type != "cpu" or PREFILL_CHUNK * 2 * intermediate_size * 4 <= PREFILL_TEMPORARIES_BYTES:
+        return PREFILL_CHUNK
+    return CPU_MIN_PREFILL_CHUNK
+
+
 # glibc malloc: M_TRIM_THRESHOLD, M_MMAP_THRESHOLD (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 KEEP_FREED_BYTES = 256 << 20

@@ -14,14 +14,11 @@ import torch
 
 from .cache import KVCache
 from .decode_step import DecodePath, Decoder
-from .device import now, peak_memory_bytes, reset_peak_memory
+from .device import now, peak_memory_bytes, prefill_chunk, reset_peak_memory
 from .errors import ContextOverflowError
 from .options import Options
 from .sampling import Sampler, SamplingSettings
 from .speculative import Drafting
-
-PREFILL_CHUNK = 512  # bounds activation/mask memory of long prompts; big enough for full GEMM speed
-
 
 @dataclass
 class GenerationSettings:
@@ -172,11 +169,11 @@ class Engine:
     def prefill(self, prompt: list[int]) -> torch.Tensor:
         """Run the uncached part of `prompt` through the model; returns the last position's logits [V]."""
         start = self._reuse_prefix(prompt)
-        logits = None
-        for i in range(start, len(prompt), PREFILL_CHUNK):
-            chunk = prompt[i:i + PREFILL_CHUNK]
+        logits, size = None, prefill_chunk(self.device, self.model.config.intermediate_size)
+        for i in range(start, len(prompt), size):
+            chunk = prompt[i:i + size]
             x = torch.tensor([chunk], dtype=torch.long, device=self.device)
-            logits = self.model(x, self.cache, i, logits=i + PREFILL_CHUNK >= len(prompt))  # only the last chunk's
+            logits = self.model(x, self.cache, i, logits=i + size >= len(prompt))  # only the last chunk's
             self.cached_ids.extend(chunk)
         return logits[0, -1]
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from .cache import KVCache
 from .decode_step import Decoder
-from .device import now
+from .device import now, prefill_chunk
 from .errors import EdgeLLMError
 from .quant.linear import set_kernel_options
 from .sampling import Sampler, SamplingSettings, apply_repeat_penalty, argmax, probabilities
@@ -46,7 +46,6 @@ __all__ = ["Proposer", "DraftModelProposer", "SelfDraftProposer", "PromptLookupP
            "verify_greedy", "verify_sampled", "max_draft_tokens", "GAMMA_MIN", "GAMMA_MAX", "GAMMA_START"]
 
 GAMMA_START, GAMMA_MIN, GAMMA_MAX = 4, 1, 16
-DRAFT_PREFILL_CHUNK = 512
 
 
 # ------------------------------------------------------------------------------------------------
@@ -173,11 +172,11 @@ class DraftModelProposer(Proposer):
             n += 1
         self.cache.truncate(n)
         del self.ids[n:]
-        logits = None
-        for i in range(n, len(context), DRAFT_PREFILL_CHUNK):
-            chunk = context[i:i + DRAFT_PREFILL_CHUNK]
+        logits, size = None, prefill_chunk(self.model.device, self.model.config.intermediate_size)
+        for i in range(n, len(context), size):
+            chunk = context[i:i + size]
             x = torch.tensor([chunk], dtype=torch.long, device=self.model.device)
-            logits = self.model(x, self.cache, i, logits=i + DRAFT_PREFILL_CHUNK >= len(context))
+            logits = self.model(x, self.cache, i, logits=i + size >= len(context))
             self.ids.extend(chunk)
         self._trusted = len(context)
         return logits[0, -1]

@@ -85,3 +85,30 @@ def test_family_switches_from_both_sources(tiny_models, source):
     assert phi.rope_scaling["rope_type"] == "longrope" and phi.rope_scaling["original_max_position_embeddings"] == 8
     phi4 = load_model(tiny_models["phi4_partial"][source]).config
     assert (phi4.rotary_dim, phi4.head_dim, phi4.layer_windows) == (8, 16, [6, 6])
+
+
+def test_engine_prefill_runs_in_the_cpu_chunk_size(tiny_models, monkeypatch):
+    """Engine.prefill takes a long prompt in chunks of device.prefill_chunk rows: 512, or on the CPU the smaller
+    chunk where 512 rows' gate/up product passes the temporaries budget (forced here with a budget of 0 and a
+    smaller chunk of 4 rows). Chunked, the last position's logits are still transformers'."""
+    from edgellm import device
+    from edgellm.generate import Engine
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert device.prefill_chunk(cpu, 1536) == 512  # SmolLM2: 6 MB at 512 rows
+    assert device.prefill_chunk(cpu, 4864) == device.prefill_chunk(cpu, 8192) == 256  # Qwen2.5-0.5B, Llama-3.2-1B
+    assert device.prefill_chunk(cuda, 8192) == 512
+    monkeypatch.setattr(device, "PREFILL_TEMPORARIES_BYTES", 0)
+    monkeypatch.setattr(device, "CPU_MIN_PREFILL_CHUNK", 4)
+    folder, _ = tiny_models["llama_gqa"]
+    ref = hf_logits(folder, TOKENS)
+    loaded = load_model(folder, max_seq_len=64)
+    engine = Engine(loaded.model, loaded.tokenizer, 64)
+    rows = []
+    hook = loaded.model.layers[0].register_forward_hook(lambda mod, args, out: rows.append(args[0].shape[1]))
+    try:
+        logits = engine.prefill(TOKENS)
+    finally:
+        hook.remove()
+    assert rows == [4, 4, 4]
+    torch.testing.assert_close(logits, ref[-1], atol=2e-3, rtol=2e-3)  # (the CPU default cache: K/V in fp16)
