@@ -443,11 +443,39 @@ MATRIX_NAMES = ("tok_embeddings.weight", "output.weight", "attention.wqkv.weight
                 "feed_forward.w13.weight", "feed_forward.w2.weight")
 
 
+# A matrix part of a GGUF type without a kernel here (Q2_K, Q3_K, IQ*, TQ*) runs as Q8_0 blocks: dequantized and
+# rounded to int8 per 32 values at load, ~8.5 bits a weight, multiplied by the kernels like any Q8_0 (an 8B Q3_K_M
+# file: ~8 GB instead of 32 in fp32). False: such matrices are dequantized to the compute dtype (benchmarks' A/B).
+REQUANTIZE_WITHOUT_KERNEL = True
+
+
+def _as_q8_0(src: GGUFSource, name: str) -> tuple[Any, int, tuple[int, int]]:
+    """`src.raw(name)` for a part of a type without a kernel: its values as Q8_0 blocks, as gguf.quants (and
+    llama.cpp's quantize_row_q8_0_ref) round them: per 32 values d = amax / 127, q = round(x / d). Q2_K / Q3_K in one
+    C++ pass, other types through gguf.quants' numpy; the mapped original released."""
+    from .kernels.gguf_ops import GGUF_NATIVE_TYPES
+    from .kernels.matmul import cpu_extension
+
+    data, type_id, (rows, k) = src.raw(name)
+    ext = cpu_extension()
+    if ext is not None and hasattr(ext, "gguf_requantize_q8_0") and type_id in (10, 11) and k % 256 == 0:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (a read-only view of the map; only read)
+            raw = ext.gguf_requantize_q8_0(torch.from_numpy(data).reshape(-1), type_id, rows, k).numpy()
+    else:
+        import gguf
+
+        raw = gguf.quants.quantize(src.get(name).numpy(), gguf.GGMLQuantizationType.Q8_0)
+    src.file.release(name)
+    return raw, GGUF_NATIVE_TYPES["Q8_0"], (rows, k)
+
+
 def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPlan):
-    """How `--weights auto` keeps one of our matrices from a GGUF: ("exact", QuantizedTensor) when every part is
-    Q8_0 / Q4_0 / Q4_1 of one type (our packed int8/int4 format, a byte reshuffle), ("blocks", [GGUFPart]) when
-    every part is a type the GGUF kernels multiply in place, else None (float tensors, or a type we
-    dequantize at load: the caller warns)."""
+    """How `--weights auto` keeps one of our matrices from a GGUF → (kind, kept, the part types requantized):
+    ("exact", QuantizedTensor) when every part is Q8_0 / Q4_0 / Q4_1 of one type (our packed int8/int4 format, a
+    byte reshuffle), ("blocks", [GGUFPart]) when every part is a type the GGUF kernels multiply in place. Parts of a
+    type without a kernel are first requantized to Q8_0 (REQUANTIZE_WITHOUT_KERNEL; the caller warns). None for a
+    float tensor, or with the switch off a type without a kernel (the caller dequantizes it and warns)."""
     if not ours.endswith(MATRIX_NAMES):
         return None
     types = [src.tensor_type(p) for p in parts]
@@ -458,17 +486,19 @@ def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPla
     from .quant.gguf_linear import GGUFPart, raw_tensor
     from .quant.gguf_tensor import NATIVE_TYPES
 
+    missing = {t for t in types if t not in NATIVE_TYPES}
+    if missing and not REQUANTIZE_WITHOUT_KERNEL:
+        return None
+    raws = [src.raw(p) if t in NATIVE_TYPES else _as_q8_0(src, p) for p, t in zip(parts, types)]
+    types = [t if t in NATIVE_TYPES else "Q8_0" for t in types]
     permute = [plan.permute.get(p) for p in parts]
     if len(set(types)) == 1 and types[0] in GGUF_EXACT:
-        qt = try_exact_gguf([src.raw(p) for p in parts], (8, 32, True), permute)
+        qt = try_exact_gguf(raws, (8, 32, True), permute)
         for p in parts:
             src.file.release(p)  # copied into the packed layout: the mapped blocks need not stay resident
-        return "exact", qt
-    if not set(types) <= NATIVE_TYPES:
-        return None
+        return "exact", qt, missing
     out, start = [], 0
-    for name, heads in zip(parts, permute):
-        data, ggml_type, (rows, k) = src.raw(name)
+    for (data, ggml_type, (rows, k)), heads in zip(raws, permute):
         index = None
         if heads:  # stored rows in llama.cpp's RoPE order: route each row to our column instead of moving it
             ours_from_stored = unpermute_rope_rows(torch.arange(rows), heads)
@@ -476,7 +506,7 @@ def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPla
             index[ours_from_stored] = torch.arange(start, start + rows, dtype=torch.int32)
         out.append(GGUFPart(raw_tensor(data, rows, int(ggml_type), k), int(ggml_type), rows, index))
         start += rows
-    return "blocks", out
+    return "blocks", out, missing
 
 
 def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch.dtype, device: torch.device,
@@ -493,6 +523,7 @@ def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch
     qtensors: dict[str, Any] = {}
     gguf_parts: dict[str, list] = {}
     dequantized: set[str] = set()
+    requantized: set[str] = set()
     for ours, parts in plan.parts.items():
         missing = [p for p in parts if p not in available]
         if missing:
@@ -501,6 +532,7 @@ def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch
             kept = gguf_as_stored(src, ours, parts, plan)
             if kept is not None:
                 (qtensors if kept[0] == "exact" else gguf_parts)[ours] = kept[1]
+                requantized |= kept[2]
                 if on_tensor:
                     on_tensor(ours)
                 continue
@@ -535,6 +567,10 @@ def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch
             state[ours] = tensor.to(dtype).to(device).contiguous()
         if on_tensor:
             on_tensor(ours)
+    if requantized:
+        warnings.warn(f"{src.path}: {', '.join(sorted(requantized))} tensors have no kernel here; they were "
+                      f"requantized to Q8_0 at load (~8.5 bits a weight: more memory than the file, and a rounding "
+                      f"on top of its own; --weights fp keeps their exact values)")
     if dequantized:
         warnings.warn(f"{src.path}: {', '.join(sorted(dequantized))} tensors have no kernel here; they were "
                       f"dequantized to {str(dtype).replace('torch.', '')} at load (more memory, slower)")

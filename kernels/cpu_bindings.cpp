@@ -359,6 +359,22 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t N, int64
   return out;
 }
 
+at::Tensor gguf_requantize_q8_0(const at::Tensor& raw, int64_t type, int64_t N, int64_t K) {
+  TORCH_CHECK(edgellm::gguf_requantizable_to_q8_0((int)type), "edgellm gguf_requantize_q8_0: type ", type,
+              " is not Q2_K (10) or Q3_K (11)");
+  TORCH_CHECK(N > 0 && K > 0 && K % 256 == 0, "edgellm gguf_requantize_q8_0: K=", K, " must be a multiple of 256");
+  const int64_t rb = K / 256 * (type == 10 ? 84 : 110);
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == N * rb,
+              "edgellm gguf_requantize_q8_0: expected a contiguous uint8 CPU tensor of ", N * rb, " bytes, got ",
+              raw.scalar_type(), " ", raw.sizes());
+  at::Tensor out = at::empty({N, K / 32 * 34}, raw.options());
+  {
+    py::gil_scoped_release nogil;
+    edgellm::gguf_requantize_q8_0(raw.data_ptr<uint8_t>(), (int)type, N, K, out.data_ptr<uint8_t>());
+  }
+  return out;
+}
+
 // x8: a K-quant's or Q5_0 / Q5_1's rows repacked 8 at a time (cpu_gguf_x8.cpp); raw [N, row bytes] -> x8 [N, x8 row bytes] and back.
 at::Tensor gguf_x8_convert(const at::Tensor& src, int64_t type, int64_t N, int64_t K, bool to_x8) {
   TORCH_CHECK(edgellm::gguf_x8_supported((int)type), "edgellm gguf_repack: type ", type, " has no x8 kernels in this build");
@@ -681,6 +697,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "True where gguf_linear_prompt is vectorized (AVX2 / AVX-512 VNNI), False for the portable version");
   m.def("gguf_dequantize", &gguf_dequantize, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
         py::arg("out") = py::none(), "GGUF blocks -> fp32 [n, k], bit-identical to gguf.quants.dequantize");
+  m.def("gguf_requantize_q8_0", &gguf_requantize_q8_0, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
+        "Q2_K / Q3_K blocks [n, row bytes] -> Q8_0 blocks [n, k / 32 * 34], bit-identical to gguf.quants' "
+        "dequantize then quantize to Q8_0");
   m.def("gguf_types", [] { return gguf_types_where(edgellm::gguf_supported); }, "the GGML type ids this build multiplies natively");
   m.def("gguf_x8_types", [] { return gguf_types_where(edgellm::gguf_x8_supported); }, "the GGML type ids this build also multiplies repacked 8 rows at a time "
         "(their type id + 1000)");

@@ -428,25 +428,6 @@ bool attention_rows(DecodeModel& m, const float* q, int64_t qstride, const float
   return true;
 }
 
-// fp32 -> fp16 bits, round to nearest even (as torch's .to(float16)): the cache's scales and mins.
-uint16_t float_to_half(float f) {
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u;
-  const uint32_t ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return (uint16_t)(sign | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
-  if (ax >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // >= 65520 rounds to inf
-  if (ax < 0x38800000u) {                                     // a subnormal half: units of 2^-24
-    float af;
-    std::memcpy(&af, &ax, 4);
-    return (uint16_t)(sign | (uint32_t)std::nearbyint(af * 16777216.0f));
-  }
-  uint32_t h = (((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13);
-  const uint32_t rem = ax & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h += 1;
-  return (uint16_t)(sign | h);
-}
-
 // y [D] = x [D] @ R [D, D]: 64 columns at a time in 8 registers, R's rows scaled by x's elements and summed
 // (an axpy per row, storing y back each time, cost 4-5x as much: ~0.25 ms a token over the 24 rotations a layer)
 void rotate(const float* x, const float* R, float* y, int64_t D) {

@@ -1652,6 +1652,75 @@ void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K,
   dispatch<DequantOp>(type, blocks, N, K, out);
 }
 
+// ------------------------------------------------------------------------------------------------ Q2_K / Q3_K -> Q8_0
+// The loader's path for the two K-quants without kernels (loading.gguf_as_stored): each super-block dequantized as
+// gguf.quants computes it (float32, products rounded before the min is taken off), then each 32 values rounded as
+// llama.cpp's quantize_row_q8_0_ref: d = amax / 127, q = roundf(x * (1 / d)), d stored as fp16.
+namespace {
+
+constexpr int GGUF_Q2_K = 10, GGUF_Q3_K = 11;
+
+// 16 sub-blocks of 16 values, in the order (half n, shift j, part h) of llama.cpp's dequantize_row_q2_K / q3_K:
+// the codes of value l are bits 2j of qs[32 n + 16 h + l]; Q3_K's high bit is bit 4n + j of hmask[16 h + l].
+void dequant_q2_k(const uint8_t* b, float* y) {
+  const uint8_t* qs = b + 16;
+  const float d = f16(b + 80), dmin = f16(b + 82);
+  for (int n = 0; n < 2; ++n)
+    for (int j = 0; j < 4; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t sc = b[8 * n + 2 * j + h];
+        const float dl = d * (float)(sc & 0xF), ml = dmin * (float)(sc >> 4);
+        for (int l = 0; l < 16; ++l) *y++ = no_contract(dl * (float)((qs[32 * n + 16 * h + l] >> (2 * j)) & 3)) - ml;
+      }
+}
+
+void dequant_q3_k(const uint8_t* b, float* y) {
+  const uint8_t *hmask = b, *qs = b + 32, *packed = b + 96;
+  const float d = f16(b + 108);
+  for (int n = 0; n < 2; ++n)
+    for (int j = 0; j < 4; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const int i = 8 * n + 2 * j + h;  // 6-bit scale i: low nibble from byte i % 8, 2 high bits from byte 8 + i % 4
+        const int sc = (((packed[i % 8] >> (4 * (i / 8))) & 0x0F) | (((packed[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) - 32;
+        const float dl = d * (float)sc;
+        for (int l = 0; l < 16; ++l) {
+          const int q = ((qs[32 * n + 16 * h + l] >> (2 * j)) & 3) - (((hmask[16 * h + l] >> (4 * n + j)) & 1) ? 0 : 4);
+          *y++ = dl * (float)q;
+        }
+      }
+}
+
+}  // namespace
+
+bool gguf_requantizable_to_q8_0(int type) { return type == GGUF_Q2_K || type == GGUF_Q3_K; }
+
+void gguf_requantize_q8_0(const uint8_t* blocks, int type, int64_t N, int64_t K, uint8_t* out) {
+  if (N <= 0 || K % 256 != 0 || !gguf_requantizable_to_q8_0(type)) return;
+  const int64_t in_bytes = type == GGUF_Q2_K ? 84 : 110, rb = K / 256 * in_bytes, ob = K / 32 * 34;
+  parallel_run(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t n0, int64_t n1) {
+    float x[256];
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t s = 0; s < K / 256; ++s) {
+        const uint8_t* b = blocks + n * rb + s * in_bytes;
+        if (type == GGUF_Q2_K) dequant_q2_k(b, x);
+        else dequant_q3_k(b, x);
+        for (int g = 0; g < 8; ++g) {
+          const float* v = x + 32 * g;
+          float amax = 0.0f;
+          for (int l = 0; l < 32; ++l) amax = std::max(amax, std::fabs(v[l]));
+          const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+          uint8_t* o = out + n * ob + (s * 8 + g) * 34;
+          const uint16_t dh = float_to_half(d);
+          std::memcpy(o, &dh, 2);
+          for (int l = 0; l < 32; ++l) {  // roundf (half away from zero) as numpy writes it: floor vectorizes
+            const float r = v[l] * id, a = std::fabs(r), f = std::floor(a), q = f + std::floor(2.0f * (a - f));
+            o[2 + l] = (uint8_t)(int8_t)(r < 0.0f ? -q : q);
+          }
+        }
+      }
+  });
+}
+
 // ------------------------------------------------------------------------------------------------ prompt GEMM
 void gguf_gemm_prompt(const GgufActs& acts, const uint8_t* blocks, int type, int64_t N, int64_t K, float* y,
                       int64_t ldy, const int32_t* out_index) {

@@ -19,7 +19,7 @@ __all__ = ["NATIVE_TYPES", "dequantize_blocks"]
 
 
 # the quantized types edgellm multiplies as stored (the C++ kernels' list; this module dequantizes each of
-# them on other devices); others (Q2_K, Q3_K, IQ*) are dequantized at load
+# them on other devices); others (Q2_K, Q3_K, IQ*) are requantized to Q8_0 at load (loading.gguf_as_stored)
 NATIVE_TYPES = frozenset(GGUF_NATIVE_TYPES)
 assert NATIVE_TYPES == {t.name for t in GGUF_TYPES.values()}
 

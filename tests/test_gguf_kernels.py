@@ -108,6 +108,32 @@ def test_dequantize_bit_identical_to_gguf(ext, qtype, k):
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K"])
+@pytest.mark.parametrize("k", [256, 768])
+def test_requantize_to_q8_0_bit_identical_to_gguf(ext, type_name, k):
+    """Q2_K / Q3_K, which have no kernels, become Q8_0 at load in one C++ pass: the bytes gguf.quants gives for
+    dequantize then quantize to Q8_0 (llama.cpp's rounding), for random blocks and for blocks of random bytes
+    (every scale, code and high bit)."""
+    import gguf
+
+    from tests.fixtures.tiny import random_blocks
+
+    rng = np.random.default_rng(k)
+    qtype = gguf.GGMLQuantizationType[type_name]
+    valid = random_blocks(type_name, 37, k, rng)
+    noise = rng.integers(0, 256, size=valid.shape, dtype=np.uint8)
+    halves = [80, 82] if type_name == "Q2_K" else [108]
+    for h in halves:  # finite fp16 super-block scales, of either sign
+        noise.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])[:, h:h + 2] = (
+            rng.uniform(-0.02, 0.02, (noise.size // gguf.GGML_QUANT_SIZES[qtype][1], 1)).astype(np.float16).view(np.uint8))
+    for raw in (valid, noise):
+        want = gguf.quants.quantize(gguf.quants.dequantize(raw, qtype).reshape(37, k), gguf.GGMLQuantizationType.Q8_0)
+        got = ext.gguf_requantize_q8_0(torch.from_numpy(raw.copy()).reshape(-1), int(qtype), 37, k).numpy()
+        assert got.shape == want.shape and np.array_equal(got, want)
+    with pytest.raises(RuntimeError, match="is not Q2_K"):
+        ext.gguf_requantize_q8_0(torch.from_numpy(valid.copy()).reshape(-1), int(gguf.GGMLQuantizationType.Q4_K), 37, k)
+
+
 def test_dequantize_into_out_buffer(ext):
     raw = make_weights(Q.Q4_K, 8, 512, seed=3)
     out = torch.full((8 * 512,), float("nan"))

@@ -1,0 +1,107 @@
+"""GGUF types without a kernel (Q2_K, Q3_K, IQ*): their matrix parts requantized to Q8_0 at load (edgellm.loading.
+REQUANTIZE_WITHOUT_KERNEL, the `--weights auto` default) against dequantized to fp32 (what auto did before), one
+fresh process per variant and round, the variants alternating:
+
+    python benchmarks/gguf_fallback_ab.py /work/ggufs/random1b.Q3_K_M.gguf [--rounds 2] [--json F [--merge]]
+
+Per variant: load time, peak RSS (wait4), decode tok/s (64 greedy tokens after a short chat prompt, median of 3),
+TTFT of a 512-token prompt (median of 2), 2 threads, --ctx 2560 as benchmarks/gguf_vs_llamacpp.py.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TEXT = "/usr/share/common-licenses/GPL-3"
+VARIANTS = ("q8_0", "fp32")
+
+
+def child(path: str, variant: str) -> None:
+    import time
+    import warnings
+
+    t0 = time.perf_counter()
+    from edgellm import loading
+    from edgellm.args import engine_from_args, load_from_args
+    from edgellm.bench import run_once
+    from edgellm.cli import build_parser
+
+    if variant == "fp32":
+        loading.REQUANTIZE_WITHOUT_KERNEL = False
+    args = build_parser().parse_args(["run", "x", "-m", path, "--ctx", "2560", "--threads", "2"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = load_from_args(args)
+    engine = engine_from_args(args, loaded)
+    load_s = time.perf_counter() - t0
+    tok = loaded.tokenizer
+    chat = tok.encode_chat([{"role": "user", "content": "Tell me a random fun fact about the Roman Empire"}])
+    text = tok.encode(open(TEXT).read())[:512]
+    run_once(engine, chat, 8)
+    decode = [run_once(engine, chat, 64)[0].decode_tok_s for _ in range(3)]
+    ttft = [run_once(engine, text, 1)[0].ttft_s for _ in range(2)]
+    print(json.dumps({"load_s": load_s, "decode_tok_s": statistics.median(decode), "ttft_512_s": statistics.median(ttft),
+                      "runs_as": loaded.runs_as_text()}))
+
+
+def measure(path: str, variant: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    proc = subprocess.Popen([sys.executable, __file__, "--child", path, variant], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env)
+    _, status, usage = os.wait4(proc.pid, 0)
+    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{variant} failed: {err[-2000:]}")
+    row = json.loads(out.strip().splitlines()[-1])
+    row["peak_rss_bytes"] = usage.ru_maxrss * 1024
+    return row
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3])
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("file")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--merge", action="store_true", help="keep the --json file's rows of other files")
+    args = ap.parse_args()
+    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    for r in range(args.rounds):
+        for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
+            runs[v].append(measure(args.file, v))
+            print(v, runs[v][-1], flush=True)
+    med = {v: {k: statistics.median(x[k] for x in runs[v]) for k in ("load_s", "decode_tok_s", "ttft_512_s",
+                                                                     "peak_rss_bytes")} | {"runs_as": runs[v][0]["runs_as"]}
+           for v in VARIANTS}
+    ratio = {k: med["q8_0"][k] / med["fp32"][k] for k in ("load_s", "decode_tok_s", "ttft_512_s", "peak_rss_bytes")}
+    print("q8_0 / fp32:", json.dumps(ratio))
+    if args.json:
+        path = Path(args.json)
+        row = {"file": Path(args.file).name, "file_bytes": os.path.getsize(args.file),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "load_average": os.getloadavg(), "rounds": args.rounds, **med, "q8_0_over_fp32": ratio, "runs": runs}
+        rows = [row]
+        if args.merge and path.exists():
+            rows = [r for r in json.loads(path.read_text())["rows"] if r["file"] != row["file"]] + rows
+        doc = {"what": "GGUF types without a kernel: matrix parts requantized to Q8_0 at load (the --weights auto default) "
+                       "vs dequantized to fp32 (before), fresh processes alternating",
+               "command": " ".join(["python", "benchmarks/gguf_fallback_ab.py", *sys.argv[1:]]), "rows": rows}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        tmp.replace(path)
+
+
+if __name__ == "__main__":
+    main()
