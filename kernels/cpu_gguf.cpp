@@ -1690,6 +1690,42 @@ void dequant_q3_k(const uint8_t* b, float* y) {
       }
 }
 
+// 32 values -> one Q8_0 block (fp16 d, 32 int8): d = amax / 127, q = roundf(x * (1 / d)), half away from zero.
+void q8_0_block(const float* v, uint8_t* o) {
+#ifdef EDGELLM_G_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  for (int l = 0; l < 32; l += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + l)));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+#else
+  float amax = 0.0f;
+  for (int l = 0; l < 32; ++l) amax = std::max(amax, std::fabs(v[l]));
+#endif
+  const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+  const uint16_t dh = float_to_half(d);
+  std::memcpy(o, &dh, 2);
+#ifdef EDGELLM_G_AVX2
+  const __m256 vid = _mm256_set1_ps(id), two = _mm256_set1_ps(2.0f);
+  __m256i q32[4];
+  for (int c = 0; c < 4; ++c) {
+    const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(v + 8 * c), vid), a = _mm256_andnot_ps(sign, r);
+    const __m256 f = _mm256_floor_ps(a);
+    const __m256 q = _mm256_add_ps(f, _mm256_floor_ps(_mm256_mul_ps(two, _mm256_sub_ps(a, f))));
+    q32[c] = _mm256_cvtps_epi32(_mm256_or_ps(q, _mm256_and_ps(sign, r)));  // the sign back: exact integers
+  }
+  const __m256i p16 = _mm256_packs_epi32(q32[0], q32[1]), p16b = _mm256_packs_epi32(q32[2], q32[3]);
+  const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256((__m256i*)(o + 2), p8);
+#else
+  for (int l = 0; l < 32; ++l) {  // roundf, as numpy's np_roundf writes it
+    const float r = v[l] * id, a = std::fabs(r), f = std::floor(a), q = f + std::floor(2.0f * (a - f));
+    o[2 + l] = (uint8_t)(int8_t)(r < 0.0f ? -q : q);
+  }
+#endif
+}
+
 }  // namespace
 
 bool gguf_requantizable_to_q8_0(int type) { return type == GGUF_Q2_K || type == GGUF_Q3_K; }
@@ -1704,19 +1740,7 @@ void gguf_requantize_q8_0(const uint8_t* blocks, int type, int64_t N, int64_t K,
         const uint8_t* b = blocks + n * rb + s * in_bytes;
         if (type == GGUF_Q2_K) dequant_q2_k(b, x);
         else dequant_q3_k(b, x);
-        for (int g = 0; g < 8; ++g) {
-          const float* v = x + 32 * g;
-          float amax = 0.0f;
-          for (int l = 0; l < 32; ++l) amax = std::max(amax, std::fabs(v[l]));
-          const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-          uint8_t* o = out + n * ob + (s * 8 + g) * 34;
-          const uint16_t dh = float_to_half(d);
-          std::memcpy(o, &dh, 2);
-          for (int l = 0; l < 32; ++l) {  // roundf (half away from zero) as numpy writes it: floor vectorizes
-            const float r = v[l] * id, a = std::fabs(r), f = std::floor(a), q = f + std::floor(2.0f * (a - f));
-            o[2 + l] = (uint8_t)(int8_t)(r < 0.0f ? -q : q);
-          }
-        }
+        for (int g = 0; g < 8; ++g) q8_0_block(x + 32 * g, out + n * ob + (s * 8 + g) * 34);
       }
   });
 }

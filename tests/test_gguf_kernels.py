@@ -274,6 +274,14 @@ int main(int argc, char** argv) {
   int64_t hdr[4];  // type, M, N, K
   while (rd(in, hdr, 4)) {
     const int type = (int)hdr[0];
+    if (hdr[1] == 0) {  // M = 0: a Q2_K / Q3_K tensor requantized to Q8_0 (its bytes, padded to whole floats)
+      const int64_t N = hdr[2], K = hdr[3];
+      std::vector<uint8_t> raw(N * K / 256 * (type == 10 ? 84 : 110)), q((N * K / 32 * 34 + 3) / 4 * 4);
+      if (!rd(in, raw.data(), raw.size())) return 3;
+      edgellm::gguf_requantize_q8_0(raw.data(), type, N, K, q.data());
+      std::fwrite(q.data(), 1, q.size(), out);
+      continue;
+    }
     const int64_t M = hdr[1], N = hdr[2], K = hdr[3], rb = edgellm::gguf_row_bytes(type, K);
     std::vector<uint8_t> raw(N * rb);
     std::vector<float> x(M * K), w(N * K), y(M * N), y1(M * N);
@@ -309,6 +317,8 @@ int main(int argc, char** argv) {
 # (type, M, N, K): every type, a K-quant K of 2 super-blocks, 32-block K with a tail, M across the tile sizes
 ISA_CASES = [(t, m, n, k) for t in TYPES for (m, n, k) in ((1, 19, 512), (6, 9, 768))] + \
     [(t, 5, 7, 288) for t in TYPES if t not in K_QUANTS]
+# (type, 0, N, K): Q2_K / Q3_K requantized to Q8_0 (kernels/cpu_gguf.cpp gguf_requantize_q8_0)
+REQUANT_CASES = [(Q.Q2_K, 0, 7, 512), (Q.Q3_K, 0, 9, 768)]
 
 
 @pytest.fixture(scope="module")
@@ -332,12 +342,18 @@ def run_isa(folder, jobs, name: str) -> dict:
     proc, exe, runner = jobs[name]
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
+    from tests.fixtures.tiny import random_blocks
+
     cases, blob = {}, bytearray()
     for i, (t, m, n, k) in enumerate(ISA_CASES):
         raw = make_weights(t, n, k, seed=50 + i)
         x = np.random.default_rng(i).standard_normal((m, k)).astype(np.float32)
         cases[(t, m, n, k)] = (raw, x)
         blob += np.array([int(t), m, n, k], dtype=np.int64).tobytes() + raw.tobytes() + x.tobytes()
+    for i, (t, m, n, k) in enumerate(REQUANT_CASES):
+        raw = random_blocks(t.name, n, k, np.random.default_rng(70 + i))
+        cases[(t, m, n, k)] = (raw, None)
+        blob += np.array([int(t), m, n, k], dtype=np.int64).tobytes() + raw.tobytes()
     (folder / "cases.bin").write_bytes(bytes(blob))
     res = folder / f"out-{name}.bin"
     run = subprocess.run([*runner, str(exe), str(folder / "cases.bin"), str(res)], capture_output=True, text=True,
@@ -346,6 +362,11 @@ def run_isa(folder, jobs, name: str) -> dict:
     data, pos, got = np.fromfile(res, dtype=np.float32), 0, {}
     for key, (raw, x) in cases.items():
         _, m, n, k = key
+        if m == 0:  # the Q8_0 bytes of a requantized case
+            nbytes = n * k // 32 * 34
+            got[key] = (raw, data[pos:pos + (nbytes + 3) // 4].view(np.uint8)[:nbytes].reshape(n, -1))
+            pos += (nbytes + 3) // 4
+            continue
         w, pos = data[pos:pos + n * k].reshape(n, k), pos + n * k
         y, pos = data[pos:pos + m * n].reshape(m, n), pos + m * n
         y1, pos = data[pos:pos + m * n].reshape(m, n), pos + m * n
@@ -362,7 +383,13 @@ def test_isa_builds_match_reference(isa_builds, isa):
     folder, jobs = isa_builds
     if isa not in jobs:
         pytest.skip(f"no {isa} build here (needs the CPU, or aarch64-linux-gnu-g++ and qemu-aarch64 for NEON)")
-    for (t, m, n, k), (raw, x, w, y, y1, y8) in run_isa(folder, jobs, isa).items():
+    for (t, m, n, k), result in run_isa(folder, jobs, isa).items():
+        if m == 0:  # Q2_K / Q3_K -> Q8_0: gguf.quants' bytes
+            raw, q8 = result
+            want_q8 = quants.quantize(quants.dequantize(raw, t).reshape(n, k), Q.Q8_0)
+            assert np.array_equal(q8, want_q8), (isa, t.name, "requantized to Q8_0")
+            continue
+        raw, x, w, y, y1, y8 = result
         want = dequant_ref(raw, t)
         np.testing.assert_array_equal(w.view(np.uint32), want.view(np.uint32), err_msg=f"{isa} {t.name}")
         ref = emulate_int8_x(x) @ want.astype(np.float64).T
@@ -383,6 +410,8 @@ def test_vnni_build_bit_identical_to_avx2(isa_builds):
         pytest.skip("this CPU has no AVX-512 VNNI (avx512f/bw/vl/vnni)")
     a, v = run_isa(folder, jobs, "avx2"), run_isa(folder, jobs, "avx512vnni")
     for key in a:
+        if key[1] == 0:  # a requantized case: checked against gguf.quants per build
+            continue
         assert np.array_equal(a[key][3].view(np.uint32), v[key][3].view(np.uint32)), key
         assert np.array_equal(a[key][5].view(np.uint32), v[key][5].view(np.uint32)), (key, "x8")
 
