@@ -14,13 +14,14 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from run_record import run_child  # noqa: E402  (benchmarks/, this script's folder)
 
 TEXT = "/usr/share/common-licenses/GPL-3"
 VARIANTS = ("q8_0", "fp32")
@@ -55,15 +56,11 @@ def child(path: str, variant: str) -> None:
 
 
 def measure(path: str, variant: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    proc = subprocess.Popen([sys.executable, __file__, "--child", path, variant], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, env=env)
-    _, status, usage = os.wait4(proc.pid, 0)
-    out, err = proc.stdout.read().decode(), proc.stderr.read().decode()
-    if os.waitstatus_to_exitcode(status) != 0:
+    code, out, err, peak = run_child([sys.executable, __file__, "--child", path, variant])
+    if code != 0:
         raise SystemExit(f"{variant} failed: {err[-2000:]}")
     row = json.loads(out.strip().splitlines()[-1])
-    row["peak_rss_bytes"] = usage.ru_maxrss * 1024
+    row["peak_rss_bytes"] = peak
     return row
 
 

@@ -19,8 +19,9 @@ import platform
 import statistics
 import subprocess
 import sys
-import threading
 from pathlib import Path
+
+from run_record import CHILD_ENV, run_child  # benchmarks/, this script's folder
 
 TEXT = "/usr/share/common-licenses/GPL-3"
 CHAT = "Tell me a random fun fact about the Roman Empire"
@@ -87,13 +88,9 @@ def child_llamacpp(path: str, decode_only: bool = False) -> dict:
             "ttft_2048_s": statistics.median(ttft2048)}
 
 
-# Each child runs as on a user's machine, where Python caches modules' bytecode (pip compiles an installed package's;
-# an editable install's are written on first import): a sandbox's PYTHONDONTWRITEBYTECODE=1 would otherwise charge
-# edgellm's load (an editable install) ~0.2-0.3 s of compiling its own modules from source on every start, and
-# llama-cpp-python's (pip-installed, compiled) nothing. `warm_bytecode` writes the caches once before any timing.
-CHILD_ENV = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-
-
+# The children run with Python's bytecode cache (run_record.CHILD_ENV: llama-cpp-python's modules come compiled by
+# pip, edgellm's editable install's would be compiled from source on every start); `warm_bytecode` writes the
+# caches once before any timing.
 def warm_bytecode(python: str) -> None:
     subprocess.run([python, "-c", "import edgellm.args, edgellm.bench, edgellm.cli, edgellm.loading, edgellm.tokenizer, "
                     "edgellm.quant.gguf_linear, edgellm.quant.convert, edgellm.kernels.cpu_decode"],
@@ -102,26 +99,11 @@ def warm_bytecode(python: str) -> None:
 
 def measure(python: str, engine: str, path: str, decode_only: bool = False) -> dict:
     """One engine on one file in a fresh process: its JSON line plus its own peak RSS (wait4's rusage)."""
-    proc = subprocess.Popen([python, __file__, "--child", engine, path] + (["--decode-only"] if decode_only else []),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CHILD_ENV)
-    out_chunks: list[str] = []
-    err_chunks: list[str] = []
-
-    def pump(stream, sink):
-        sink.append(stream.read())
-
-    threads = [threading.Thread(target=pump, args=(proc.stdout, out_chunks)),
-               threading.Thread(target=pump, args=(proc.stderr, err_chunks))]
-    for t in threads:
-        t.start()
-    _, status, usage = os.wait4(proc.pid, 0)
-    for t in threads:
-        t.join()
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
-        return {"error": ("".join(err_chunks).strip().splitlines() or ["?"])[-1]}
-    result = json.loads("".join(out_chunks).strip().splitlines()[-1])
-    result["peak_rss_bytes"] = usage.ru_maxrss * 1024
+    code, out, err, peak = run_child([python, __file__, "--child", engine, path] + (["--decode-only"] if decode_only else []))
+    if code != 0:
+        return {"error": (err.strip().splitlines() or ["?"])[-1]}
+    result = json.loads(out.strip().splitlines()[-1])
+    result["peak_rss_bytes"] = peak
     return result
 
 

@@ -15,7 +15,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from run_record import run_child  # noqa: E402  (benchmarks/, this script's folder)
 
 TEXT = "/usr/share/common-licenses/GPL-3"
 CTX, THREADS = 2560, 2
@@ -60,15 +61,11 @@ def child(model: str, chunk: int, tokens: int) -> None:
 
 
 def peak_rss(model: str, chunk: int, tokens: int) -> int:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    proc = subprocess.Popen([sys.executable, __file__, "--child", model, str(chunk), str(tokens)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    out, err = proc.stdout.read(), proc.stderr.read()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"child failed: {err.decode()[-2000:]}")
-    assert b'"ok"' in out
-    return usage.ru_maxrss * 1024
+    code, out, err, peak = run_child([sys.executable, __file__, "--child", model, str(chunk), str(tokens)])
+    if code != 0:
+        raise SystemExit(f"child failed: {err[-2000:]}")
+    assert '"ok"' in out
+    return peak
 
 
 def main() -> None:

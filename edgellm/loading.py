@@ -458,7 +458,7 @@ def _as_q8_0(src: GGUFSource, name: str) -> tuple[Any, int, tuple[int, int]]:
 
     data, type_id, (rows, k) = src.raw(name)
     ext = cpu_extension()
-    if ext is not None and hasattr(ext, "gguf_requantize_q8_0") and type_id in (10, 11) and k % 256 == 0:
+    if ext is not None and type_id in getattr(ext, "gguf_requantizable_types", list)() and k % 256 == 0:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (a read-only view of the map; only read)
             raw = ext.gguf_requantize_q8_0(torch.from_numpy(data).reshape(-1), type_id, rows, k).numpy()

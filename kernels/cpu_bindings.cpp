@@ -360,10 +360,10 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t N, int64
 }
 
 at::Tensor gguf_requantize_q8_0(const at::Tensor& raw, int64_t type, int64_t N, int64_t K) {
-  TORCH_CHECK(edgellm::gguf_requantizable_to_q8_0((int)type), "edgellm gguf_requantize_q8_0: type ", type,
-              " is not Q2_K (10) or Q3_K (11)");
+  const int64_t block_bytes = edgellm::gguf_requantizable_block_bytes((int)type);
+  TORCH_CHECK(block_bytes, "edgellm gguf_requantize_q8_0: type ", type, " is not Q2_K (10) or Q3_K (11)");
   TORCH_CHECK(N > 0 && K > 0 && K % 256 == 0, "edgellm gguf_requantize_q8_0: K=", K, " must be a multiple of 256");
-  const int64_t rb = K / 256 * (type == 10 ? 84 : 110);
+  const int64_t rb = K / 256 * block_bytes;
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == N * rb,
               "edgellm gguf_requantize_q8_0: expected a contiguous uint8 CPU tensor of ", N * rb, " bytes, got ",
               raw.scalar_type(), " ", raw.sizes());
@@ -700,6 +700,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_requantize_q8_0", &gguf_requantize_q8_0, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
         "Q2_K / Q3_K blocks [n, row bytes] -> Q8_0 blocks [n, k / 32 * 34], bit-identical to gguf.quants' "
         "dequantize then quantize to Q8_0");
+  m.def("gguf_requantizable_types",
+        [] { return gguf_types_where([](int t) { return edgellm::gguf_requantizable_block_bytes(t) != 0; }); },
+        "the GGML type ids gguf_requantize_q8_0 takes");
   m.def("gguf_types", [] { return gguf_types_where(edgellm::gguf_supported); }, "the GGML type ids this build multiplies natively");
   m.def("gguf_x8_types", [] { return gguf_types_where(edgellm::gguf_x8_supported); }, "the GGML type ids this build also multiplies repacked 8 rows at a time "
         "(their type id + 1000)");

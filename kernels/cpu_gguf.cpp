@@ -1728,11 +1728,11 @@ void q8_0_block(const float* v, uint8_t* o) {
 
 }  // namespace
 
-bool gguf_requantizable_to_q8_0(int type) { return type == GGUF_Q2_K || type == GGUF_Q3_K; }
+int64_t gguf_requantizable_block_bytes(int type) { return type == GGUF_Q2_K ? 84 : type == GGUF_Q3_K ? 110 : 0; }
 
 void gguf_requantize_q8_0(const uint8_t* blocks, int type, int64_t N, int64_t K, uint8_t* out) {
-  if (N <= 0 || K % 256 != 0 || !gguf_requantizable_to_q8_0(type)) return;
-  const int64_t in_bytes = type == GGUF_Q2_K ? 84 : 110, rb = K / 256 * in_bytes, ob = K / 32 * 34;
+  const int64_t in_bytes = gguf_requantizable_block_bytes(type), rb = K / 256 * in_bytes, ob = K / 32 * 34;
+  if (N <= 0 || K % 256 != 0 || in_bytes == 0) return;
   parallel_run(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t n0, int64_t n1) {
     float x[256];
     for (int64_t n = n0; n < n1; ++n)

@@ -72,8 +72,9 @@ bool gguf_prompt_gemm_fast();
 // W [N, K] fp32, bit-identical to gguf.quants.dequantize.
 void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K, float* out);
 // Q2_K / Q3_K (types without kernels) [N, K] -> Q8_0 blocks [N, K / 32 * 34]: bit-identical to
-// gguf.quants.quantize(gguf.quants.dequantize(blocks), Q8_0). K a multiple of 256.
-bool gguf_requantizable_to_q8_0(int type);
+// gguf.quants.quantize(gguf.quants.dequantize(blocks), Q8_0). K a multiple of 256. The block bytes of a type it
+// takes (256 values), 0 for the others.
+int64_t gguf_requantizable_block_bytes(int type);
 void gguf_requantize_q8_0(const uint8_t* blocks, int type, int64_t N, int64_t K, uint8_t* out);
 
 // The x8 layout (cpu_gguf_x8.cpp): whether this build multiplies it for a base type (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1

@@ -276,7 +276,7 @@ int main(int argc, char** argv) {
     const int type = (int)hdr[0];
     if (hdr[1] == 0) {  // M = 0: a Q2_K / Q3_K tensor requantized to Q8_0 (its bytes, padded to whole floats)
       const int64_t N = hdr[2], K = hdr[3];
-      std::vector<uint8_t> raw(N * K / 256 * (type == 10 ? 84 : 110)), q((N * K / 32 * 34 + 3) / 4 * 4);
+      std::vector<uint8_t> raw(N * K / 256 * edgellm::gguf_requantizable_block_bytes(type)), q((N * K / 32 * 34 + 3) / 4 * 4);
       if (!rd(in, raw.data(), raw.size())) return 3;
       edgellm::gguf_requantize_q8_0(raw.data(), type, N, K, q.data());
       std::fwrite(q.data(), 1, q.size(), out);
