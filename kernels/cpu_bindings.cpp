@@ -178,7 +178,7 @@ GgufPartView gguf_part(const py::handle& item, int64_t K, const char* what) {
   p.type = t[1].cast<int>();
   p.N = t[2].cast<int64_t>();
   TORCH_CHECK(edgellm::gguf_supported(p.type), what, ": GGML type ", p.type, " is not multiplied natively (types: 2, 3, 6, "
-              "7, 8, 12, 13, 14)");
+              "7, 8, 11, 12, 13, 14)");
   const int64_t qv = edgellm::gguf_block_values(p.type);
   TORCH_CHECK(K > 0 && K % qv == 0, what, ": K=", K, " is not a multiple of the type's ", qv, "-value blocks");
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() &&
@@ -361,7 +361,7 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t N, int64
 
 at::Tensor gguf_requantize_q8_0(const at::Tensor& raw, int64_t type, int64_t N, int64_t K) {
   const int64_t block_bytes = edgellm::gguf_requantizable_block_bytes((int)type);
-  TORCH_CHECK(block_bytes, "edgellm gguf_requantize_q8_0: type ", type, " is not Q2_K (10) or Q3_K (11)");
+  TORCH_CHECK(block_bytes, "edgellm gguf_requantize_q8_0: type ", type, " is not Q2_K (10)");
   TORCH_CHECK(N > 0 && K > 0 && K % 256 == 0, "edgellm gguf_requantize_q8_0: K=", K, " must be a multiple of 256");
   const int64_t rb = K / 256 * block_bytes;
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == N * rb,
@@ -698,7 +698,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize", &gguf_dequantize, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
         py::arg("out") = py::none(), "GGUF blocks -> fp32 [n, k], bit-identical to gguf.quants.dequantize");
   m.def("gguf_requantize_q8_0", &gguf_requantize_q8_0, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
-        "Q2_K / Q3_K blocks [n, row bytes] -> Q8_0 blocks [n, k / 32 * 34], bit-identical to gguf.quants' "
+        "Q2_K blocks [n, row bytes] -> Q8_0 blocks [n, k / 32 * 34], bit-identical to gguf.quants' "
         "dequantize then quantize to Q8_0");
   m.def("gguf_requantizable_types",
         [] { return gguf_types_where([](int t) { return edgellm::gguf_requantizable_block_bytes(t) != 0; }); },

@@ -1,5 +1,5 @@
 // GGUF blocks multiplied in place, bit for bit as stored: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32 values) and
-// Q4_K, Q5_K, Q6_K (super-blocks of 256), y = x @ W^T for small M (decode, verification), and W dequantized to
+// Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256), y = x @ W^T for small M (decode, verification), and W dequantized to
 // fp32 exactly as gguf.quants.dequantize does (embedding rows, the big-prefill GEMM).
 //
 // Block layouts (ggml-common.h; gguf/quants.py has the numpy reference):
@@ -13,6 +13,9 @@
 //   Q5_K  as Q4_K, plus qh[32]: bit j of qh[l] is bit 4 of sub-block j's value l
 //   Q6_K  ql[128], qh[64], scales int8[16], d fp16: value 128h + 32j + l = (ql[64h + 32 (j&1) + l] >> 4 (j>>1)
 //         & 15) | ((qh[32h + l] >> 2j) & 3) << 4, minus 32; w = (d sc_(v/16)) q
+//   Q3_K  hmask[32], qs[64], scales[12] (16 x 6-bit, minus 32), d fp16: sub-block j = 4n + i (32 values) has value
+//         l = (qs[32n + l] >> 2i) & 3 | (bit j of hmask[l]) << 2, minus 4; w = (d sc_(v/16)) q.  Q6_K's shape with
+//         3-bit codes: both take the "per16" paths (int scale per 16 values, offset off the integer sums)
 //
 // The product (llama.cpp's approach, as cpu_kernels.cpp's int4/int8 kernels): every 32 values of x are rounded to
 // int8 with one fp32 scale d_x = max|x| / 127 (GgufActs, computed once per input and shared by the parts of a
@@ -23,8 +26,8 @@
 // not of each 256's).  The cost is one fp32 FMA per 32 values and row (the AVX2 kernel does 8 at once per
 // super-block), which the memory-bound decode does not see: benchmarks/gguf_kernels_cpu.py.
 //
-// Offsets: Q4_0 / Q5_0's -8 / -16 and Q6_K's -32 come off the integer sums exactly (8 sum(q_x) per block; 32
-// sum(sc q_x) over each 16 values), so the unsigned codes go straight into maddubs / vpdpbusd.
+// Offsets: Q4_0 / Q5_0's -8 / -16 and Q6_K / Q3_K's -32 / -4 come off the integer sums exactly (8 sum(q_x) per
+// block; 32 (4) sum(sc q_x) over each 16 values), so the unsigned codes go straight into maddubs / vpdpbusd.
 //
 // Bit-identity across M: every (weight row, activation row) pair runs the same integer and float operations in
 // the same order whatever the number of activation rows (a tile of T rows only shares the weights' decoding),
@@ -97,6 +100,11 @@ template <> struct Fmt<GGUF_Q8_0> { static constexpr int64_t QV = 32, BYTES = 34
 template <> struct Fmt<GGUF_Q4_K> { static constexpr int64_t QV = 256, BYTES = 144; static constexpr bool MIN = true; };
 template <> struct Fmt<GGUF_Q5_K> { static constexpr int64_t QV = 256, BYTES = 176; static constexpr bool MIN = true; };
 template <> struct Fmt<GGUF_Q6_K> { static constexpr int64_t QV = 256, BYTES = 210; static constexpr bool MIN = false; };
+template <> struct Fmt<GGUF_Q3_K> { static constexpr int64_t QV = 256, BYTES = 110; static constexpr bool MIN = false; };
+
+// Q6_K and Q3_K: an int8 scale per 16 values and one fp16 d per super-block; the codes' offset (32 / 4) as a shift.
+constexpr bool per16(int type) { return type == GGUF_Q6_K || type == GGUF_Q3_K; }
+constexpr int per16_off_shift(int type) { return type == GGUF_Q6_K ? 5 : 2; }
 
 // r8 (gguf_convert_r8): each run of 8 blocks of a Q5_0 / Q5_1 row regrouped into one chunk of the same bytes: the 8
 // fp16 d's (Q5_1: then the 8 m's), 32 bytes of fifth bits (bit j of byte l: lane l of the chunk's code vector j, as
@@ -124,9 +132,32 @@ inline void kquant_scales(const uint8_t* s, uint8_t out[16]) {
   std::memcpy(out, u, 16);
 }
 
+// The 16 scales of a Q6_K / Q3_K super-block as int8 (Q3_K's 6-bit fields minus 32, as ggml's dequantize_row_q3_K
+// unpacks them: the low nibbles from bytes 0..7, the high 2 bits from bytes 8..11), and its d.
+template <int TYPE>
+inline void per16_scales(const uint8_t* b, int8_t out[16]) {
+  if (TYPE == GGUF_Q6_K) {
+    std::memcpy(out, b + 192, 16);
+    return;
+  }
+  uint32_t u[4];
+  std::memcpy(u, b + 96, 12);
+  const uint32_t k2 = 0x0f0f0f0f, k1 = 0x03030303, hi = u[2];
+  u[2] = ((u[0] >> 4) & k2) | (((hi >> 4) & k1) << 4);
+  u[3] = ((u[1] >> 4) & k2) | (((hi >> 6) & k1) << 4);
+  u[0] = (u[0] & k2) | ((hi & k1) << 4);
+  u[1] = (u[1] & k2) | (((hi >> 2) & k1) << 4);
+  uint8_t raw[16];
+  std::memcpy(raw, u, 16);
+  for (int i = 0; i < 16; ++i) out[i] = (int8_t)(raw[i] - 32);
+}
+
+template <int TYPE>
+inline float per16_d(const uint8_t* b) { return f16(b + (TYPE == GGUF_Q6_K ? 208 : 108)); }
+
 // Sub-block j (32 values) of block b, portably: the codes as int8 (offsets already taken off for Q4_0 / Q5_0 /
-// Q6_K), the fp32 scale (times the int sum), the min (times d_x sum(q_x); 0 where none) and, for Q6_K, the two
-// int scales of its 16-value halves.
+// Q6_K / Q3_K), the fp32 scale (times the int sum), the min (times d_x sum(q_x); 0 where none) and, for Q6_K /
+// Q3_K, the two int scales of its 16-value halves.
 template <int TYPE>
 inline void decode_sub(const uint8_t* b, int j, int8_t w[32], float* fs, float* fm, int sc2[2]) {
   *fm = 0.0f;
@@ -166,6 +197,15 @@ inline void decode_sub(const uint8_t* b, int j, int8_t w[32], float* fs, float* 
     }
     *fs = f16(b) * (float)sm[j];
     *fm = -(f16(b + 2) * (float)sm[8 + j]);
+  } else if (TYPE == GGUF_Q3_K) {
+    const uint8_t* qs = b + 32 + 32 * (j / 4);
+    const int shift = 2 * (j % 4);
+    for (int l = 0; l < 32; ++l) w[l] = (int8_t)((((qs[l] >> shift) & 3) | (((b[l] >> j) & 1) << 2)) - 4);
+    int8_t sc[16];
+    per16_scales<GGUF_Q3_K>(b, sc);
+    sc2[0] = sc[2 * j];
+    sc2[1] = sc[2 * j + 1];
+    *fs = f16(b + 108);
   } else {  // Q6_K
     const int h = j / 4, jj = j % 4;
     const uint8_t* ql = b + 64 * h + 32 * (jj & 1);
@@ -280,7 +320,7 @@ void row_portable(const GgufActs& a, int64_t m0, int64_t T, const uint8_t* row, 
         const int64_t m = m0 + t;
         const int8_t* xq = a.q + m * K + blk * QK;
         const int32_t isum =
-            TYPE == GGUF_Q6_K ? sc2[0] * dot16(w, xq) + sc2[1] * dot16(w + 16, xq + 16) : dot32(w, xq);
+            per16(TYPE) ? sc2[0] * dot16(w, xq) + sc2[1] * dot16(w + 16, xq + 16) : dot32(w, xq);
         acc[t] += (float)isum * (fs * a.d[m * a.nb + blk]);
         if (F::MIN) acc[t] += fm * a.s[m * a.nb + blk];
       }
@@ -397,8 +437,8 @@ inline __m256i codes32(const uint8_t* b) {
 struct Chunk {
   __m256i u[8];
   __m256 fs, fm;
-  __m256i sc16[8];  // Q6_K: [sc_2j x8 | sc_2j+1 x8]
-  __m256i scall;    // Q6_K: the 16 scales as int16
+  __m256i sc16[8];  // Q6_K / Q3_K: [sc_2j x8 | sc_2j+1 x8]
+  __m256i scall;    // Q6_K / Q3_K: the 16 scales as int16
 };
 
 // u[2k] / u[2k+1] = the low / high nibbles of qs[32 k .. 32 k + 32), k = 0..3, and where qhp is given, bit 2k / 2k+1
@@ -418,6 +458,17 @@ inline void nibble_codes(const uint8_t* qs, const uint8_t* qhp, Chunk& ch) {
       ch.u[i1] = _mm256_or_si256(ch.u[i1], _mm256_and_si256(h1, b4));
     }
   }
+}
+
+// per16_scales<GGUF_Q3_K> in SSE: the low nibbles of bytes 0..7 then their high nibbles, or'd with bits 2k, 2k+1 of
+// bytes 8..11 (dword k of a broadcast shifted by 2k: what crosses bytes is masked off) as bits 4-5, minus 32.
+inline __m128i q3k_scales(const uint8_t* b) {
+  const __m128i m4 = _mm_set1_epi8(0x0F);
+  const __m128i l = _mm_loadl_epi64((const __m128i*)(b + 96));
+  const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(l, m4), _mm_and_si128(_mm_srli_epi16(l, 4), m4));
+  const __m128i h = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(ld32(b + 104)), _mm_setr_epi32(0, 2, 4, 6)),
+                                  _mm_set1_epi8(3));
+  return _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(h, 4)), _mm_set1_epi8(32));
 }
 
 template <int TYPE>
@@ -466,13 +517,27 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     nibble_codes(b + (TYPE == GGUF_Q4_K ? 16 : 48), TYPE == GGUF_Q5_K ? b + 16 : nullptr, ch);
     return;
   }
-  // Q6_K
-  ch.fs = _mm256_set1_ps(f16(b + 208));
-  const __m128i sc = _mm_loadu_si128((const __m128i*)(b + 192));
+  // Q6_K, Q3_K
+  ch.fs = _mm256_set1_ps(per16_d<TYPE>(b));
+  const __m128i sc = TYPE == GGUF_Q6_K ? _mm_loadu_si128((const __m128i*)(b + 192)) : q3k_scales(b);
   ch.scall = _mm256_cvtepi8_epi16(sc);
   const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   for (int j = 0; j < 8; ++j)
     ch.sc16[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_add_epi8(pick, _mm_set1_epi8((char)(2 * j)))));
+  if (TYPE == GGUF_Q3_K) {  // bits 2i, 2i+1 of qs and bit j of hmask to bits 0-1 and 2 (16-bit shifts: what
+                            // crosses bytes lands outside the kept bits)
+    const __m256i m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
+    const __m256i hm = _mm256_loadu_si256((const __m256i*)b);
+    for (int n = 0; n < 2; ++n) {
+      const __m256i q = _mm256_loadu_si256((const __m256i*)(b + 32 + 32 * n));
+      for (int i = 0; i < 4; ++i) {
+        const int j = 4 * n + i;
+        const __m256i h = j < 2 ? _mm256_sll_epi16(hm, _mm_cvtsi32_si128(2 - j)) : _mm256_srl_epi16(hm, _mm_cvtsi32_si128(j - 2));
+        ch.u[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * i)), m2), _mm256_and_si256(h, b2));
+      }
+    }
+    return;
+  }
   const __m256i m3 = _mm256_set1_epi8(0x30);
   for (int h = 0; h < 2; ++h) {
     const __m256i l0 = _mm256_loadu_si256((const __m256i*)(b + 64 * h));
@@ -525,7 +590,7 @@ inline __m256i chunk_isums(const Chunk& ch, const GgufActs& a, int64_t m, int64_
     const __m256i x = _mm256_load_si256((const __m256i*)(xq + 32 * j));
     if (TYPE == GGUF_Q8_0) {
       p[j] = dot_u8s8(_mm256_sign_epi8(ch.u[j], ch.u[j]), _mm256_sign_epi8(x, ch.u[j]));
-    } else if (TYPE == GGUF_Q6_K) {  // per-16 int scales: madd with [sc_a x8 | sc_b x8]
+    } else if (per16(TYPE)) {  // per-16 int scales: madd with [sc_a x8 | sc_b x8]
       p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(ch.u[j], x), ch.sc16[j]);
     } else {
 #ifdef EDGELLM_G_VNNI
@@ -538,15 +603,15 @@ inline __m256i chunk_isums(const Chunk& ch, const GgufActs& a, int64_t m, int64_
 #ifdef EDGELLM_G_VNNI
   __m256i isum = reduce8(p);
 #else
-  __m256i isum = TYPE == GGUF_Q8_0 || TYPE == GGUF_Q6_K ? reduce8(p) : reduce8_i16(p);
+  __m256i isum = TYPE == GGUF_Q8_0 || per16(TYPE) ? reduce8(p) : reduce8_i16(p);
 #endif
   const int64_t o = m * a.nb + c * 8;
   if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q5_0)
     isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sum32 + o)),
                                                     TYPE == GGUF_Q4_0 ? 3 : 4));
-  if (TYPE == GGUF_Q6_K) {  // 32 sum(sc q_x) per 16 values, paired per sub-block by madd
+  if (per16(TYPE)) {  // 32 (Q3_K: 4) sum(sc q_x) per 16 values, paired per sub-block by madd
     const __m256i s16 = _mm256_loadu_si256((const __m256i*)(a.sum16 + 2 * o));
-    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(ch.scall, s16), 5));
+    isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(ch.scall, s16), per16_off_shift(TYPE)));
   }
   return isum;
 }
@@ -627,6 +692,7 @@ inline __m256 dequant8(__m128i q8, __m256 d, __m256 m) {
   if (TYPE == GGUF_Q4_0) return _mm256_mul_ps(_mm256_sub_ps(q, _mm256_set1_ps(8.0f)), d);
   if (TYPE == GGUF_Q5_0) return _mm256_mul_ps(_mm256_sub_ps(q, _mm256_set1_ps(16.0f)), d);
   if (TYPE == GGUF_Q6_K) return _mm256_mul_ps(d, _mm256_sub_ps(q, _mm256_set1_ps(32.0f)));
+  if (TYPE == GGUF_Q3_K) return _mm256_mul_ps(d, _mm256_sub_ps(q, _mm256_set1_ps(4.0f)));
   if (TYPE == GGUF_Q8_0) return _mm256_mul_ps(q, d);
   __m256 p = _mm256_mul_ps(d, q);
 #if defined(__GNUC__) || defined(__clang__)
@@ -664,10 +730,11 @@ int64_t dequant_chunks(const uint8_t* row, int64_t K, float* out) {
         u = (j & 1) ? _mm256_permute2x128_si256(a, b, 0x31) : _mm256_permute2x128_si256(a, b, 0x20);
       }
       __m256 d0 = _mm256_set1_ps(fs[j]), d1 = d0;
-      if (TYPE == GGUF_Q6_K) {
-        const uint8_t* sc = row + c * F::BYTES + 192 + 2 * j;
-        d0 = _mm256_set1_ps(fs[j] * (float)(int8_t)sc[0]);
-        d1 = _mm256_set1_ps(fs[j] * (float)(int8_t)sc[1]);
+      if (per16(TYPE)) {
+        int8_t sc[16];
+        per16_scales<TYPE>(row + c * F::BYTES, sc);
+        d0 = _mm256_set1_ps(fs[j] * (float)sc[2 * j]);
+        d1 = _mm256_set1_ps(fs[j] * (float)sc[2 * j + 1]);
       }
       dequant32<stored_of(TYPE)>(u, d0, d1, _mm256_set1_ps(F::MIN ? fm[j] : 0.0f), o + 32 * j);
     }
@@ -692,7 +759,7 @@ void dequant_row(const uint8_t* row, int64_t K, float* out) {
       int sc2[2];
       decode_sub<stored_of(TYPE)>(b, j, w, &fs, &fm, sc2);
       float* o = out + (bi * SUBS + j) * QK;
-      if (TYPE == GGUF_Q6_K) {
+      if (per16(TYPE)) {
         const float d0 = fs * (float)sc2[0], d1 = fs * (float)sc2[1];
         for (int l = 0; l < 16; ++l) o[l] = d0 * (float)w[l];
         for (int l = 16; l < 32; ++l) o[l] = d1 * (float)w[l];
@@ -737,6 +804,7 @@ void dispatch(int type, Args&&... args) {
     case GGUF_Q4_K: Op<GGUF_Q4_K>::run(args...); break;
     case GGUF_Q5_K: Op<GGUF_Q5_K>::run(args...); break;
     case GGUF_Q6_K: Op<GGUF_Q6_K>::run(args...); break;
+    case GGUF_Q3_K: Op<GGUF_Q3_K>::run(args...); break;
 #ifdef EDGELLM_G_AVX2
     case GGUF_Q5_0_R8: Op<GGUF_Q5_0_R8>::run(args...); break;
     case GGUF_Q5_1_R8: Op<GGUF_Q5_1_R8>::run(args...); break;
@@ -818,7 +886,8 @@ constexpr bool P_Q8_U8 = false;
 template <int TYPE>
 constexpr int prompt_off() {
 #ifdef EDGELLM_G_AVX2
-  return TYPE == GGUF_Q4_0 ? 8 : TYPE == GGUF_Q5_0 ? 16 : TYPE == GGUF_Q6_K ? 32 : (TYPE == GGUF_Q8_0 && P_Q8_U8) ? 128 : 0;
+  return TYPE == GGUF_Q4_0 ? 8 : TYPE == GGUF_Q5_0 ? 16 : TYPE == GGUF_Q6_K ? 32 : TYPE == GGUF_Q3_K ? 4
+       : (TYPE == GGUF_Q8_0 && P_Q8_U8) ? 128 : 0;
 #else
   return 0;  // the portable panel holds the codes as int8 with the offsets already taken off
 #endif
@@ -849,7 +918,7 @@ PromptActs prompt_acts(const GgufActs& a) {
   p.K = a.K;
   p.nb = a.nb;
   p.Mp = (a.M + MR - 1) / MR * MR;
-  p.nsub = TYPE == GGUF_Q6_K ? 2 * a.nb : a.nb;
+  p.nsub = per16(TYPE) ? 2 * a.nb : a.nb;
   const int64_t nmb = p.Mp / MR, K = a.K, nb = a.nb, nsub = p.nsub, M = a.M;
   const size_t qbytes = (size_t)(p.Mp * K), fl = (size_t)(p.Mp * nb), ob = OFF ? (size_t)(p.Mp * nsub) : 0;
   uint8_t* base = prompt_acts_buffer(qbytes + 8 * fl + 4 * ob + 128);
@@ -882,7 +951,7 @@ PromptActs prompt_acts(const GgufActs& a) {
           }
           if (OFF) {
             for (int64_t b = 0; b < nsub; ++b)
-              off[(mb * nsub + b) * MR + i] = -OFF * (TYPE == GGUF_Q6_K ? (int32_t)a.sum16[m * nsub + b] : a.sum32[m * nb + b]);
+              off[(mb * nsub + b) * MR + i] = -OFF * (per16(TYPE) ? (int32_t)a.sum16[m * nsub + b] : a.sum32[m * nb + b]);
           }
         } else {
           for (int64_t g = 0; g < K / 4; ++g) std::memset(qd + (g * MR + i) * 4, 0, 4);
@@ -980,7 +1049,7 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
         std::memset(tmp[r], 0, 256);
         for (int j = 0; j < nsub; ++j) {
           P.ws[(s0 + j) * NR + r] = 0.0f;
-          if (TYPE == GGUF_Q6_K) P.ws[(2 * (s0 + j) + 1) * NR + r] = P.ws[2 * (s0 + j) * NR + r] = 0.0f;
+          if (per16(TYPE)) P.ws[(2 * (s0 + j) + 1) * NR + r] = P.ws[2 * (s0 + j) * NR + r] = 0.0f;
           if (F::MIN) P.wm[(s0 + j) * NR + r] = 0.0f;
         }
         continue;
@@ -998,10 +1067,12 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
         const int64_t c = (k0 + u0) / 256;
         decode_chunk<TYPE>(row, c, ch);
         for (int j = 0; j < 8; ++j) _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), ch.u[j]);
-        if (TYPE == GGUF_Q6_K) {
+        if (per16(TYPE)) {
           const uint8_t* b = row + c * F::BYTES;
-          const float d = f16(b + 208);
-          for (int h = 0; h < 16; ++h) P.ws[(2 * s0 + h) * NR + r] = d * (float)(int8_t)b[192 + h];
+          const float d = per16_d<TYPE>(b);
+          int8_t sc[16];
+          per16_scales<TYPE>(b, sc);
+          for (int h = 0; h < 16; ++h) P.ws[(2 * s0 + h) * NR + r] = d * (float)sc[h];
         } else {
           _mm256_store_ps(fs, ch.fs);
           _mm256_store_ps(fm, ch.fm);
@@ -1092,7 +1163,7 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
         std::memset(w, 0, 32);
       }
       for (int l = 0; l < 32; ++l) P.codes[((sb * 8 + l / 4) * NR + r) * 4 + (l & 3)] = (uint8_t)w[l];
-      if (TYPE == GGUF_Q6_K) {
+      if (per16(TYPE)) {
         P.ws[(2 * sb) * NR + r] = fs * (float)sc2[0];
         P.ws[(2 * sb + 1) * NR + r] = fs * (float)sc2[1];
       } else {
@@ -1138,12 +1209,12 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
   const int8_t* xq = A.q + (mb * A.K + k0) * MR;
   const float* dx = A.d + (mb * A.nb + k0 / 32) * MR;
   const float* sx = A.s + (mb * A.nb + k0 / 32) * MR;
-  const int32_t* off = OFF ? A.off + (mb * A.nsub + k0 / 32 * (TYPE == GGUF_Q6_K ? 2 : 1)) * MR : nullptr;
+  const int32_t* off = OFF ? A.off + (mb * A.nsub + k0 / 32 * (per16(TYPE) ? 2 : 1)) * MR : nullptr;
   __m512 acc[MR];
   PROMPT_UNROLL for (int i = 0; i < RT; ++i) acc[i] = _mm512_setzero_ps();  // unrolled: kept in registers, not a memset
   const int64_t nsb = kc / 32;
   for (int64_t sb = 0; sb < nsb; ++sb) {
-    if (TYPE == GGUF_Q6_K) {
+    if (per16(TYPE)) {
       __m512 t[MR];
       for (int h = 0; h < 2; ++h) {
         __m512i ia[MR];
@@ -1190,12 +1261,12 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
   const int8_t* xq = A.q + (mb * A.K + k0) * MR;
   const float* dx = A.d + (mb * A.nb + k0 / 32) * MR;
   const float* sx = A.s + (mb * A.nb + k0 / 32) * MR;
-  const int32_t* off = OFF ? A.off + (mb * A.nsub + k0 / 32 * (TYPE == GGUF_Q6_K ? 2 : 1)) * MR : nullptr;
+  const int32_t* off = OFF ? A.off + (mb * A.nsub + k0 / 32 * (per16(TYPE) ? 2 : 1)) * MR : nullptr;
   __m256 acc[MR];
   PROMPT_UNROLL for (int i = 0; i < RT; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t nsb = kc / 32;
   for (int64_t sb = 0; sb < nsb; ++sb) {
-    if (TYPE == GGUF_Q6_K) {
+    if (per16(TYPE)) {
       __m256 t[MR];
       for (int h = 0; h < 2; ++h) {
         __m256i ia[MR];
@@ -1275,7 +1346,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
   const float* sx = A.s + (mb * A.nb + k0 / 32) * MR;
   float acc[MR][NR] = {};
   for (int64_t sb = 0; sb < kc / 32; ++sb) {
-    constexpr int HALVES = TYPE == GGUF_Q6_K ? 2 : 1;
+    constexpr int HALVES = per16(TYPE) ? 2 : 1;
     float t[MR][NR] = {};
     for (int h = 0; h < HALVES; ++h) {
       int32_t ia[MR][NR] = {};
@@ -1486,7 +1557,7 @@ int64_t gguf_block_values(int type) {
   if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? gguf_block_values(type - GGUF_X8) : 0;
   switch (type) {
     case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q5_0: case GGUF_Q5_1: case GGUF_Q8_0: return 32;
-    case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: return 256;
+    case GGUF_Q3_K: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: return 256;
     default: return 0;
   }
 }
@@ -1503,6 +1574,7 @@ int64_t gguf_block_bytes(int type) {
     case GGUF_Q4_K: return Fmt<GGUF_Q4_K>::BYTES;
     case GGUF_Q5_K: return Fmt<GGUF_Q5_K>::BYTES;
     case GGUF_Q6_K: return Fmt<GGUF_Q6_K>::BYTES;
+    case GGUF_Q3_K: return Fmt<GGUF_Q3_K>::BYTES;
     default: return 0;
   }
 }
@@ -1652,16 +1724,16 @@ void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K,
   dispatch<DequantOp>(type, blocks, N, K, out);
 }
 
-// ------------------------------------------------------------------------------------------------ Q2_K / Q3_K -> Q8_0
-// The loader's path for the two K-quants without kernels (loading.gguf_as_stored): each super-block dequantized as
+// ------------------------------------------------------------------------------------------------ Q2_K -> Q8_0
+// The loader's path for the K-quant without kernels (loading.gguf_as_stored): each super-block dequantized as
 // gguf.quants computes it (float32, products rounded before the min is taken off), then each 32 values rounded as
 // llama.cpp's quantize_row_q8_0_ref: d = amax / 127, q = roundf(x * (1 / d)), d stored as fp16.
 namespace {
 
-constexpr int GGUF_Q2_K = 10, GGUF_Q3_K = 11;
+constexpr int GGUF_Q2_K = 10;
 
-// 16 sub-blocks of 16 values, in the order (half n, shift j, part h) of llama.cpp's dequantize_row_q2_K / q3_K:
-// the codes of value l are bits 2j of qs[32 n + 16 h + l]; Q3_K's high bit is bit 4n + j of hmask[16 h + l].
+// 16 sub-blocks of 16 values, in the order (half n, shift j, part h) of llama.cpp's dequantize_row_q2_K: the codes
+// of value l are bits 2j of qs[32 n + 16 h + l].
 void dequant_q2_k(const uint8_t* b, float* y) {
   const uint8_t* qs = b + 16;
   const float d = f16(b + 80), dmin = f16(b + 82);
@@ -1671,22 +1743,6 @@ void dequant_q2_k(const uint8_t* b, float* y) {
         const uint8_t sc = b[8 * n + 2 * j + h];
         const float dl = d * (float)(sc & 0xF), ml = dmin * (float)(sc >> 4);
         for (int l = 0; l < 16; ++l) *y++ = no_contract(dl * (float)((qs[32 * n + 16 * h + l] >> (2 * j)) & 3)) - ml;
-      }
-}
-
-void dequant_q3_k(const uint8_t* b, float* y) {
-  const uint8_t *hmask = b, *qs = b + 32, *packed = b + 96;
-  const float d = f16(b + 108);
-  for (int n = 0; n < 2; ++n)
-    for (int j = 0; j < 4; ++j)
-      for (int h = 0; h < 2; ++h) {
-        const int i = 8 * n + 2 * j + h;  // 6-bit scale i: low nibble from byte i % 8, 2 high bits from byte 8 + i % 4
-        const int sc = (((packed[i % 8] >> (4 * (i / 8))) & 0x0F) | (((packed[8 + i % 4] >> (2 * (i / 4))) & 3) << 4)) - 32;
-        const float dl = d * (float)sc;
-        for (int l = 0; l < 16; ++l) {
-          const int q = ((qs[32 * n + 16 * h + l] >> (2 * j)) & 3) - (((hmask[16 * h + l] >> (4 * n + j)) & 1) ? 0 : 4);
-          *y++ = dl * (float)q;
-        }
       }
 }
 
@@ -1728,7 +1784,7 @@ void q8_0_block(const float* v, uint8_t* o) {
 
 }  // namespace
 
-int64_t gguf_requantizable_block_bytes(int type) { return type == GGUF_Q2_K ? 84 : type == GGUF_Q3_K ? 110 : 0; }
+int64_t gguf_requantizable_block_bytes(int type) { return type == GGUF_Q2_K ? 84 : 0; }
 
 void gguf_requantize_q8_0(const uint8_t* blocks, int type, int64_t N, int64_t K, uint8_t* out) {
   const int64_t in_bytes = gguf_requantizable_block_bytes(type), rb = K / 256 * in_bytes, ob = K / 32 * 34;
@@ -1738,8 +1794,7 @@ void gguf_requantize_q8_0(const uint8_t* blocks, int type, int64_t N, int64_t K,
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t s = 0; s < K / 256; ++s) {
         const uint8_t* b = blocks + n * rb + s * in_bytes;
-        if (type == GGUF_Q2_K) dequant_q2_k(b, x);
-        else dequant_q3_k(b, x);
+        dequant_q2_k(b, x);
         for (int g = 0; g < 8; ++g) q8_0_block(x + 32 * g, out + n * ob + (s * 8 + g) * 34);
       }
   });

@@ -19,7 +19,7 @@ __all__ = ["NATIVE_TYPES", "dequantize_blocks"]
 
 
 # the quantized types edgellm multiplies as stored (the C++ kernels' list; this module dequantizes each of
-# them on other devices); others (Q2_K, Q3_K, IQ*) are requantized to Q8_0 at load (loading.gguf_as_stored)
+# them on other devices); others (Q2_K, IQ*) are requantized to Q8_0 at load (loading.gguf_as_stored)
 NATIVE_TYPES = frozenset(GGUF_NATIVE_TYPES)
 assert NATIVE_TYPES == {t.name for t in GGUF_TYPES.values()}
 
@@ -95,6 +95,23 @@ def dequantize_blocks(raw: torch.Tensor, type_id: int, shape: tuple[int, int],
         high = (qh.reshape(nb, 2, 1, 32) >> torch.arange(0, 8, 2, device=b.device, dtype=torch.uint8)
                 .reshape(1, 1, 4, 1)) & 3
         q = ((low | (high << 4)).to(torch.int8) - 32).reshape(nb, 16, 16).float()
+        w = dl * q
+    elif t.name == "Q3_K":
+        nb = b.shape[0]
+        hmask, qs, packed = b[:, 0, 0:32], b[:, 0, 32:96], b[:, 0, 96:108]
+        # 16 6-bit scales: low nibbles of bytes 0..7 then their high nibbles, 2 more bits from bytes 8..11
+        # (shifted by 0/2/4/6 for scales 0-3, 4-7, 8-11, 12-15), minus 32
+        low = unpack_halves(packed[:, 0:8].reshape(nb, 1, 8)).reshape(nb, 16)
+        high = (packed[:, 8:12].reshape(nb, 1, 4) >> torch.arange(0, 8, 2, device=b.device, dtype=torch.uint8)
+                .reshape(1, 4, 1)).reshape(nb, 16) & 3
+        scales = ((low | (high << 4)).to(torch.int8) - 32).float()
+        d = _f16(b[:, 0, 108:110].unsqueeze(1)).reshape(nb, 1)
+        dl = (d * scales).reshape(nb, 16, 1)
+        # sub-block j = 4n + i (32 values): bits 2i of its half's 32 qs bytes, bit j of the 32 hmask bytes as bit 2
+        shifts = torch.arange(0, 8, 2, device=b.device, dtype=torch.uint8).reshape(1, 1, 4, 1)
+        ql = (qs.reshape(nb, 2, 1, 32) >> shifts) & 3
+        qh = (hmask.reshape(nb, 1, 32) >> torch.arange(8, device=b.device, dtype=torch.uint8).reshape(1, 8, 1)) & 1
+        q = ((ql.reshape(nb, 8, 32) | (qh << 2)).to(torch.int8) - 4).reshape(nb, 16, 16).float()
         w = dl * q
     else:  # pragma: no cover - GGUF_TYPES lists exactly the branches above
         raise ValueError(f"no dequantizer for {t.name}")

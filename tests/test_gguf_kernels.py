@@ -22,8 +22,9 @@ from gguf import quants
 from edgellm.kernels import cpu_ext
 from tests.test_cpu_kernels import ext, start_builds, stop_builds  # noqa: F401  (ext: the extension fixture, shared)
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_QUANTS = {Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+X8_K_QUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}  # the K-quants with an x8 layout (cpu_gguf_x8.cpp)
 TOL_EMULATED = 1e-5
 TOL_EXACT = 1e-2
 
@@ -44,6 +45,8 @@ def make_weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
     raw = rng.integers(0, 256, (nb, block_bytes), dtype=np.uint8)
     if qtype == Q.Q6_K:
         raw[:, 208:210] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # d; scales int8 random (signed)
+    elif qtype == Q.Q3_K:
+        raw[:, 108:110] = _f16_bytes(rng, nb, 1e-3, 2e-2)  # d; 6-bit scales (minus 32) and codes random
     else:
         raw[:, 0:2] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # d
         raw[:, 2:4] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # dmin
@@ -108,10 +111,10 @@ def test_dequantize_bit_identical_to_gguf(ext, qtype, k):
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("type_name", ["Q2_K", "Q3_K"])
+@pytest.mark.parametrize("type_name", ["Q2_K"])
 @pytest.mark.parametrize("k", [256, 768])
 def test_requantize_to_q8_0_bit_identical_to_gguf(ext, type_name, k):
-    """Q2_K / Q3_K, which have no kernels, become Q8_0 at load in one C++ pass: the bytes gguf.quants gives for
+    """Q2_K, which has no kernels, becomes Q8_0 at load in one C++ pass: the bytes gguf.quants gives for
     dequantize then quantize to Q8_0 (llama.cpp's rounding), for random blocks and for blocks of random bytes
     (every scale, code and high bit)."""
     import gguf
@@ -122,8 +125,7 @@ def test_requantize_to_q8_0_bit_identical_to_gguf(ext, type_name, k):
     qtype = gguf.GGMLQuantizationType[type_name]
     valid = random_blocks(type_name, 37, k, rng)
     noise = rng.integers(0, 256, size=valid.shape, dtype=np.uint8)
-    halves = [80, 82] if type_name == "Q2_K" else [108]
-    for h in halves:  # finite fp16 super-block scales, of either sign
+    for h in (80, 82):  # finite fp16 super-block scales, of either sign
         noise.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])[:, h:h + 2] = (
             rng.uniform(-0.02, 0.02, (noise.size // gguf.GGML_QUANT_SIZES[qtype][1], 1)).astype(np.float16).view(np.uint8))
     for raw in (valid, noise):
@@ -131,7 +133,7 @@ def test_requantize_to_q8_0_bit_identical_to_gguf(ext, type_name, k):
         got = ext.gguf_requantize_q8_0(torch.from_numpy(raw.copy()).reshape(-1), int(qtype), 37, k).numpy()
         assert got.shape == want.shape and np.array_equal(got, want)
     with pytest.raises(RuntimeError, match="is not Q2_K"):
-        ext.gguf_requantize_q8_0(torch.from_numpy(valid.copy()).reshape(-1), int(gguf.GGMLQuantizationType.Q4_K), 37, k)
+        ext.gguf_requantize_q8_0(torch.from_numpy(valid.copy()).reshape(-1), int(gguf.GGMLQuantizationType.Q3_K), 37, k)
 
 
 def test_dequantize_into_out_buffer(ext):
@@ -274,7 +276,7 @@ int main(int argc, char** argv) {
   int64_t hdr[4];  // type, M, N, K
   while (rd(in, hdr, 4)) {
     const int type = (int)hdr[0];
-    if (hdr[1] == 0) {  // M = 0: a Q2_K / Q3_K tensor requantized to Q8_0 (its bytes, padded to whole floats)
+    if (hdr[1] == 0) {  // M = 0: a Q2_K tensor requantized to Q8_0 (its bytes, padded to whole floats)
       const int64_t N = hdr[2], K = hdr[3];
       std::vector<uint8_t> raw(N * K / 256 * edgellm::gguf_requantizable_block_bytes(type)), q((N * K / 32 * 34 + 3) / 4 * 4);
       if (!rd(in, raw.data(), raw.size())) return 3;
@@ -317,8 +319,8 @@ int main(int argc, char** argv) {
 # (type, M, N, K): every type, a K-quant K of 2 super-blocks, 32-block K with a tail, M across the tile sizes
 ISA_CASES = [(t, m, n, k) for t in TYPES for (m, n, k) in ((1, 19, 512), (6, 9, 768))] + \
     [(t, 5, 7, 288) for t in TYPES if t not in K_QUANTS]
-# (type, 0, N, K): Q2_K / Q3_K requantized to Q8_0 (kernels/cpu_gguf.cpp gguf_requantize_q8_0)
-REQUANT_CASES = [(Q.Q2_K, 0, 7, 512), (Q.Q3_K, 0, 9, 768)]
+# (type, 0, N, K): Q2_K requantized to Q8_0 (kernels/cpu_gguf.cpp gguf_requantize_q8_0)
+REQUANT_CASES = [(Q.Q2_K, 0, 7, 512), (Q.Q2_K, 0, 9, 768)]
 
 
 @pytest.fixture(scope="module")
@@ -384,7 +386,7 @@ def test_isa_builds_match_reference(isa_builds, isa):
     if isa not in jobs:
         pytest.skip(f"no {isa} build here (needs the CPU, or aarch64-linux-gnu-g++ and qemu-aarch64 for NEON)")
     for (t, m, n, k), result in run_isa(folder, jobs, isa).items():
-        if m == 0:  # Q2_K / Q3_K -> Q8_0: gguf.quants' bytes
+        if m == 0:  # Q2_K -> Q8_0: gguf.quants' bytes
             raw, q8 = result
             want_q8 = quants.quantize(quants.dequantize(raw, t).reshape(n, k), Q.Q8_0)
             assert np.array_equal(q8, want_q8), (isa, t.name, "requantized to Q8_0")
@@ -397,7 +399,7 @@ def test_isa_builds_match_reference(isa_builds, isa):
         assert e_q <= TOL_EMULATED, (isa, t.name, m, n, k, e_q)
         assert np.array_equal(y.view(np.uint32), y1.view(np.uint32)), (isa, t.name, m, "rows differ from M = 1")
         # the x8 layout: in the AVX2 / VNNI builds for the K-quants, Q5_0 and Q5_1 (cpu_gguf_x8.cpp), nowhere else
-        x8_types = K_QUANTS | {Q.Q5_0, Q.Q5_1}
+        x8_types = X8_K_QUANTS | {Q.Q5_0, Q.Q5_1}
         assert y8.shape[1] == (n // 8 * 8 if isa in ("avx2", "avx512vnni") and t in x8_types else 0), (isa, t.name)
         if y8.shape[1]:
             assert rel_err(y8, ref[:, :y8.shape[1]]) <= TOL_EMULATED, (isa, t.name, m, n, k, "x8")
@@ -540,4 +542,4 @@ def test_kernel_row_thresholds():
     for name, rows in GGUF_KERNEL_MAX_ROWS.items():
         assert use_kernel(GGUF_NATIVE_TYPES[name], rows) and not use_kernel(GGUF_NATIVE_TYPES[name], rows + 1)
     assert use_kernel(int(Q.Q4_0), 16) and not use_kernel(int(Q.Q4_0), 17)
-    assert all(use_kernel(int(t) + 1000, 4096) for t in K_QUANTS)  # the x8 layout: the kernel at every M
+    assert all(use_kernel(int(t) + 1000, 4096) for t in X8_K_QUANTS)  # the x8 layout: the kernel at every M

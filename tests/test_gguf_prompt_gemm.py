@@ -77,7 +77,7 @@ def test_prompt_gemm_matches_reference(ext, qtype, m):
         assert_rows_close(y, reference(x, [(raw, qtype, None)], n), (qtype.name, m, n, k))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [Q.Q3_K, Q.Q4_K, Q.Q6_K, Q.Q5_0], ids=lambda t: t.name)
 def test_prompt_gemm_any_row_count(ext, qtype):
     """Every row count of a last partial block of rows (1 .. 9; the decode sizes take the row kernel in the model,
     but the function serves any M)."""
