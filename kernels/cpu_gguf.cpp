@@ -132,24 +132,14 @@ inline void kquant_scales(const uint8_t* s, uint8_t out[16]) {
   std::memcpy(out, u, 16);
 }
 
-// The 16 scales of a Q6_K / Q3_K super-block as int8 (Q3_K's 6-bit fields minus 32, as ggml's dequantize_row_q3_K
-// unpacks them: the low nibbles from bytes 0..7, the high 2 bits from bytes 8..11), and its d.
+// The 16 scales of a Q6_K / Q3_K super-block as int8 (Q3_K's: gguf_q3k_scales), and its d.
 template <int TYPE>
 inline void per16_scales(const uint8_t* b, int8_t out[16]) {
   if (TYPE == GGUF_Q6_K) {
     std::memcpy(out, b + 192, 16);
     return;
   }
-  uint32_t u[4];
-  std::memcpy(u, b + 96, 12);
-  const uint32_t k2 = 0x0f0f0f0f, k1 = 0x03030303, hi = u[2];
-  u[2] = ((u[0] >> 4) & k2) | (((hi >> 4) & k1) << 4);
-  u[3] = ((u[1] >> 4) & k2) | (((hi >> 6) & k1) << 4);
-  u[0] = (u[0] & k2) | ((hi & k1) << 4);
-  u[1] = (u[1] & k2) | (((hi >> 2) & k1) << 4);
-  uint8_t raw[16];
-  std::memcpy(raw, u, 16);
-  for (int i = 0; i < 16; ++i) out[i] = (int8_t)(raw[i] - 32);
+  gguf_q3k_scales(b + 96, out);
 }
 
 template <int TYPE>
@@ -1396,7 +1386,7 @@ template <int TYPE>
 void build_panel_x8(const uint8_t* x8, int64_t n0, int nvalid, int64_t K, int64_t k0, int64_t kc, const Panel& P) {
   constexpr int NR = P_NR;
   constexpr int64_t QV = Fmt<TYPE>::QV, SUB = QV / 32;       // values per x8 unit (256; Q5_0 / Q5_1: 32), sub-blocks
-  constexpr int64_t NWS = TYPE == GGUF_Q6_K ? 2 * SUB : SUB;  // scales per unit (Q6_K: one per 16 values)
+  constexpr int64_t NWS = per16(TYPE) ? 2 * SUB : SUB;  // scales per unit (Q6_K / Q3_K: one per 16 values)
   const int64_t xb = gguf_x8_bytes(TYPE), gbytes = K / QV * xb;
   for (int64_t u0 = 0; u0 < kc; u0 += QV) {
     const int64_t s = (k0 + u0) / QV, sl = u0 / QV;  // the unit, and its place in the panel
@@ -1811,6 +1801,7 @@ void gguf_gemm_prompt(const GgufActs& acts, const uint8_t* blocks, int type, int
     if (type - GGUF_X8 == GGUF_Q4_K) PromptX8Op<GGUF_Q4_K>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_Q5_K) PromptX8Op<GGUF_Q5_K>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_Q6_K) PromptX8Op<GGUF_Q6_K>::run(acts, blocks, N, y, ldy, out_index);
+    else if (type - GGUF_X8 == GGUF_Q3_K) PromptX8Op<GGUF_Q3_K>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_Q5_0) PromptX8Op<GGUF_Q5_0>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_Q5_1) PromptX8Op<GGUF_Q5_1>::run(acts, blocks, N, y, ldy, out_index);
     return;

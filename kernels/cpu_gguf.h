@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 namespace edgellm {
 
@@ -16,6 +17,22 @@ constexpr int GGUF_X8 = 1000;
 // "r8"): the same bytes per row, any N and K % 32 == 0, a row's last (K / 32) % 8 blocks as stored.
 constexpr int GGUF_R8 = 2000;
 inline bool gguf_is_x8(int type) { return type > GGUF_X8 && type < GGUF_R8; }
+
+// The 16 scales of a Q3_K super-block (its 12 packed bytes: 6 bits each, the low nibbles of scales 0..7 / 8..15 in
+// bytes 0..7's low / high nibbles, the top 2 bits in bytes 8..11 at bits 2 (i / 4)), minus 32, as ggml's
+// dequantize_row_q3_K unpacks them.
+inline void gguf_q3k_scales(const uint8_t* packed, int8_t out[16]) {
+  uint32_t u[4];
+  std::memcpy(u, packed, 12);
+  const uint32_t k2 = 0x0f0f0f0f, k1 = 0x03030303, hi = u[2];
+  u[2] = ((u[0] >> 4) & k2) | (((hi >> 4) & k1) << 4);
+  u[3] = ((u[1] >> 4) & k2) | (((hi >> 6) & k1) << 4);
+  u[0] = (u[0] & k2) | ((hi & k1) << 4);
+  u[1] = (u[1] & k2) | (((hi >> 2) & k1) << 4);
+  uint8_t raw[16];
+  std::memcpy(raw, u, 16);
+  for (int i = 0; i < 16; ++i) out[i] = (int8_t)(raw[i] - 32);
+}
 
 bool gguf_supported(int type);
 int64_t gguf_block_values(int type);  // 32 or 256 (0: unsupported type)

@@ -14,6 +14,9 @@
 //        ql[q][r][i] = ql[64h + 32q + 4g + i] for q = 0, 1 (low nibble: sub-block 4h + q, high: 4h + q + 2), and
 //        qh[r][i] = qh[32h + 4g + i] (bits 2j', 2j' + 1: bits 4, 5 of sub-block 4h + j'): one stream in the
 //        order the kernel reads it (two streams 1 KiB apart left the prefetchers behind: 9 GB/s against 26)
+//   Q3_K (912): d[r] fp16 | sc[t][r] int8 (the 6-bit scales unpacked, minus 32) | then for each group g, 96 bytes:
+//        hm[r][i] = hmask[4g + i] (bit j: the high bit of sub-block j), qs[n][r][i] = qs[32n + 4g + i] for n = 0, 1
+//        (bits 2i', 2i' + 1: sub-block 4n + i'); 32 bytes more than the 8 stored blocks (3.6%)
 // The unpacked Q4_K / Q5_K scales cost 32 bytes per 8 super-blocks (2.8%) and save the 6-bit unpacking per row.
 // The 32-value types with a fifth bit take the same idea per 32-value block ("x8 unit" = 32 values of 8 rows; their
 // tensors are the ones whose K is not a multiple of 256, e.g. most of a Qwen2.5-0.5B or SmolLM2 Q4_K_M):
@@ -54,6 +57,7 @@ template <int TYPE> struct Raw;
 template <> struct Raw<GGUF_Q4_K> { static constexpr int64_t QV = 256, BYTES = 144, XB = 1184, QS = 16; };
 template <> struct Raw<GGUF_Q5_K> { static constexpr int64_t QV = 256, BYTES = 176, XB = 1440, QS = 48, QH = 16; };
 template <> struct Raw<GGUF_Q6_K> { static constexpr int64_t QV = 256, BYTES = 210, XB = 1680, QS = 0; };
+template <> struct Raw<GGUF_Q3_K> { static constexpr int64_t QV = 256, BYTES = 110, XB = 912, QS = 32; };
 // Q5_0 / Q5_1: HOFF = the stored qh's offset (qs after it), XH = the x8 unit's qh (nibbles after it)
 template <> struct Raw<GGUF_Q5_0> { static constexpr int64_t QV = 32, BYTES = 22, XB = 176, HOFF = 2, XH = 16; };
 template <> struct Raw<GGUF_Q5_1> { static constexpr int64_t QV = 32, BYTES = 24, XB = 192, HOFF = 4, XH = 32; };
@@ -66,6 +70,7 @@ void on_x8_type(int base_type, F&& f) {
     case GGUF_Q4_K: f(std::integral_constant<int, GGUF_Q4_K>()); break;
     case GGUF_Q5_K: f(std::integral_constant<int, GGUF_Q5_K>()); break;
     case GGUF_Q6_K: f(std::integral_constant<int, GGUF_Q6_K>()); break;
+    case GGUF_Q3_K: f(std::integral_constant<int, GGUF_Q3_K>()); break;
     case GGUF_Q5_0: f(std::integral_constant<int, GGUF_Q5_0>()); break;
     case GGUF_Q5_1: f(std::integral_constant<int, GGUF_Q5_1>()); break;
     default: break;
@@ -129,6 +134,16 @@ inline void kquant_pack6(const uint8_t* sc, const uint8_t* mn, uint8_t s[12]) {
   }
 }
 
+// The inverse of gguf_q3k_scales: 16 scales (-32 .. 31) back into the 12 packed bytes.
+inline void q3k_pack_scales(const int8_t* sc, uint8_t s[12]) {
+  std::memset(s, 0, 12);
+  for (int i = 0; i < 16; ++i) {
+    const int v = sc[i] + 32;
+    s[i % 8] = (uint8_t)(s[i % 8] | (v & 15) << (4 * (i / 8)));
+    s[8 + i % 4] = (uint8_t)(s[8 + i % 4] | (v >> 4) << (2 * (i / 4)));
+  }
+}
+
 // 8 rows x 32 bytes <-> 8 groups x 32 bytes: raw row r's bytes [raw[r] + off + 4g, +4) <-> x8 [x8 + g * stride +
 // 4r, +4).  Either way it is an 8 x 8 transpose of dwords.
 inline void transpose8(const uint8_t* const in[8], uint8_t* const out[8]) {
@@ -160,7 +175,18 @@ template <int TYPE, bool TO_X8>
 void convert_sb(uint8_t* const raw[8], uint8_t* o) {
   for (int r = 0; r < 8; ++r) {  // the fp16 d's and the scales, a row at a time
     uint8_t* b = raw[r];
-    if (TYPE == GGUF_Q6_K) {
+    if (TYPE == GGUF_Q3_K) {
+      int8_t sc[16];
+      if (TO_X8) {
+        std::memcpy(o + 2 * r, b + 108, 2);
+        gguf_q3k_scales(b + 96, sc);
+        for (int t = 0; t < 16; ++t) o[16 + t * 8 + r] = (uint8_t)sc[t];
+      } else {
+        std::memcpy(b + 108, o + 2 * r, 2);
+        for (int t = 0; t < 16; ++t) sc[t] = (int8_t)o[16 + t * 8 + r];
+        q3k_pack_scales(sc, b + 96);
+      }
+    } else if (TYPE == GGUF_Q6_K) {
       if (TO_X8) std::memcpy(o + 2 * r, b + 208, 2);
       else std::memcpy(b + 208, o + 2 * r, 2);
       for (int t = 0; t < 16; ++t) {
@@ -186,6 +212,11 @@ void convert_sb(uint8_t* const raw[8], uint8_t* o) {
       }
       kquant_pack6(sc, mn, b + 4);
     }
+  }
+  if (TYPE == GGUF_Q3_K) {  // [g]: hmask, qs (n = 0), qs (n = 1), 32 bytes each
+    groups8<TO_X8>(o + 144, raw, 0, 96);
+    for (int n = 0; n < 2; ++n) groups8<TO_X8>(o + 144 + 32 + 32 * n, raw, 32 + 32 * n, 96);
+    return;
   }
   if (TYPE == GGUF_Q6_K) {
     for (int h = 0; h < 2; ++h) {  // [h][g]: ql (q = 0), ql (q = 1), qh, 32 bytes each
@@ -372,6 +403,69 @@ void group_q6k(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
   for (int t = 0; t < T; ++t) out[t] = acc[t];
 }
 
+// The codes (0..7, offset 4) of sub-block 4n + i, group g of a Q3_K x8 super-block, from its hm and qs[n] vectors:
+// bits 2i, 2i+1 of qs and bit 4n + i of hm as bit 2 (16-bit shifts; what crosses bytes is masked off).
+// All four sub-blocks of half n at once, shifts by immediates.
+template <int N>
+inline void codes_q3k(__m256i hm, __m256i q, __m256i u[4]) {
+  const __m256i m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
+  const __m256i h = N == 0 ? hm : _mm256_srli_epi16(hm, 4);  // bits 4n .. 4n + 3 -> 0 .. 3
+  u[0] = _mm256_or_si256(_mm256_and_si256(q, m2), _mm256_and_si256(_mm256_slli_epi16(h, 2), b2));
+  u[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2), m2), _mm256_and_si256(_mm256_slli_epi16(h, 1), b2));
+  u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m2), _mm256_and_si256(h, b2));
+  u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 6), m2), _mm256_and_si256(_mm256_srli_epi16(h, 1), b2));
+}
+
+// As group_q6k for Q3_K: per 16 values of each sub-block, the pair sums of 4 groups in int16 (codes <= 7:
+// |.| <= 4 * 2 * 7 * 127), the offset 4 sum(q_x) taken off the low int16 of each row's pair (|.| <= 8128 more), then
+// one madd with the row's scale gives sc (sum q x - 4 sum x) in int32, and one FMA with d_x.
+template <int T, int N>
+inline void half_q3k(const GgufActs& a, int64_t m0, const uint8_t* o, int64_t s, __m256 sacc[T]) {
+  for (int half = 0; half < 2; ++half) {  // values 16 half .. +16 of the sub-blocks 4N + i
+    __m256i hs[T][4];                     // [i]
+    for (int t = 0; t < T; ++t) hs[t][0] = hs[t][1] = hs[t][2] = hs[t][3] = _mm256_setzero_si256();
+    for (int g = 4 * half; g < 4 * half + 4; ++g) {
+      const uint8_t* p = o + 144 + g * 96;
+      __m256i u[4];
+      codes_q3k<N>(_mm256_loadu_si256((const __m256i*)p), _mm256_loadu_si256((const __m256i*)(p + 32 + 32 * N)), u);
+      for (int t = 0; t < T; ++t) {
+        const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 128 * N + 4 * g;
+        for (int i = 0; i < 4; ++i) hs[t][i] = _mm256_add_epi16(hs[t][i], _mm256_maddubs_epi16(u[i], bcast4(xq + 32 * i)));
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      const int sub16 = 2 * (4 * N + i) + half;
+      // the 8 rows' scales as int16, each in both halves of its row's dword
+      const __m128i s8 = _mm_loadl_epi64((const __m128i*)(o + 16 + 8 * sub16));
+      const __m256i sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s8, s8));
+      for (int t = 0; t < T; ++t) {
+        const int64_t b = (m0 + t) * a.nb + s * 8;
+        const __m256i off = _mm256_set1_epi32(4 * a.sum16[2 * b + sub16] & 0xFFFF);
+        const __m256i v = _mm256_madd_epi16(_mm256_sub_epi16(hs[t][i], off), sc);
+        sacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(a.d[b + 4 * N + i]), sacc[t]);
+      }
+    }
+  }
+}
+
+template <int T>
+void group_q3k(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
+  const int64_t nsb = a.K / 256;
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* o = w + s * 912;
+    prefetch_sb<912>(o);
+    __m256 sacc[T];
+    for (int t = 0; t < T; ++t) sacc[t] = _mm256_setzero_ps();
+    half_q3k<T, 0>(a, m0, o, s, sacc);
+    half_q3k<T, 1>(a, m0, o, s, sacc);
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(sacc[t], d, acc[t]);
+  }
+  for (int t = 0; t < T; ++t) out[t] = acc[t];
+}
+
 // Code vector g (value 4g + i of row r at byte 4r + i, fifth bit included) of a Q5_0 / Q5_1 x8 unit, its qh loaded.
 template <int TYPE>
 inline __m256i codes_q5(const uint8_t* o, __m256i qh, int g) {
@@ -433,6 +527,7 @@ inline void group_rows(const GgufActs& a, int64_t m0, const uint8_t* w, float* y
                        int64_t n0) {
   __m256 out[T];
   if constexpr (TYPE == GGUF_Q6_K) group_q6k<T>(a, m0, w, out);
+  else if constexpr (TYPE == GGUF_Q3_K) group_q3k<T>(a, m0, w, out);
   else if constexpr (is_q5(TYPE)) group_q5<TYPE, T>(a, m0, w, out);
   else group_k<TYPE, T>(a, m0, w, out);
   for (int t = 0; t < T; ++t) {
@@ -478,6 +573,23 @@ void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, floa
     if (TYPE == GGUF_Q5_1) _mm256_storeu_ps(wm, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 16))));
     return;
   }
+  if (TYPE == GGUF_Q3_K || TYPE == GGUF_Q6_K) {  // scales per 16 values: d sc
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
+    for (int t = 0; t < 16; ++t)
+      _mm256_storeu_ps(ws + t * wstride, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                              _mm_loadl_epi64((const __m128i*)(o + 16 + 8 * t))))));
+  }
+  if (TYPE == GGUF_Q3_K) {
+    for (int g = 0; g < 8; ++g) {  // as group_q3k decodes them
+      const uint8_t* p = o + 144 + g * 96;
+      const __m256i hm = _mm256_loadu_si256((const __m256i*)p);
+      __m256i u[8];
+      codes_q3k<0>(hm, _mm256_loadu_si256((const __m256i*)(p + 32)), u);
+      codes_q3k<1>(hm, _mm256_loadu_si256((const __m256i*)(p + 64)), u + 4);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_si256((__m256i*)(codes + (j * 8 + g) * cstride), u[j]);
+    }
+    return;
+  }
   if (TYPE == GGUF_Q6_K) {
     const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(0x30);
     for (int h = 0; h < 2; ++h)
@@ -492,10 +604,6 @@ void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, floa
             _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(hq, 2), m3))};
         for (int j = 0; j < 4; ++j) _mm256_storeu_si256((__m256i*)(codes + ((4 * h + j) * 8 + g) * cstride), u[j]);
       }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
-    for (int t = 0; t < 16; ++t)
-      _mm256_storeu_ps(ws + t * wstride, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                              _mm_loadl_epi64((const __m128i*)(o + 16 + 8 * t))))));
     return;
   }
   for (int k = 0; k < 4; ++k)

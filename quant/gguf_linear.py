@@ -41,7 +41,8 @@ from .linear import _move_packed
 __all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "raw_tensor", "install_gguf", "weight_formats", "repack_for_cpu"]
 
 # the x8 layout's unit per base type: (values, bytes of 8 rows x those values)
-X8_UNITS = {12: (256, 1184), 13: (256, 1440), 14: (256, 1680), 6: (32, 176), 7: (32, 192)}  # Q4_K Q5_K Q6_K Q5_0 Q5_1
+X8_UNITS = {11: (256, 912), 12: (256, 1184), 13: (256, 1440), 14: (256, 1680),  # Q3_K Q4_K Q5_K Q6_K
+            6: (32, 176), 7: (32, 192)}  # Q5_0 Q5_1
 
 
 def part_row_bytes(type_id: int, k: int) -> int:
