@@ -1,8 +1,12 @@
-"""GGUF types without a kernel (Q2_K, Q3_K, IQ*): their matrix parts requantized to Q8_0 at load (edgellm.loading.
+"""GGUF types without a kernel (Q2_K, IQ*): their matrix parts requantized to Q8_0 at load (edgellm.loading.
 REQUANTIZE_WITHOUT_KERNEL, the `--weights auto` default) against dequantized to fp32 (what auto did before), one
 fresh process per variant and round, the variants alternating:
 
-    python benchmarks/gguf_fallback_ab.py /work/ggufs/random1b.Q3_K_M.gguf [--rounds 2] [--json F [--merge]]
+    python benchmarks/gguf_fallback_ab.py /work/ggufs/SmolLM2-135M-Instruct.Q2_K.gguf [--rounds 2] [--json F [--merge]]
+
+`--as-without Q3_K --variants native,q8_0`: a type that has kernels run as stored ("native") against treated as one
+without (its parts requantized to Q8_0 as before it had kernels; through gguf.quants' numpy, so that variant's load
+time is not the C++ requantizer's).
 
 Per variant: load time, peak RSS (wait4), decode tok/s (64 greedy tokens after a short chat prompt, median of 3),
 TTFT of a 512-token prompt (median of 2), 2 threads, --ctx 2560 as benchmarks/gguf_vs_llamacpp.py.
@@ -24,10 +28,10 @@ if str(ROOT) not in sys.path:
 from run_record import run_child  # noqa: E402  (benchmarks/, this script's folder)
 
 TEXT = "/usr/share/common-licenses/GPL-3"
-VARIANTS = ("q8_0", "fp32")
+VARIANTS = ("native", "q8_0", "fp32")
 
 
-def child(path: str, variant: str) -> None:
+def child(path: str, variant: str, as_without: list[str]) -> None:
     import time
     import warnings
 
@@ -39,6 +43,10 @@ def child(path: str, variant: str) -> None:
 
     if variant == "fp32":
         loading.REQUANTIZE_WITHOUT_KERNEL = False
+    if variant != "native" and as_without:
+        from edgellm.quant import gguf_tensor
+
+        gguf_tensor.NATIVE_TYPES = gguf_tensor.NATIVE_TYPES - set(as_without)
     args = build_parser().parse_args(["run", "x", "-m", path, "--ctx", "2560", "--threads", "2"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -55,8 +63,8 @@ def child(path: str, variant: str) -> None:
                       "runs_as": loaded.runs_as_text()}))
 
 
-def measure(path: str, variant: str) -> dict:
-    code, out, err, peak = run_child([sys.executable, __file__, "--child", path, variant])
+def measure(path: str, variant: str, as_without: list[str]) -> dict:
+    code, out, err, peak = run_child([sys.executable, __file__, "--child", path, variant, ",".join(as_without)])
     if code != 0:
         raise SystemExit(f"{variant} failed: {err[-2000:]}")
     row = json.loads(out.strip().splitlines()[-1])
@@ -66,34 +74,42 @@ def measure(path: str, variant: str) -> dict:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3])
+        child(sys.argv[2], sys.argv[3], [t for t in sys.argv[4].split(",") if t])
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("file")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--merge", action="store_true", help="keep the --json file's rows of other files")
+    ap.add_argument("--variants", default="q8_0,fp32", help=f"two of {', '.join(VARIANTS)}: the first over the second")
+    ap.add_argument("--as-without", default="", help="native types to treat as without a kernel, e.g. Q3_K")
     args = ap.parse_args()
-    runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    variants = tuple(args.variants.split(","))
+    assert len(variants) == 2 and set(variants) <= set(VARIANTS), args.variants
+    as_without = [t for t in args.as_without.split(",") if t]
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
     for r in range(args.rounds):
-        for v in (VARIANTS if r % 2 == 0 else VARIANTS[::-1]):
-            runs[v].append(measure(args.file, v))
+        for v in (variants if r % 2 == 0 else variants[::-1]):
+            runs[v].append(measure(args.file, v, as_without))
             print(v, runs[v][-1], flush=True)
     med = {v: {k: statistics.median(x[k] for x in runs[v]) for k in ("load_s", "decode_tok_s", "ttft_512_s",
                                                                      "peak_rss_bytes")} | {"runs_as": runs[v][0]["runs_as"]}
-           for v in VARIANTS}
-    ratio = {k: med["q8_0"][k] / med["fp32"][k] for k in ("load_s", "decode_tok_s", "ttft_512_s", "peak_rss_bytes")}
-    print("q8_0 / fp32:", json.dumps(ratio))
+           for v in variants}
+    a, b = variants
+    ratio = {k: med[a][k] / med[b][k] for k in ("load_s", "decode_tok_s", "ttft_512_s", "peak_rss_bytes")}
+    print(f"{a} / {b}:", json.dumps(ratio))
     if args.json:
         path = Path(args.json)
         row = {"file": Path(args.file).name, "file_bytes": os.path.getsize(args.file),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               "load_average": os.getloadavg(), "rounds": args.rounds, **med, "q8_0_over_fp32": ratio, "runs": runs}
+               "load_average": os.getloadavg(), "rounds": args.rounds, "as_without": as_without, **med,
+               f"{a}_over_{b}": ratio, "runs": runs}
         rows = [row]
         if args.merge and path.exists():
             rows = [r for r in json.loads(path.read_text())["rows"] if r["file"] != row["file"]] + rows
         doc = {"what": "GGUF types without a kernel: matrix parts requantized to Q8_0 at load (the --weights auto default) "
-                       "vs dequantized to fp32 (before), fresh processes alternating",
+                       "vs dequantized to fp32 (before), or (as_without) a native type as stored vs requantized to Q8_0; "
+                       "fresh processes alternating",
                "command": " ".join(["python", "benchmarks/gguf_fallback_ab.py", *sys.argv[1:]]), "rows": rows}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n")

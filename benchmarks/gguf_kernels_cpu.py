@@ -38,8 +38,9 @@ from edgellm.kernels.cpu_ext import get_extension  # noqa: E402
 SHAPES = [("wq", 2048, 2048), ("w13", 16384, 2048), ("w2", 2048, 8192)]
 # GGML type id -> (name, values per block, bytes per block, byte offsets of fp16 fields that must be sane)
 TYPES = {2: ("Q4_0", 32, 18, (0,)), 3: ("Q4_1", 32, 20, (0, 2)), 6: ("Q5_0", 32, 22, (0,)),
-         7: ("Q5_1", 32, 24, (0, 2)), 8: ("Q8_0", 32, 34, (0,)), 11: ("Q3_K", 256, 110, (108,)), 12: ("Q4_K", 256, 144, (0, 2)),
-         13: ("Q5_K", 256, 176, (0, 2)), 14: ("Q6_K", 256, 210, (208,))}
+         7: ("Q5_1", 32, 24, (0, 2)), 8: ("Q8_0", 32, 34, (0,)), 10: ("Q2_K", 256, 84, (80, 82)),
+         11: ("Q3_K", 256, 110, (108,)), 12: ("Q4_K", 256, 144, (0, 2)), 13: ("Q5_K", 256, 176, (0, 2)),
+         14: ("Q6_K", 256, 210, (208,))}
 COLD_BYTES = 64 << 20
 STAT = statistics.median  # --stat min: the fastest round (a loaded machine's rounds mostly measure the others)
 

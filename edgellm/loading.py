@@ -443,29 +443,22 @@ MATRIX_NAMES = ("tok_embeddings.weight", "output.weight", "attention.wqkv.weight
                 "feed_forward.w13.weight", "feed_forward.w2.weight")
 
 
-# A matrix part of a GGUF type without a kernel here (Q2_K, Q3_K, IQ*, TQ*) runs as Q8_0 blocks: dequantized and
-# rounded to int8 per 32 values at load, ~8.5 bits a weight, multiplied by the kernels like any Q8_0 (an 8B Q3_K_M
-# file: ~8 GB instead of 32 in fp32). False: such matrices are dequantized to the compute dtype (benchmarks' A/B).
+# A matrix part of a GGUF type without a kernel here (IQ*, TQ*) runs as Q8_0 blocks: dequantized and rounded to int8
+# per 32 values at load, ~8.5 bits a weight, multiplied by the kernels like any Q8_0 (an 8B IQ4_XS file: ~8 GB
+# instead of 32 in fp32). False: such matrices are dequantized to the compute dtype (benchmarks' A/B).
 REQUANTIZE_WITHOUT_KERNEL = True
 
 
 def _as_q8_0(src: GGUFSource, name: str) -> tuple[Any, int, tuple[int, int]]:
     """`src.raw(name)` for a part of a type without a kernel: its values as Q8_0 blocks, as gguf.quants (and
-    llama.cpp's quantize_row_q8_0_ref) round them: per 32 values d = amax / 127, q = round(x / d). Q2_K / Q3_K in one
-    C++ pass, other types through gguf.quants' numpy; the mapped original released."""
+    llama.cpp's quantize_row_q8_0_ref) round them: per 32 values d = amax / 127, q = round(x / d) (gguf.quants'
+    numpy); the mapped original released."""
+    import gguf
+
     from .kernels.gguf_ops import GGUF_NATIVE_TYPES
-    from .kernels.matmul import cpu_extension
 
-    data, type_id, (rows, k) = src.raw(name)
-    ext = cpu_extension()
-    if ext is not None and type_id in getattr(ext, "gguf_requantizable_types", list)() and k % 256 == 0:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # (a read-only view of the map; only read)
-            raw = ext.gguf_requantize_q8_0(torch.from_numpy(data).reshape(-1), type_id, rows, k).numpy()
-    else:
-        import gguf
-
-        raw = gguf.quants.quantize(src.get(name).numpy(), gguf.GGMLQuantizationType.Q8_0)
+    rows, k = src.raw(name)[2]
+    raw = gguf.quants.quantize(src.get(name).numpy(), gguf.GGMLQuantizationType.Q8_0)
     src.file.release(name)
     return raw, GGUF_NATIVE_TYPES["Q8_0"], (rows, k)
 

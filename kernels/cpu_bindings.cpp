@@ -178,7 +178,7 @@ GgufPartView gguf_part(const py::handle& item, int64_t K, const char* what) {
   p.type = t[1].cast<int>();
   p.N = t[2].cast<int64_t>();
   TORCH_CHECK(edgellm::gguf_supported(p.type), what, ": GGML type ", p.type, " is not multiplied natively (types: 2, 3, 6, "
-              "7, 8, 11, 12, 13, 14)");
+              "7, 8, 10, 11, 12, 13, 14)");
   const int64_t qv = edgellm::gguf_block_values(p.type);
   TORCH_CHECK(K > 0 && K % qv == 0, what, ": K=", K, " is not a multiple of the type's ", qv, "-value blocks");
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() &&
@@ -355,22 +355,6 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t N, int64
   {
     py::gil_scoped_release nogil;
     edgellm::gguf_dequantize_rows(p.data, p.type, N, K, o);
-  }
-  return out;
-}
-
-at::Tensor gguf_requantize_q8_0(const at::Tensor& raw, int64_t type, int64_t N, int64_t K) {
-  const int64_t block_bytes = edgellm::gguf_requantizable_block_bytes((int)type);
-  TORCH_CHECK(block_bytes, "edgellm gguf_requantize_q8_0: type ", type, " is not Q2_K (10)");
-  TORCH_CHECK(N > 0 && K > 0 && K % 256 == 0, "edgellm gguf_requantize_q8_0: K=", K, " must be a multiple of 256");
-  const int64_t rb = K / 256 * block_bytes;
-  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == N * rb,
-              "edgellm gguf_requantize_q8_0: expected a contiguous uint8 CPU tensor of ", N * rb, " bytes, got ",
-              raw.scalar_type(), " ", raw.sizes());
-  at::Tensor out = at::empty({N, K / 32 * 34}, raw.options());
-  {
-    py::gil_scoped_release nogil;
-    edgellm::gguf_requantize_q8_0(raw.data_ptr<uint8_t>(), (int)type, N, K, out.data_ptr<uint8_t>());
   }
   return out;
 }
@@ -697,12 +681,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "True where gguf_linear_prompt is vectorized (AVX2 / AVX-512 VNNI), False for the portable version");
   m.def("gguf_dequantize", &gguf_dequantize, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
         py::arg("out") = py::none(), "GGUF blocks -> fp32 [n, k], bit-identical to gguf.quants.dequantize");
-  m.def("gguf_requantize_q8_0", &gguf_requantize_q8_0, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
-        "Q2_K blocks [n, row bytes] -> Q8_0 blocks [n, k / 32 * 34], bit-identical to gguf.quants' "
-        "dequantize then quantize to Q8_0");
-  m.def("gguf_requantizable_types",
-        [] { return gguf_types_where([](int t) { return edgellm::gguf_requantizable_block_bytes(t) != 0; }); },
-        "the GGML type ids gguf_requantize_q8_0 takes");
   m.def("gguf_types", [] { return gguf_types_where(edgellm::gguf_supported); }, "the GGML type ids this build multiplies natively");
   m.def("gguf_x8_types", [] { return gguf_types_where(edgellm::gguf_x8_supported); }, "the GGML type ids this build also multiplies repacked 8 rows at a time "
         "(their type id + 1000)");

@@ -1,5 +1,5 @@
 // GGUF blocks multiplied in place, bit for bit as stored: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32 values) and
-// Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256), y = x @ W^T for small M (decode, verification), and W dequantized to
+// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256), y = x @ W^T for small M (decode, verification), and W dequantized to
 // fp32 exactly as gguf.quants.dequantize does (embedding rows, the big-prefill GEMM).
 //
 // Block layouts (ggml-common.h; gguf/quants.py has the numpy reference):
@@ -16,6 +16,9 @@
 //   Q3_K  hmask[32], qs[64], scales[12] (16 x 6-bit, minus 32), d fp16: sub-block j = 4n + i (32 values) has value
 //         l = (qs[32n + l] >> 2i) & 3 | (bit j of hmask[l]) << 2, minus 4; w = (d sc_(v/16)) q.  Q6_K's shape with
 //         3-bit codes: both take the "per16" paths (int scale per 16 values, offset off the integer sums)
+//   Q2_K  scales[16] (4-bit scale | 4-bit min << 4, per 16 values), qs[64], d, dmin fp16: sub-block j = 4n + i has
+//         value l = (qs[32n + l] >> 2i) & 3; w = (d sc_(v/16)) q - (dmin m_(v/16)).  Also "per16", with a min per 16
+//         values ("min16"): d_x dmin sum(m sum(q_x)) comes off as one more integer sum per sub-block
 //
 // The product (llama.cpp's approach, as cpu_kernels.cpp's int4/int8 kernels): every 32 values of x are rounded to
 // int8 with one fp32 scale d_x = max|x| / 127 (GgufActs, computed once per input and shared by the parts of a
@@ -101,10 +104,13 @@ template <> struct Fmt<GGUF_Q4_K> { static constexpr int64_t QV = 256, BYTES = 1
 template <> struct Fmt<GGUF_Q5_K> { static constexpr int64_t QV = 256, BYTES = 176; static constexpr bool MIN = true; };
 template <> struct Fmt<GGUF_Q6_K> { static constexpr int64_t QV = 256, BYTES = 210; static constexpr bool MIN = false; };
 template <> struct Fmt<GGUF_Q3_K> { static constexpr int64_t QV = 256, BYTES = 110; static constexpr bool MIN = false; };
+template <> struct Fmt<GGUF_Q2_K> { static constexpr int64_t QV = 256, BYTES = 84; static constexpr bool MIN = false; };
 
-// Q6_K and Q3_K: an int8 scale per 16 values and one fp16 d per super-block; the codes' offset (32 / 4) as a shift.
-constexpr bool per16(int type) { return type == GGUF_Q6_K || type == GGUF_Q3_K; }
-constexpr int per16_off_shift(int type) { return type == GGUF_Q6_K ? 5 : 2; }
+// Q6_K, Q3_K, Q2_K: an int scale per 16 values and one fp16 d per super-block; the codes' offset (32 / 4 / none) as
+// a shift.  Q2_K: and a min per 16 values (fp16 dmin times a 4-bit m).
+constexpr bool per16(int type) { return type == GGUF_Q6_K || type == GGUF_Q3_K || type == GGUF_Q2_K; }
+constexpr bool min16(int type) { return type == GGUF_Q2_K; }
+constexpr int per16_off_shift(int type) { return type == GGUF_Q6_K ? 5 : type == GGUF_Q3_K ? 2 : -1; }
 
 // r8 (gguf_convert_r8): each run of 8 blocks of a Q5_0 / Q5_1 row regrouped into one chunk of the same bytes: the 8
 // fp16 d's (Q5_1: then the 8 m's), 32 bytes of fifth bits (bit j of byte l: lane l of the chunk's code vector j, as
@@ -137,19 +143,36 @@ template <int TYPE>
 inline void per16_scales(const uint8_t* b, int8_t out[16]) {
   if (TYPE == GGUF_Q6_K) {
     std::memcpy(out, b + 192, 16);
-    return;
+  } else if (TYPE == GGUF_Q2_K) {
+    for (int i = 0; i < 16; ++i) out[i] = (int8_t)(b[i] & 15);
+  } else {
+    gguf_q3k_scales(b + 96, out);
   }
-  gguf_q3k_scales(b + 96, out);
 }
 
 template <int TYPE>
-inline float per16_d(const uint8_t* b) { return f16(b + (TYPE == GGUF_Q6_K ? 208 : 108)); }
+inline float per16_d(const uint8_t* b) { return f16(b + (TYPE == GGUF_Q6_K ? 208 : TYPE == GGUF_Q3_K ? 108 : 80)); }
+
+// A Q2_K super-block as gguf.quants dequantizes it: per 16 values (d sc) q - (dmin m), each product rounded on its
+// own.  Sub-blocks of 16 in the order (half n, shift j, part h) of llama.cpp's dequantize_row_q2_K: the codes of
+// value l are bits 2j of qs[32 n + 16 h + l].
+inline void dequant_q2_k(const uint8_t* b, float* y) {
+  const uint8_t* qs = b + 16;
+  const float d = f16(b + 80), dmin = f16(b + 82);
+  for (int n = 0; n < 2; ++n)
+    for (int j = 0; j < 4; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t sc = b[8 * n + 2 * j + h];
+        const float dl = d * (float)(sc & 0xF), ml = dmin * (float)(sc >> 4);
+        for (int l = 0; l < 16; ++l) *y++ = no_contract(dl * (float)((qs[32 * n + 16 * h + l] >> (2 * j)) & 3)) - ml;
+      }
+}
 
 // Sub-block j (32 values) of block b, portably: the codes as int8 (offsets already taken off for Q4_0 / Q5_0 /
-// Q6_K / Q3_K), the fp32 scale (times the int sum), the min (times d_x sum(q_x); 0 where none) and, for Q6_K /
-// Q3_K, the two int scales of its 16-value halves.
+// Q6_K / Q3_K), the fp32 scale (times the int sum), the min (times d_x sum(q_x); 0 where none) and, for the per16
+// types, the two int scales of its 16-value halves in sc2[0..1] (Q2_K: fm = dmin, and the two mins in sc2[2..3]).
 template <int TYPE>
-inline void decode_sub(const uint8_t* b, int j, int8_t w[32], float* fs, float* fm, int sc2[2]) {
+inline void decode_sub(const uint8_t* b, int j, int8_t w[32], float* fs, float* fm, int sc2[4]) {
   *fm = 0.0f;
   if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1) {
     const uint8_t* qs = b + (TYPE == GGUF_Q4_0 ? 2 : 4);
@@ -196,6 +219,16 @@ inline void decode_sub(const uint8_t* b, int j, int8_t w[32], float* fs, float* 
     sc2[0] = sc[2 * j];
     sc2[1] = sc[2 * j + 1];
     *fs = f16(b + 108);
+  } else if (TYPE == GGUF_Q2_K) {
+    const uint8_t* qs = b + 16 + 32 * (j / 4);
+    const int shift = 2 * (j % 4);
+    for (int l = 0; l < 32; ++l) w[l] = (int8_t)((qs[l] >> shift) & 3);
+    sc2[0] = b[2 * j] & 15;
+    sc2[1] = b[2 * j + 1] & 15;
+    sc2[2] = b[2 * j] >> 4;
+    sc2[3] = b[2 * j + 1] >> 4;
+    *fs = f16(b + 80);
+    *fm = f16(b + 82);
   } else {  // Q6_K
     const int h = j / 4, jj = j % 4;
     const uint8_t* ql = b + 64 * h + 32 * (jj & 1);
@@ -303,7 +336,7 @@ void row_portable(const GgufActs& a, int64_t m0, int64_t T, const uint8_t* row, 
     const uint8_t* b = row + bi * F::BYTES;
     for (int j = 0; j < SUBS; ++j) {
       float fs, fm;
-      int sc2[2] = {0, 0};
+      int sc2[4] = {0, 0, 0, 0};
       decode_sub<TYPE>(b, j, w, &fs, &fm, sc2);
       const int64_t blk = bi * SUBS + j;  // 32-value block of x
       for (int64_t t = 0; t < T; ++t) {
@@ -313,6 +346,10 @@ void row_portable(const GgufActs& a, int64_t m0, int64_t T, const uint8_t* row, 
             per16(TYPE) ? sc2[0] * dot16(w, xq) + sc2[1] * dot16(w + 16, xq + 16) : dot32(w, xq);
         acc[t] += (float)isum * (fs * a.d[m * a.nb + blk]);
         if (F::MIN) acc[t] += fm * a.s[m * a.nb + blk];
+        if (min16(TYPE)) {
+          const int16_t* s16 = a.sum16 + 2 * (m * a.nb + blk);
+          acc[t] -= (float)(sc2[2] * s16[0] + sc2[3] * s16[1]) * (fm * a.d[m * a.nb + blk]);
+        }
       }
     }
   }
@@ -427,8 +464,9 @@ inline __m256i codes32(const uint8_t* b) {
 struct Chunk {
   __m256i u[8];
   __m256 fs, fm;
-  __m256i sc16[8];  // Q6_K / Q3_K: [sc_2j x8 | sc_2j+1 x8]
-  __m256i scall;    // Q6_K / Q3_K: the 16 scales as int16
+  __m256i sc16[8];  // per16 types: [sc_2j x8 | sc_2j+1 x8]
+  __m256i scall;    // per16 types: the 16 scales as int16
+  __m256i mall;     // Q2_K: the 16 mins as int16 (fm: -dmin)
 };
 
 // u[2k] / u[2k+1] = the low / high nibbles of qs[32 k .. 32 k + 32), k = 0..3, and where qhp is given, bit 2k / 2k+1
@@ -507,13 +545,32 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     nibble_codes(b + (TYPE == GGUF_Q4_K ? 16 : 48), TYPE == GGUF_Q5_K ? b + 16 : nullptr, ch);
     return;
   }
-  // Q6_K, Q3_K
+  // Q6_K, Q3_K, Q2_K
   ch.fs = _mm256_set1_ps(per16_d<TYPE>(b));
-  const __m128i sc = TYPE == GGUF_Q6_K ? _mm_loadu_si128((const __m128i*)(b + 192)) : q3k_scales(b);
+  __m128i sc;
+  if (TYPE == GGUF_Q2_K) {
+    const __m128i s = _mm_loadu_si128((const __m128i*)b), m4s = _mm_set1_epi8(0x0F);
+    sc = _mm_and_si128(s, m4s);
+    ch.mall = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), m4s));
+    ch.fm = _mm256_set1_ps(-f16(b + 82));
+  } else {
+    sc = TYPE == GGUF_Q6_K ? _mm_loadu_si128((const __m128i*)(b + 192)) : q3k_scales(b);
+  }
   ch.scall = _mm256_cvtepi8_epi16(sc);
   const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   for (int j = 0; j < 8; ++j)
     ch.sc16[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_add_epi8(pick, _mm_set1_epi8((char)(2 * j)))));
+  if (TYPE == GGUF_Q2_K) {  // bits 2i, 2i+1 of qs (16-bit shifts: what crosses bytes lands outside the kept bits)
+    const __m256i m2 = _mm256_set1_epi8(3);
+    for (int n = 0; n < 2; ++n) {
+      const __m256i q = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * n));
+      ch.u[4 * n] = _mm256_and_si256(q, m2);
+      ch.u[4 * n + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 2), m2);
+      ch.u[4 * n + 2] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m2);
+      ch.u[4 * n + 3] = _mm256_and_si256(_mm256_srli_epi16(q, 6), m2);
+    }
+    return;
+  }
   if (TYPE == GGUF_Q3_K) {  // bits 2i, 2i+1 of qs and bit j of hmask to bits 0-1 and 2 (16-bit shifts: what
                             // crosses bytes lands outside the kept bits)
     const __m256i m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
@@ -599,7 +656,7 @@ inline __m256i chunk_isums(const Chunk& ch, const GgufActs& a, int64_t m, int64_
   if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q5_0)
     isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sum32 + o)),
                                                     TYPE == GGUF_Q4_0 ? 3 : 4));
-  if (per16(TYPE)) {  // 32 (Q3_K: 4) sum(sc q_x) per 16 values, paired per sub-block by madd
+  if (per16(TYPE) && per16_off_shift(TYPE) > 0) {  // 32 (Q3_K: 4) sum(sc q_x) per 16 values, paired per sub-block by madd
     const __m256i s16 = _mm256_loadu_si256((const __m256i*)(a.sum16 + 2 * o));
     isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(_mm256_madd_epi16(ch.scall, s16), per16_off_shift(TYPE)));
   }
@@ -619,8 +676,13 @@ void row_avx2(const GgufActs& a, int64_t m0, const uint8_t* row, float* y, int64
     for (int t = 0; t < T; ++t) {
       const int64_t m = m0 + t, o = m * nb + c * 8;
       const __m256i isum = chunk_isums<TYPE>(ch, a, m, c);
-      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ch.fs, _mm256_loadu_ps(a.d + o)), acc[t]);
+      const __m256 dx = _mm256_loadu_ps(a.d + o);
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(ch.fs, dx), acc[t]);
       if (F::MIN) acc[t] = _mm256_fmadd_ps(ch.fm, _mm256_loadu_ps(a.s + o), acc[t]);
+      if (min16(TYPE)) {  // sum(m sum(q_x)) per sub-block, its two 16-value halves paired by madd, times -dmin d_x
+        const __m256i ms = _mm256_madd_epi16(ch.mall, _mm256_loadu_si256((const __m256i*)(a.sum16 + 2 * o)));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(ch.fm, dx), acc[t]);
+      }
     }
   }
   if (F::QV == 32) {  // blocks after the last full chunk of 8 (K % 256 != 0), one at a time
@@ -737,6 +799,10 @@ template <int TYPE>
 void dequant_row(const uint8_t* row, int64_t K, float* out) {
   using F = Fmt<TYPE>;
   constexpr int SUBS = (int)(F::QV / QK);
+  if constexpr (TYPE == GGUF_Q2_K) {  // (the embedding rows of a Q2_K table; products by the kernels above)
+    for (int64_t bi = 0; bi < K / 256; ++bi) dequant_q2_k(row + bi * F::BYTES, out + bi * 256);
+    return;
+  }
   alignas(16) int8_t w[32];
   int64_t done = 0;
 #ifdef EDGELLM_G_AVX2
@@ -746,7 +812,7 @@ void dequant_row(const uint8_t* row, int64_t K, float* out) {
     const uint8_t* b = row + bi * F::BYTES;
     for (int j = 0; j < SUBS; ++j) {
       float fs, fm;
-      int sc2[2];
+      int sc2[4];
       decode_sub<stored_of(TYPE)>(b, j, w, &fs, &fm, sc2);
       float* o = out + (bi * SUBS + j) * QK;
       if (per16(TYPE)) {
@@ -795,6 +861,7 @@ void dispatch(int type, Args&&... args) {
     case GGUF_Q5_K: Op<GGUF_Q5_K>::run(args...); break;
     case GGUF_Q6_K: Op<GGUF_Q6_K>::run(args...); break;
     case GGUF_Q3_K: Op<GGUF_Q3_K>::run(args...); break;
+    case GGUF_Q2_K: Op<GGUF_Q2_K>::run(args...); break;
 #ifdef EDGELLM_G_AVX2
     case GGUF_Q5_0_R8: Op<GGUF_Q5_0_R8>::run(args...); break;
     case GGUF_Q5_1_R8: Op<GGUF_Q5_1_R8>::run(args...); break;
@@ -885,11 +952,12 @@ constexpr int prompt_off() {
 
 // x for the microkernels, per block of P_MR rows (rows past M are zeros).
 struct PromptActs {
-  int64_t M = 0, Mp = 0, K = 0, nb = 0, nsub = 0;  // nsub: offset sums per row (nb; Q6_K: 2 nb)
+  int64_t M = 0, Mp = 0, K = 0, nb = 0, nsub = 0;  // nsub: offset sums per row (nb; per16 types: 2 nb)
   const int8_t* q = nullptr;     // [Mp / MR][K / 4][MR][4]
   const float* d = nullptr;      // [Mp / MR][nb][MR]
   const float* s = nullptr;      // [Mp / MR][nb][MR]  d * sum(q)
-  const int32_t* off = nullptr;  // [Mp / MR][nsub][MR]  -OFF * sum(q) per 32 (Q6_K: per 16) values; null if no offset
+  const int32_t* off = nullptr;  // [Mp / MR][nsub][MR]  -OFF * sum(q) per 32 (per16: per 16) values; null if no offset
+  const int32_t* s16 = nullptr;  // Q2_K: [Mp / MR][nsub][MR]  sum(q) per 16 values (its mins meet them)
 };
 
 uint8_t* prompt_acts_buffer(size_t bytes) {
@@ -910,12 +978,13 @@ PromptActs prompt_acts(const GgufActs& a) {
   p.Mp = (a.M + MR - 1) / MR * MR;
   p.nsub = per16(TYPE) ? 2 * a.nb : a.nb;
   const int64_t nmb = p.Mp / MR, K = a.K, nb = a.nb, nsub = p.nsub, M = a.M;
-  const size_t qbytes = (size_t)(p.Mp * K), fl = (size_t)(p.Mp * nb), ob = OFF ? (size_t)(p.Mp * nsub) : 0;
+  constexpr bool SUMS = OFF || min16(TYPE);  // an int per row and nsub: the offsets, or Q2_K's 16-value sums
+  const size_t qbytes = (size_t)(p.Mp * K), fl = (size_t)(p.Mp * nb), ob = SUMS ? (size_t)(p.Mp * nsub) : 0;
   uint8_t* base = prompt_acts_buffer(qbytes + 8 * fl + 4 * ob + 128);
   int8_t* q = reinterpret_cast<int8_t*>(base);
   float* d = reinterpret_cast<float*>(base + qbytes);
   float* s = d + fl;
-  int32_t* off = OFF ? reinterpret_cast<int32_t*>(s + fl) : nullptr;
+  int32_t* off = SUMS ? reinterpret_cast<int32_t*>(s + fl) : nullptr;
   parallel_run(0, nmb, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t b0, int64_t b1) {
     for (int64_t mb = b0; mb < b1; ++mb) {
       int8_t* qd = q + mb * MR * K;
@@ -939,14 +1008,14 @@ PromptActs prompt_acts(const GgufActs& a) {
             d[(mb * nb + b) * MR + i] = a.d[m * nb + b];
             s[(mb * nb + b) * MR + i] = a.s[m * nb + b];
           }
-          if (OFF) {
+          if (SUMS) {
             for (int64_t b = 0; b < nsub; ++b)
-              off[(mb * nsub + b) * MR + i] = -OFF * (per16(TYPE) ? (int32_t)a.sum16[m * nsub + b] : a.sum32[m * nb + b]);
+              off[(mb * nsub + b) * MR + i] = (OFF ? -OFF : 1) * (per16(TYPE) ? (int32_t)a.sum16[m * nsub + b] : a.sum32[m * nb + b]);
           }
         } else {
           for (int64_t g = 0; g < K / 4; ++g) std::memset(qd + (g * MR + i) * 4, 0, 4);
           for (int64_t b = 0; b < nb; ++b) d[(mb * nb + b) * MR + i] = s[(mb * nb + b) * MR + i] = 0.0f;
-          if (OFF)
+          if (SUMS)
             for (int64_t b = 0; b < nsub; ++b) off[(mb * nsub + b) * MR + i] = 0;
         }
       }
@@ -955,7 +1024,8 @@ PromptActs prompt_acts(const GgufActs& a) {
   p.q = q;
   p.d = d;
   p.s = s;
-  p.off = off;
+  p.off = OFF ? off : nullptr;
+  p.s16 = min16(TYPE) ? off : nullptr;
   return p;
 }
 
@@ -964,13 +1034,14 @@ struct Panel {
   uint8_t* codes = nullptr;  // [kc / 4][NR][4] (vector builds: u8 codes; portable: int8 with offsets taken off)
   uint8_t* negs = nullptr;   // AVX2 Q8_0: [kc / 4][NR][4] 0xff where the code is negative (codes then hold |w|)
   int32_t* negsum = nullptr; // AVX2 Q8_0: [kc / 32][NR] sum of |w| over the sub-block's negative codes
-  float* ws = nullptr;       // [kc / 32][NR] scale per sub-block (Q6_K: [kc / 16][NR], d * sc per 16 values)
-  float* wm = nullptr;       // [kc / 32][NR] min per sub-block (types with mins; Q4_K / Q5_K: -(dmin m))
+  float* ws = nullptr;       // [kc / 32][NR] scale per sub-block (per16 types: [kc / 16][NR], d * sc per 16 values)
+  float* wm = nullptr;       // [kc / 32][NR] min per sub-block (types with mins; Q4_K / Q5_K: -(dmin m); Q2_K:
+                             // [kc / 16][NR], -(dmin m) per 16 values)
 };
 
 Panel panel_buffer(int64_t kc) {
   static thread_local std::vector<uint8_t> buf;
-  const size_t codes = (size_t)(kc * P_NR), fl = (size_t)(kc / 16 * P_NR) * 4 + (size_t)(kc / 32 * P_NR) * 8;
+  const size_t codes = (size_t)(kc * P_NR), fl = (size_t)(kc / 16 * P_NR) * 8 + (size_t)(kc / 32 * P_NR) * 4;
   if (buf.size() < 2 * codes + fl + 128) buf.resize(2 * codes + fl + 128);
   uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buf.data()) + 63) & ~uintptr_t(63));
   Panel P;
@@ -978,7 +1049,7 @@ Panel panel_buffer(int64_t kc) {
   P.negs = base + codes;
   P.ws = reinterpret_cast<float*>(base + 2 * codes);
   P.wm = P.ws + kc / 16 * P_NR;
-  P.negsum = reinterpret_cast<int32_t*>(P.wm + kc / 32 * P_NR);
+  P.negsum = reinterpret_cast<int32_t*>(P.wm + kc / 16 * P_NR);
   return P;
 }
 
@@ -1040,6 +1111,7 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
         for (int j = 0; j < nsub; ++j) {
           P.ws[(s0 + j) * NR + r] = 0.0f;
           if (per16(TYPE)) P.ws[(2 * (s0 + j) + 1) * NR + r] = P.ws[2 * (s0 + j) * NR + r] = 0.0f;
+          if (min16(TYPE)) P.wm[(2 * (s0 + j) + 1) * NR + r] = P.wm[2 * (s0 + j) * NR + r] = 0.0f;
           if (F::MIN) P.wm[(s0 + j) * NR + r] = 0.0f;
         }
         continue;
@@ -1063,6 +1135,10 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
           int8_t sc[16];
           per16_scales<TYPE>(b, sc);
           for (int h = 0; h < 16; ++h) P.ws[(2 * s0 + h) * NR + r] = d * (float)sc[h];
+          if (min16(TYPE)) {
+            const float dmin = f16(b + 82);
+            for (int h = 0; h < 16; ++h) P.wm[(2 * s0 + h) * NR + r] = -(dmin * (float)(b[h] >> 4));
+          }
         } else {
           _mm256_store_ps(fs, ch.fs);
           _mm256_store_ps(fm, ch.fm);
@@ -1145,7 +1221,7 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
     const int64_t g32 = (k0 / 32) + sb;  // global 32-value sub-block
     for (int r = 0; r < NR; ++r) {
       float fs = 0.0f, fm = 0.0f;
-      int sc2[2] = {0, 0};
+      int sc2[4] = {0, 0, 0, 0};
       if (r < nvalid) {
         const uint8_t* b = blocks + (int64_t)rows[r] * rb + (g32 / SUBS) * F::BYTES;
         decode_sub<TYPE>(b, (int)(g32 % SUBS), w, &fs, &fm, sc2);
@@ -1156,6 +1232,10 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
       if (per16(TYPE)) {
         P.ws[(2 * sb) * NR + r] = fs * (float)sc2[0];
         P.ws[(2 * sb + 1) * NR + r] = fs * (float)sc2[1];
+        if (min16(TYPE)) {
+          P.wm[(2 * sb) * NR + r] = -(fm * (float)sc2[2]);
+          P.wm[(2 * sb + 1) * NR + r] = -(fm * (float)sc2[3]);
+        }
       } else {
         P.ws[sb * NR + r] = fs;
         if (F::MIN) P.wm[sb * NR + r] = fm;
@@ -1200,6 +1280,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
   const float* dx = A.d + (mb * A.nb + k0 / 32) * MR;
   const float* sx = A.s + (mb * A.nb + k0 / 32) * MR;
   const int32_t* off = OFF ? A.off + (mb * A.nsub + k0 / 32 * (per16(TYPE) ? 2 : 1)) * MR : nullptr;
+  const int32_t* s16 = min16(TYPE) ? A.s16 + (mb * A.nsub + k0 / 32 * 2) * MR : nullptr;
   __m512 acc[MR];
   PROMPT_UNROLL for (int i = 0; i < RT; ++i) acc[i] = _mm512_setzero_ps();  // unrolled: kept in registers, not a memset
   const int64_t nsb = kc / 32;
@@ -1208,7 +1289,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
       __m512 t[MR];
       for (int h = 0; h < 2; ++h) {
         __m512i ia[MR];
-        for (int i = 0; i < RT; ++i) ia[i] = _mm512_set1_epi32(off[(2 * sb + h) * MR + i]);
+        for (int i = 0; i < RT; ++i) ia[i] = OFF ? _mm512_set1_epi32(off[(2 * sb + h) * MR + i]) : _mm512_setzero_si512();
         for (int g = 0; g < 4; ++g) {
           const __m512i w = _mm512_load_si512((const void*)wc);
           const uint8_t* x4 = reinterpret_cast<const uint8_t*>(xq);
@@ -1219,6 +1300,10 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
         const __m512 sc = _mm512_load_ps(P.ws + (2 * sb + h) * 16);
         for (int i = 0; i < RT; ++i)
           t[i] = h == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(ia[i]), sc) : _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i]), sc, t[i]);
+        if (min16(TYPE)) {  // -(dmin m) [NR] * sum(q_x) over these 16 values
+          const __m512 mn = _mm512_load_ps(P.wm + (2 * sb + h) * 16);
+          for (int i = 0; i < RT; ++i) t[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps((float)s16[(2 * sb + h) * MR + i]), t[i]);
+        }
       }
       for (int i = 0; i < RT; ++i) acc[i] = _mm512_fmadd_ps(t[i], _mm512_set1_ps(dx[sb * MR + i]), acc[i]);
     } else {
@@ -1252,6 +1337,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
   const float* dx = A.d + (mb * A.nb + k0 / 32) * MR;
   const float* sx = A.s + (mb * A.nb + k0 / 32) * MR;
   const int32_t* off = OFF ? A.off + (mb * A.nsub + k0 / 32 * (per16(TYPE) ? 2 : 1)) * MR : nullptr;
+  const int32_t* s16 = min16(TYPE) ? A.s16 + (mb * A.nsub + k0 / 32 * 2) * MR : nullptr;
   __m256 acc[MR];
   PROMPT_UNROLL for (int i = 0; i < RT; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t nsb = kc / 32;
@@ -1260,7 +1346,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
       __m256 t[MR];
       for (int h = 0; h < 2; ++h) {
         __m256i ia[MR];
-        for (int i = 0; i < RT; ++i) ia[i] = _mm256_set1_epi32(off[(2 * sb + h) * MR + i]);
+        for (int i = 0; i < RT; ++i) ia[i] = OFF ? _mm256_set1_epi32(off[(2 * sb + h) * MR + i]) : _mm256_setzero_si256();
         for (int g = 0; g < 4; g += 2) {  // two groups' pair sums added in int16 (4 products, |.| <= 4 * 63 * 127)
           const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
           const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
@@ -1276,6 +1362,10 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
         const __m256 sc = _mm256_load_ps(P.ws + (2 * sb + h) * 8);
         for (int i = 0; i < RT; ++i)
           t[i] = h == 0 ? _mm256_mul_ps(_mm256_cvtepi32_ps(ia[i]), sc) : _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), sc, t[i]);
+        if (min16(TYPE)) {  // -(dmin m) [NR] * sum(q_x) over these 16 values
+          const __m256 mn = _mm256_load_ps(P.wm + (2 * sb + h) * 8);
+          for (int i = 0; i < RT; ++i) t[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps((float)s16[(2 * sb + h) * MR + i]), t[i]);
+        }
       }
       for (int i = 0; i < RT; ++i) acc[i] = _mm256_fmadd_ps(t[i], _mm256_set1_ps(dx[sb * MR + i]), acc[i]);
     } else {
@@ -1350,6 +1440,11 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
       const float* sc = P.ws + (HALVES * sb + h) * NR;
       for (int i = 0; i < RT; ++i)
         for (int n = 0; n < NR; ++n) t[i][n] += (float)ia[i][n] * sc[n];
+      if (min16(TYPE)) {
+        const int32_t* s16 = A.s16 + (mb * A.nsub + k0 / 16 + 2 * sb + h) * MR;
+        for (int i = 0; i < RT; ++i)
+          for (int n = 0; n < NR; ++n) t[i][n] += P.wm[(2 * sb + h) * NR + n] * (float)s16[i];
+      }
     }
     for (int i = 0; i < RT; ++i)
       for (int n = 0; n < NR; ++n) {
@@ -1547,7 +1642,7 @@ int64_t gguf_block_values(int type) {
   if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? gguf_block_values(type - GGUF_X8) : 0;
   switch (type) {
     case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q5_0: case GGUF_Q5_1: case GGUF_Q8_0: return 32;
-    case GGUF_Q3_K: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: return 256;
+    case GGUF_Q2_K: case GGUF_Q3_K: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: return 256;
     default: return 0;
   }
 }
@@ -1565,6 +1660,7 @@ int64_t gguf_block_bytes(int type) {
     case GGUF_Q5_K: return Fmt<GGUF_Q5_K>::BYTES;
     case GGUF_Q6_K: return Fmt<GGUF_Q6_K>::BYTES;
     case GGUF_Q3_K: return Fmt<GGUF_Q3_K>::BYTES;
+    case GGUF_Q2_K: return Fmt<GGUF_Q2_K>::BYTES;
     default: return 0;
   }
 }
@@ -1712,82 +1808,6 @@ void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K,
     return;
   }
   dispatch<DequantOp>(type, blocks, N, K, out);
-}
-
-// ------------------------------------------------------------------------------------------------ Q2_K -> Q8_0
-// The loader's path for the K-quant without kernels (loading.gguf_as_stored): each super-block dequantized as
-// gguf.quants computes it (float32, products rounded before the min is taken off), then each 32 values rounded as
-// llama.cpp's quantize_row_q8_0_ref: d = amax / 127, q = roundf(x * (1 / d)), d stored as fp16.
-namespace {
-
-constexpr int GGUF_Q2_K = 10;
-
-// 16 sub-blocks of 16 values, in the order (half n, shift j, part h) of llama.cpp's dequantize_row_q2_K: the codes
-// of value l are bits 2j of qs[32 n + 16 h + l].
-void dequant_q2_k(const uint8_t* b, float* y) {
-  const uint8_t* qs = b + 16;
-  const float d = f16(b + 80), dmin = f16(b + 82);
-  for (int n = 0; n < 2; ++n)
-    for (int j = 0; j < 4; ++j)
-      for (int h = 0; h < 2; ++h) {
-        const uint8_t sc = b[8 * n + 2 * j + h];
-        const float dl = d * (float)(sc & 0xF), ml = dmin * (float)(sc >> 4);
-        for (int l = 0; l < 16; ++l) *y++ = no_contract(dl * (float)((qs[32 * n + 16 * h + l] >> (2 * j)) & 3)) - ml;
-      }
-}
-
-// 32 values -> one Q8_0 block (fp16 d, 32 int8): d = amax / 127, q = roundf(x * (1 / d)), half away from zero.
-void q8_0_block(const float* v, uint8_t* o) {
-#ifdef EDGELLM_G_AVX2
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  __m256 m = _mm256_setzero_ps();
-  for (int l = 0; l < 32; l += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + l)));
-  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-  const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
-#else
-  float amax = 0.0f;
-  for (int l = 0; l < 32; ++l) amax = std::max(amax, std::fabs(v[l]));
-#endif
-  const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-  const uint16_t dh = float_to_half(d);
-  std::memcpy(o, &dh, 2);
-#ifdef EDGELLM_G_AVX2
-  const __m256 vid = _mm256_set1_ps(id), two = _mm256_set1_ps(2.0f);
-  __m256i q32[4];
-  for (int c = 0; c < 4; ++c) {
-    const __m256 r = _mm256_mul_ps(_mm256_loadu_ps(v + 8 * c), vid), a = _mm256_andnot_ps(sign, r);
-    const __m256 f = _mm256_floor_ps(a);
-    const __m256 q = _mm256_add_ps(f, _mm256_floor_ps(_mm256_mul_ps(two, _mm256_sub_ps(a, f))));
-    q32[c] = _mm256_cvtps_epi32(_mm256_or_ps(q, _mm256_and_ps(sign, r)));  // the sign back: exact integers
-  }
-  const __m256i p16 = _mm256_packs_epi32(q32[0], q32[1]), p16b = _mm256_packs_epi32(q32[2], q32[3]);
-  const __m256i p8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(p16, p16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  _mm256_storeu_si256((__m256i*)(o + 2), p8);
-#else
-  for (int l = 0; l < 32; ++l) {  // roundf, as numpy's np_roundf writes it
-    const float r = v[l] * id, a = std::fabs(r), f = std::floor(a), q = f + std::floor(2.0f * (a - f));
-    o[2 + l] = (uint8_t)(int8_t)(r < 0.0f ? -q : q);
-  }
-#endif
-}
-
-}  // namespace
-
-int64_t gguf_requantizable_block_bytes(int type) { return type == GGUF_Q2_K ? 84 : 0; }
-
-void gguf_requantize_q8_0(const uint8_t* blocks, int type, int64_t N, int64_t K, uint8_t* out) {
-  const int64_t in_bytes = gguf_requantizable_block_bytes(type), rb = K / 256 * in_bytes, ob = K / 32 * 34;
-  if (N <= 0 || K % 256 != 0 || in_bytes == 0) return;
-  parallel_run(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t n0, int64_t n1) {
-    float x[256];
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t s = 0; s < K / 256; ++s) {
-        const uint8_t* b = blocks + n * rb + s * in_bytes;
-        dequant_q2_k(b, x);
-        for (int g = 0; g < 8; ++g) q8_0_block(x + 32 * g, out + n * ob + (s * 8 + g) * 34);
-      }
-  });
 }
 
 // ------------------------------------------------------------------------------------------------ prompt GEMM

@@ -8,7 +8,7 @@ namespace edgellm {
 
 // GGML type ids (gguf.GGMLQuantizationType) of the types multiplied natively.
 enum GgufType { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8,
-                GGUF_Q3_K = 11, GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14 };
+                GGUF_Q2_K = 10, GGUF_Q3_K = 11, GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14 };
 
 // A type id plus GGUF_X8: that K-quant's, Q5_0's or Q5_1's rows repacked 8 at a time (cpu_gguf_x8.cpp), N a
 // multiple of 8.
@@ -88,11 +88,6 @@ bool gguf_prompt_gemm_fast();
 
 // W [N, K] fp32, bit-identical to gguf.quants.dequantize.
 void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K, float* out);
-// Q2_K (a type without kernels) [N, K] -> Q8_0 blocks [N, K / 32 * 34]: bit-identical to
-// gguf.quants.quantize(gguf.quants.dequantize(blocks), Q8_0). K a multiple of 256. The block bytes of a type it
-// takes (256 values), 0 for the others.
-int64_t gguf_requantizable_block_bytes(int type);
-void gguf_requantize_q8_0(const uint8_t* blocks, int type, int64_t N, int64_t K, uint8_t* out);
 
 // The x8 layout (cpu_gguf_x8.cpp): whether this build multiplies it for a base type (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1
 // with the AVX2 kernels), its bytes per unit of 8 rows x the type's block (256 values, Q5_0 / Q5_1: 32; 0: no x8

@@ -19,7 +19,7 @@ __all__ = ["NATIVE_TYPES", "dequantize_blocks"]
 
 
 # the quantized types edgellm multiplies as stored (the C++ kernels' list; this module dequantizes each of
-# them on other devices); others (Q2_K, IQ*) are requantized to Q8_0 at load (loading.gguf_as_stored)
+# them on other devices); others (IQ*, TQ*) are requantized to Q8_0 at load (loading.gguf_as_stored)
 NATIVE_TYPES = frozenset(GGUF_NATIVE_TYPES)
 assert NATIVE_TYPES == {t.name for t in GGUF_TYPES.values()}
 
@@ -113,6 +113,17 @@ def dequantize_blocks(raw: torch.Tensor, type_id: int, shape: tuple[int, int],
         qh = (hmask.reshape(nb, 1, 32) >> torch.arange(8, device=b.device, dtype=torch.uint8).reshape(1, 8, 1)) & 1
         q = ((ql.reshape(nb, 8, 32) | (qh << 2)).to(torch.int8) - 4).reshape(nb, 16, 16).float()
         w = dl * q
+    elif t.name == "Q2_K":
+        nb = b.shape[0]
+        sc, qs = b[:, 0, 0:16], b[:, 0, 16:80]
+        d = _f16(b[:, 0, 80:82].unsqueeze(1)).reshape(nb, 1)
+        dmin = _f16(b[:, 0, 82:84].unsqueeze(1)).reshape(nb, 1)
+        dl = (d * (sc & 0x0F).float()).reshape(nb, 16, 1)
+        ml = (dmin * (sc >> 4).float()).reshape(nb, 16, 1)
+        # sub-block j = 4n + i (32 values): bits 2i of its half's 32 qs bytes
+        q = (qs.reshape(nb, 2, 1, 32) >> torch.arange(0, 8, 2, device=b.device, dtype=torch.uint8)
+             .reshape(1, 1, 4, 1)) & 3
+        w = dl * q.reshape(nb, 16, 16).float() - ml
     else:  # pragma: no cover - GGUF_TYPES lists exactly the branches above
         raise ValueError(f"no dequantizer for {t.name}")
     return w.reshape(n, k).to(dtype)

@@ -22,9 +22,9 @@ from gguf import quants
 from edgellm.kernels import cpu_ext
 from tests.test_cpu_kernels import ext, start_builds, stop_builds  # noqa: F401  (ext: the extension fixture, shared)
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-K_QUANTS = {Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
-X8_K_QUANTS = K_QUANTS  # every K-quant has an x8 layout (cpu_gguf_x8.cpp)
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+X8_K_QUANTS = {Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}  # the K-quants with an x8 layout (cpu_gguf_x8.cpp)
 TOL_EMULATED = 1e-5
 TOL_EXACT = 1e-2
 
@@ -47,6 +47,9 @@ def make_weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
         raw[:, 208:210] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # d; scales int8 random (signed)
     elif qtype == Q.Q3_K:
         raw[:, 108:110] = _f16_bytes(rng, nb, 1e-3, 2e-2)  # d; 6-bit scales (minus 32) and codes random
+    elif qtype == Q.Q2_K:
+        raw[:, 80:82] = _f16_bytes(rng, nb, 1e-3, 2e-2)  # d
+        raw[:, 82:84] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # dmin; 4-bit scales and mins, codes random
     else:
         raw[:, 0:2] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # d
         raw[:, 2:4] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # dmin
@@ -109,31 +112,6 @@ def test_dequantize_bit_identical_to_gguf(ext, qtype, k):
     want = dequant_ref(raw, qtype)
     assert got.dtype == np.float32 and want.dtype == np.float32
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
-
-
-@pytest.mark.parametrize("type_name", ["Q2_K"])
-@pytest.mark.parametrize("k", [256, 768])
-def test_requantize_to_q8_0_bit_identical_to_gguf(ext, type_name, k):
-    """Q2_K, which has no kernels, becomes Q8_0 at load in one C++ pass: the bytes gguf.quants gives for
-    dequantize then quantize to Q8_0 (llama.cpp's rounding), for random blocks and for blocks of random bytes
-    (every scale, code and high bit)."""
-    import gguf
-
-    from tests.fixtures.tiny import random_blocks
-
-    rng = np.random.default_rng(k)
-    qtype = gguf.GGMLQuantizationType[type_name]
-    valid = random_blocks(type_name, 37, k, rng)
-    noise = rng.integers(0, 256, size=valid.shape, dtype=np.uint8)
-    for h in (80, 82):  # finite fp16 super-block scales, of either sign
-        noise.reshape(-1, gguf.GGML_QUANT_SIZES[qtype][1])[:, h:h + 2] = (
-            rng.uniform(-0.02, 0.02, (noise.size // gguf.GGML_QUANT_SIZES[qtype][1], 1)).astype(np.float16).view(np.uint8))
-    for raw in (valid, noise):
-        want = gguf.quants.quantize(gguf.quants.dequantize(raw, qtype).reshape(37, k), gguf.GGMLQuantizationType.Q8_0)
-        got = ext.gguf_requantize_q8_0(torch.from_numpy(raw.copy()).reshape(-1), int(qtype), 37, k).numpy()
-        assert got.shape == want.shape and np.array_equal(got, want)
-    with pytest.raises(RuntimeError, match="is not Q2_K"):
-        ext.gguf_requantize_q8_0(torch.from_numpy(valid.copy()).reshape(-1), int(gguf.GGMLQuantizationType.Q3_K), 37, k)
 
 
 def test_dequantize_into_out_buffer(ext):
@@ -276,14 +254,6 @@ int main(int argc, char** argv) {
   int64_t hdr[4];  // type, M, N, K
   while (rd(in, hdr, 4)) {
     const int type = (int)hdr[0];
-    if (hdr[1] == 0) {  // M = 0: a Q2_K tensor requantized to Q8_0 (its bytes, padded to whole floats)
-      const int64_t N = hdr[2], K = hdr[3];
-      std::vector<uint8_t> raw(N * K / 256 * edgellm::gguf_requantizable_block_bytes(type)), q((N * K / 32 * 34 + 3) / 4 * 4);
-      if (!rd(in, raw.data(), raw.size())) return 3;
-      edgellm::gguf_requantize_q8_0(raw.data(), type, N, K, q.data());
-      std::fwrite(q.data(), 1, q.size(), out);
-      continue;
-    }
     const int64_t M = hdr[1], N = hdr[2], K = hdr[3], rb = edgellm::gguf_row_bytes(type, K);
     std::vector<uint8_t> raw(N * rb);
     std::vector<float> x(M * K), w(N * K), y(M * N), y1(M * N);
@@ -319,8 +289,6 @@ int main(int argc, char** argv) {
 # (type, M, N, K): every type, a K-quant K of 2 super-blocks, 32-block K with a tail, M across the tile sizes
 ISA_CASES = [(t, m, n, k) for t in TYPES for (m, n, k) in ((1, 19, 512), (6, 9, 768))] + \
     [(t, 5, 7, 288) for t in TYPES if t not in K_QUANTS]
-# (type, 0, N, K): Q2_K requantized to Q8_0 (kernels/cpu_gguf.cpp gguf_requantize_q8_0)
-REQUANT_CASES = [(Q.Q2_K, 0, 7, 512), (Q.Q2_K, 0, 9, 768)]
 
 
 @pytest.fixture(scope="module")
@@ -344,18 +312,12 @@ def run_isa(folder, jobs, name: str) -> dict:
     proc, exe, runner = jobs[name]
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
-    from tests.fixtures.tiny import random_blocks
-
     cases, blob = {}, bytearray()
     for i, (t, m, n, k) in enumerate(ISA_CASES):
         raw = make_weights(t, n, k, seed=50 + i)
         x = np.random.default_rng(i).standard_normal((m, k)).astype(np.float32)
         cases[(t, m, n, k)] = (raw, x)
         blob += np.array([int(t), m, n, k], dtype=np.int64).tobytes() + raw.tobytes() + x.tobytes()
-    for i, (t, m, n, k) in enumerate(REQUANT_CASES):
-        raw = random_blocks(t.name, n, k, np.random.default_rng(70 + i))
-        cases[(t, m, n, k)] = (raw, None)
-        blob += np.array([int(t), m, n, k], dtype=np.int64).tobytes() + raw.tobytes()
     (folder / "cases.bin").write_bytes(bytes(blob))
     res = folder / f"out-{name}.bin"
     run = subprocess.run([*runner, str(exe), str(folder / "cases.bin"), str(res)], capture_output=True, text=True,
@@ -364,11 +326,6 @@ def run_isa(folder, jobs, name: str) -> dict:
     data, pos, got = np.fromfile(res, dtype=np.float32), 0, {}
     for key, (raw, x) in cases.items():
         _, m, n, k = key
-        if m == 0:  # the Q8_0 bytes of a requantized case
-            nbytes = n * k // 32 * 34
-            got[key] = (raw, data[pos:pos + (nbytes + 3) // 4].view(np.uint8)[:nbytes].reshape(n, -1))
-            pos += (nbytes + 3) // 4
-            continue
         w, pos = data[pos:pos + n * k].reshape(n, k), pos + n * k
         y, pos = data[pos:pos + m * n].reshape(m, n), pos + m * n
         y1, pos = data[pos:pos + m * n].reshape(m, n), pos + m * n
@@ -386,11 +343,6 @@ def test_isa_builds_match_reference(isa_builds, isa):
     if isa not in jobs:
         pytest.skip(f"no {isa} build here (needs the CPU, or aarch64-linux-gnu-g++ and qemu-aarch64 for NEON)")
     for (t, m, n, k), result in run_isa(folder, jobs, isa).items():
-        if m == 0:  # Q2_K -> Q8_0: gguf.quants' bytes
-            raw, q8 = result
-            want_q8 = quants.quantize(quants.dequantize(raw, t).reshape(n, k), Q.Q8_0)
-            assert np.array_equal(q8, want_q8), (isa, t.name, "requantized to Q8_0")
-            continue
         raw, x, w, y, y1, y8 = result
         want = dequant_ref(raw, t)
         np.testing.assert_array_equal(w.view(np.uint32), want.view(np.uint32), err_msg=f"{isa} {t.name}")
@@ -412,8 +364,6 @@ def test_vnni_build_bit_identical_to_avx2(isa_builds):
         pytest.skip("this CPU has no AVX-512 VNNI (avx512f/bw/vl/vnni)")
     a, v = run_isa(folder, jobs, "avx2"), run_isa(folder, jobs, "avx512vnni")
     for key in a:
-        if key[1] == 0:  # a requantized case: checked against gguf.quants per build
-            continue
         assert np.array_equal(a[key][3].view(np.uint32), v[key][3].view(np.uint32)), key
         assert np.array_equal(a[key][5].view(np.uint32), v[key][5].view(np.uint32)), (key, "x8")
 
