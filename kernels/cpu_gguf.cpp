@@ -1488,12 +1488,12 @@ void build_panel_x8(const uint8_t* x8, int64_t n0, int nvalid, int64_t K, int64_
     for (int gi = 0; gi < NR / 8; ++gi) {
       uint8_t* codes = P.codes + sl * SUB * 8 * NR * 4 + gi * 32;
       float* ws = P.ws + NWS * sl * NR + gi * 8;
-      float* wm = P.wm + SUB * sl * NR + gi * 8;
+      constexpr int64_t NWM = min16(TYPE) ? NWS : Fmt<TYPE>::MIN ? SUB : 0;  // mins per unit (Q2_K: per 16 values)
+      float* wm = P.wm + NWM * sl * NR + gi * 8;
       if (8 * gi >= nvalid) {  // past the part's last group: zeros
         for (int jg = 0; jg < 8 * SUB; ++jg) std::memset(codes + jg * NR * 4, 0, 32);
         for (int t = 0; t < NWS; ++t) std::memset(ws + t * NR, 0, 32);
-        if (Fmt<TYPE>::MIN)
-          for (int j = 0; j < SUB; ++j) std::memset(wm + j * NR, 0, 32);
+        for (int t = 0; t < NWM; ++t) std::memset(wm + t * NR, 0, 32);
         continue;
       }
       gguf_x8_panel_sb(x8 + (n0 / 8 + gi) * gbytes + s * xb, TYPE, codes, NR * 4, ws, wm, NR);
@@ -1822,6 +1822,7 @@ void gguf_gemm_prompt(const GgufActs& acts, const uint8_t* blocks, int type, int
     else if (type - GGUF_X8 == GGUF_Q5_K) PromptX8Op<GGUF_Q5_K>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_Q6_K) PromptX8Op<GGUF_Q6_K>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_Q3_K) PromptX8Op<GGUF_Q3_K>::run(acts, blocks, N, y, ldy, out_index);
+    else if (type - GGUF_X8 == GGUF_Q2_K) PromptX8Op<GGUF_Q2_K>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_Q5_0) PromptX8Op<GGUF_Q5_0>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_Q5_1) PromptX8Op<GGUF_Q5_1>::run(acts, blocks, N, y, ldy, out_index);
     return;

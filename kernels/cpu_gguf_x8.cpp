@@ -17,6 +17,8 @@
 //   Q3_K (912): d[r] fp16 | sc[t][r] int8 (the 6-bit scales unpacked, minus 32) | then for each group g, 96 bytes:
 //        hm[r][i] = hmask[4g + i] (bit j: the high bit of sub-block j), qs[n][r][i] = qs[32n + 4g + i] for n = 0, 1
 //        (bits 2i', 2i' + 1: sub-block 4n + i'); 32 bytes more than the 8 stored blocks (3.6%)
+//   Q2_K (672): d[r] fp16 | dmin[r] fp16 | sc[t][r] u8 (as stored: scale | min << 4 of 16-value sub-block t) | then
+//        for each group g, 64 bytes: qs[n][r][i] = qs[32n + 4g + i] for n = 0, 1; the stored blocks' size
 // The unpacked Q4_K / Q5_K scales cost 32 bytes per 8 super-blocks (2.8%) and save the 6-bit unpacking per row.
 // The 32-value types with a fifth bit take the same idea per 32-value block ("x8 unit" = 32 values of 8 rows; their
 // tensors are the ones whose K is not a multiple of 256, e.g. most of a Qwen2.5-0.5B or SmolLM2 Q4_K_M):
@@ -58,6 +60,7 @@ template <> struct Raw<GGUF_Q4_K> { static constexpr int64_t QV = 256, BYTES = 1
 template <> struct Raw<GGUF_Q5_K> { static constexpr int64_t QV = 256, BYTES = 176, XB = 1440, QS = 48, QH = 16; };
 template <> struct Raw<GGUF_Q6_K> { static constexpr int64_t QV = 256, BYTES = 210, XB = 1680, QS = 0; };
 template <> struct Raw<GGUF_Q3_K> { static constexpr int64_t QV = 256, BYTES = 110, XB = 912, QS = 32; };
+template <> struct Raw<GGUF_Q2_K> { static constexpr int64_t QV = 256, BYTES = 84, XB = 672, QS = 16; };
 // Q5_0 / Q5_1: HOFF = the stored qh's offset (qs after it), XH = the x8 unit's qh (nibbles after it)
 template <> struct Raw<GGUF_Q5_0> { static constexpr int64_t QV = 32, BYTES = 22, XB = 176, HOFF = 2, XH = 16; };
 template <> struct Raw<GGUF_Q5_1> { static constexpr int64_t QV = 32, BYTES = 24, XB = 192, HOFF = 4, XH = 32; };
@@ -71,6 +74,7 @@ void on_x8_type(int base_type, F&& f) {
     case GGUF_Q5_K: f(std::integral_constant<int, GGUF_Q5_K>()); break;
     case GGUF_Q6_K: f(std::integral_constant<int, GGUF_Q6_K>()); break;
     case GGUF_Q3_K: f(std::integral_constant<int, GGUF_Q3_K>()); break;
+    case GGUF_Q2_K: f(std::integral_constant<int, GGUF_Q2_K>()); break;
     case GGUF_Q5_0: f(std::integral_constant<int, GGUF_Q5_0>()); break;
     case GGUF_Q5_1: f(std::integral_constant<int, GGUF_Q5_1>()); break;
     default: break;
@@ -175,7 +179,19 @@ template <int TYPE, bool TO_X8>
 void convert_sb(uint8_t* const raw[8], uint8_t* o) {
   for (int r = 0; r < 8; ++r) {  // the fp16 d's and the scales, a row at a time
     uint8_t* b = raw[r];
-    if (TYPE == GGUF_Q3_K) {
+    if (TYPE == GGUF_Q2_K) {
+      for (int t = 0; t < 16; ++t) {
+        if (TO_X8) o[32 + t * 8 + r] = b[t];
+        else b[t] = o[32 + t * 8 + r];
+      }
+      if (TO_X8) {
+        std::memcpy(o + 2 * r, b + 80, 2);
+        std::memcpy(o + 16 + 2 * r, b + 82, 2);
+      } else {
+        std::memcpy(b + 80, o + 2 * r, 2);
+        std::memcpy(b + 82, o + 16 + 2 * r, 2);
+      }
+    } else if (TYPE == GGUF_Q3_K) {
       int8_t sc[16];
       if (TO_X8) {
         std::memcpy(o + 2 * r, b + 108, 2);
@@ -212,6 +228,10 @@ void convert_sb(uint8_t* const raw[8], uint8_t* o) {
       }
       kquant_pack6(sc, mn, b + 4);
     }
+  }
+  if (TYPE == GGUF_Q2_K) {  // [g]: qs (n = 0), qs (n = 1), 32 bytes each
+    for (int n = 0; n < 2; ++n) groups8<TO_X8>(o + 160 + 32 * n, raw, 16 + 32 * n, 64);
+    return;
   }
   if (TYPE == GGUF_Q3_K) {  // [g]: hmask, qs (n = 0), qs (n = 1), 32 bytes each
     groups8<TO_X8>(o + 144, raw, 0, 96);
@@ -448,20 +468,70 @@ inline void half_q3k(const GgufActs& a, int64_t m0, const uint8_t* o, int64_t s,
   }
 }
 
-template <int T>
-void group_q3k(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
+// The codes (0..3) of the four sub-blocks 4n + i of a Q2_K group: bits 2i, 2i+1 of its qs[n] vector.
+inline void codes_q2k(__m256i q, __m256i u[4]) {
+  const __m256i m2 = _mm256_set1_epi8(3);
+  u[0] = _mm256_and_si256(q, m2);
+  u[1] = _mm256_and_si256(_mm256_srli_epi16(q, 2), m2);
+  u[2] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m2);
+  u[3] = _mm256_and_si256(_mm256_srli_epi16(q, 6), m2);
+}
+
+// As half_q3k for Q2_K (no offset): per 16 values, one madd with the rows' 4-bit scales, one FMA with d_x; the mins
+// meet the activations' 16-value sums, (m sum(q_x)) d_x summed apart and scaled by dmin at the end.
+template <int T, int N>
+inline void half_q2k(const GgufActs& a, int64_t m0, const uint8_t* o, int64_t s, __m256 sacc[T], __m256 macc[T]) {
+  for (int half = 0; half < 2; ++half) {
+    __m256i hs[T][4];
+    for (int t = 0; t < T; ++t) hs[t][0] = hs[t][1] = hs[t][2] = hs[t][3] = _mm256_setzero_si256();
+    for (int g = 4 * half; g < 4 * half + 4; ++g) {  // pair sums of 4 groups in int16: |.| <= 4 * 2 * 3 * 127
+      __m256i u[4];
+      codes_q2k(_mm256_loadu_si256((const __m256i*)(o + 160 + g * 64 + 32 * N)), u);
+      for (int t = 0; t < T; ++t) {
+        const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 128 * N + 4 * g;
+        for (int i = 0; i < 4; ++i) hs[t][i] = _mm256_add_epi16(hs[t][i], _mm256_maddubs_epi16(u[i], bcast4(xq + 32 * i)));
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      const int sub16 = 2 * (4 * N + i) + half;
+      const __m128i s8 = _mm_loadl_epi64((const __m128i*)(o + 32 + 8 * sub16)), m4 = _mm_set1_epi8(0x0F);
+      const __m128i sc8 = _mm_and_si128(s8, m4);
+      const __m256i sc = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc8, sc8));
+      const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(s8, 4), m4)));
+      for (int t = 0; t < T; ++t) {
+        const int64_t b = (m0 + t) * a.nb + s * 8;
+        const float dx = a.d[b + 4 * N + i];
+        const __m256i v = _mm256_madd_epi16(hs[t][i], sc);
+        sacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(dx), sacc[t]);
+        macc[t] = _mm256_fmadd_ps(mn, _mm256_set1_ps((float)a.sum16[2 * b + sub16] * dx), macc[t]);
+      }
+    }
+  }
+}
+
+// Q2_K / Q3_K: a group of 8 rows, super-block by super-block, through half_q2k / half_q3k.
+template <int TYPE, int T>
+void group_low_k(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
+  constexpr int64_t XB = Raw<TYPE>::XB;
   const int64_t nsb = a.K / 256;
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
-    const uint8_t* o = w + s * 912;
-    prefetch_sb<912>(o);
-    __m256 sacc[T];
-    for (int t = 0; t < T; ++t) sacc[t] = _mm256_setzero_ps();
-    half_q3k<T, 0>(a, m0, o, s, sacc);
-    half_q3k<T, 1>(a, m0, o, s, sacc);
+    const uint8_t* o = w + s * XB;
+    prefetch_sb<XB>(o);
+    __m256 sacc[T], macc[T];
+    for (int t = 0; t < T; ++t) sacc[t] = macc[t] = _mm256_setzero_ps();
+    if constexpr (TYPE == GGUF_Q2_K) {
+      half_q2k<T, 0>(a, m0, o, s, sacc, macc);
+      half_q2k<T, 1>(a, m0, o, s, sacc, macc);
+    } else {
+      half_q3k<T, 0>(a, m0, o, s, sacc);
+      half_q3k<T, 1>(a, m0, o, s, sacc);
+    }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(sacc[t], d, acc[t]);
+    const __m256 dm = TYPE == GGUF_Q2_K ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 16))) : _mm256_setzero_ps();
+    for (int t = 0; t < T; ++t)
+      acc[t] = _mm256_fmadd_ps(sacc[t], d, TYPE == GGUF_Q2_K ? _mm256_fnmadd_ps(macc[t], dm, acc[t]) : acc[t]);
   }
   for (int t = 0; t < T; ++t) out[t] = acc[t];
 }
@@ -527,7 +597,7 @@ inline void group_rows(const GgufActs& a, int64_t m0, const uint8_t* w, float* y
                        int64_t n0) {
   __m256 out[T];
   if constexpr (TYPE == GGUF_Q6_K) group_q6k<T>(a, m0, w, out);
-  else if constexpr (TYPE == GGUF_Q3_K) group_q3k<T>(a, m0, w, out);
+  else if constexpr (TYPE == GGUF_Q3_K || TYPE == GGUF_Q2_K) group_low_k<TYPE, T>(a, m0, w, out);
   else if constexpr (is_q5(TYPE)) group_q5<TYPE, T>(a, m0, w, out);
   else group_k<TYPE, T>(a, m0, w, out);
   for (int t = 0; t < T; ++t) {
@@ -573,6 +643,24 @@ void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, floa
     if (TYPE == GGUF_Q5_1) _mm256_storeu_ps(wm, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 16))));
     return;
   }
+  if (TYPE == GGUF_Q2_K) {  // per 16 values: d sc, -(dmin m); codes as half_q2k decodes them
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
+    const __m256 dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 16)));
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    for (int t = 0; t < 16; ++t) {
+      const __m128i s8 = _mm_loadl_epi64((const __m128i*)(o + 32 + 8 * t));
+      _mm256_storeu_ps(ws + t * wstride, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(s8, m4)))));
+      _mm256_storeu_ps(wm + t * wstride, _mm256_xor_ps(_mm256_mul_ps(dm, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                                _mm_and_si128(_mm_srli_epi16(s8, 4), m4)))), _mm256_set1_ps(-0.0f)));
+    }
+    for (int g = 0; g < 8; ++g) {
+      __m256i u[8];
+      codes_q2k(_mm256_loadu_si256((const __m256i*)(o + 160 + g * 64)), u);
+      codes_q2k(_mm256_loadu_si256((const __m256i*)(o + 192 + g * 64)), u + 4);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_si256((__m256i*)(codes + (j * 8 + g) * cstride), u[j]);
+    }
+    return;
+  }
   if (TYPE == GGUF_Q3_K || TYPE == GGUF_Q6_K) {  // scales per 16 values: d sc
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
     for (int t = 0; t < 16; ++t)
@@ -580,7 +668,7 @@ void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, floa
                                                               _mm_loadl_epi64((const __m128i*)(o + 16 + 8 * t))))));
   }
   if (TYPE == GGUF_Q3_K) {
-    for (int g = 0; g < 8; ++g) {  // as group_q3k decodes them
+    for (int g = 0; g < 8; ++g) {  // as half_q3k decodes them
       const uint8_t* p = o + 144 + g * 96;
       const __m256i hm = _mm256_loadu_si256((const __m256i*)p);
       __m256i u[8];

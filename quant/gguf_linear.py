@@ -41,7 +41,7 @@ from .linear import _move_packed
 __all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "raw_tensor", "install_gguf", "weight_formats", "repack_for_cpu"]
 
 # the x8 layout's unit per base type: (values, bytes of 8 rows x those values)
-X8_UNITS = {11: (256, 912), 12: (256, 1184), 13: (256, 1440), 14: (256, 1680),  # Q3_K Q4_K Q5_K Q6_K
+X8_UNITS = {10: (256, 672), 11: (256, 912), 12: (256, 1184), 13: (256, 1440), 14: (256, 1680),  # Q2_K .. Q6_K
             6: (32, 176), 7: (32, 192)}  # Q5_0 Q5_1
 
 

@@ -131,7 +131,7 @@ def test_loader_interleaves_q5_linears(r8_ext, m):
     from edgellm.quant import gguf_linear
     from edgellm.quant.gguf_linear import X8, GGUFLinear, repack_for_cpu
 
-    require_layout(r8_ext, "x8", [Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1])
+    require_layout(r8_ext, "x8", [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1])
     assert gguf_linear.Q5_LAYOUT == "x8"
     k = 896
     parts, w = q5_linear_parts(k)

@@ -18,7 +18,7 @@ from tests.test_gguf_kernels import (TOL_EMULATED, TOL_EXACT, dequant_ref, emula
                                      require_layout)
 
 X8 = 1000
-K_QUANTS = [Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 Q5 = [Q.Q5_0, Q.Q5_1]  # x8 per 32-value block: any K % 32 == 0
 X8_TYPES = K_QUANTS + Q5
 
