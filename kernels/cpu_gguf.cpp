@@ -957,7 +957,7 @@ struct PromptActs {
   const float* d = nullptr;      // [Mp / MR][nb][MR]
   const float* s = nullptr;      // [Mp / MR][nb][MR]  d * sum(q)
   const int32_t* off = nullptr;  // [Mp / MR][nsub][MR]  -OFF * sum(q) per 32 (per16: per 16) values; null if no offset
-  const int32_t* s16 = nullptr;  // Q2_K: [Mp / MR][nsub][MR]  sum(q) per 16 values (its mins meet them)
+  const float* s16 = nullptr;    // Q2_K: [Mp / MR][nsub][MR]  sum(q) per 16 values, as floats (its mins meet them)
 };
 
 uint8_t* prompt_acts_buffer(size_t bytes) {
@@ -1008,14 +1008,16 @@ PromptActs prompt_acts(const GgufActs& a) {
             d[(mb * nb + b) * MR + i] = a.d[m * nb + b];
             s[(mb * nb + b) * MR + i] = a.s[m * nb + b];
           }
-          if (SUMS) {
+          if (min16(TYPE)) {
+            for (int64_t b = 0; b < nsub; ++b) reinterpret_cast<float*>(off)[(mb * nsub + b) * MR + i] = (float)a.sum16[m * nsub + b];
+          } else if (SUMS) {
             for (int64_t b = 0; b < nsub; ++b)
-              off[(mb * nsub + b) * MR + i] = (OFF ? -OFF : 1) * (per16(TYPE) ? (int32_t)a.sum16[m * nsub + b] : a.sum32[m * nb + b]);
+              off[(mb * nsub + b) * MR + i] = -OFF * (per16(TYPE) ? (int32_t)a.sum16[m * nsub + b] : a.sum32[m * nb + b]);
           }
         } else {
           for (int64_t g = 0; g < K / 4; ++g) std::memset(qd + (g * MR + i) * 4, 0, 4);
           for (int64_t b = 0; b < nb; ++b) d[(mb * nb + b) * MR + i] = s[(mb * nb + b) * MR + i] = 0.0f;
-          if (SUMS)
+          if (SUMS)  // (0 as int32 and as float alike)
             for (int64_t b = 0; b < nsub; ++b) off[(mb * nsub + b) * MR + i] = 0;
         }
       }
@@ -1025,7 +1027,7 @@ PromptActs prompt_acts(const GgufActs& a) {
   p.d = d;
   p.s = s;
   p.off = OFF ? off : nullptr;
-  p.s16 = min16(TYPE) ? off : nullptr;
+  p.s16 = min16(TYPE) ? reinterpret_cast<const float*>(off) : nullptr;
   return p;
 }
 
@@ -1280,7 +1282,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
   const float* dx = A.d + (mb * A.nb + k0 / 32) * MR;
   const float* sx = A.s + (mb * A.nb + k0 / 32) * MR;
   const int32_t* off = OFF ? A.off + (mb * A.nsub + k0 / 32 * (per16(TYPE) ? 2 : 1)) * MR : nullptr;
-  const int32_t* s16 = min16(TYPE) ? A.s16 + (mb * A.nsub + k0 / 32 * 2) * MR : nullptr;
+  const float* s16 = min16(TYPE) ? A.s16 + (mb * A.nsub + k0 / 32 * 2) * MR : nullptr;
   __m512 acc[MR];
   PROMPT_UNROLL for (int i = 0; i < RT; ++i) acc[i] = _mm512_setzero_ps();  // unrolled: kept in registers, not a memset
   const int64_t nsb = kc / 32;
@@ -1302,7 +1304,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
           t[i] = h == 0 ? _mm512_mul_ps(_mm512_cvtepi32_ps(ia[i]), sc) : _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[i]), sc, t[i]);
         if (min16(TYPE)) {  // -(dmin m) [NR] * sum(q_x) over these 16 values
           const __m512 mn = _mm512_load_ps(P.wm + (2 * sb + h) * 16);
-          for (int i = 0; i < RT; ++i) t[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps((float)s16[(2 * sb + h) * MR + i]), t[i]);
+          for (int i = 0; i < RT; ++i) t[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(s16[(2 * sb + h) * MR + i]), t[i]);
         }
       }
       for (int i = 0; i < RT; ++i) acc[i] = _mm512_fmadd_ps(t[i], _mm512_set1_ps(dx[sb * MR + i]), acc[i]);
@@ -1337,7 +1339,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
   const float* dx = A.d + (mb * A.nb + k0 / 32) * MR;
   const float* sx = A.s + (mb * A.nb + k0 / 32) * MR;
   const int32_t* off = OFF ? A.off + (mb * A.nsub + k0 / 32 * (per16(TYPE) ? 2 : 1)) * MR : nullptr;
-  const int32_t* s16 = min16(TYPE) ? A.s16 + (mb * A.nsub + k0 / 32 * 2) * MR : nullptr;
+  const float* s16 = min16(TYPE) ? A.s16 + (mb * A.nsub + k0 / 32 * 2) * MR : nullptr;
   __m256 acc[MR];
   PROMPT_UNROLL for (int i = 0; i < RT; ++i) acc[i] = _mm256_setzero_ps();
   const int64_t nsb = kc / 32;
@@ -1347,24 +1349,39 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
       for (int h = 0; h < 2; ++h) {
         __m256i ia[MR];
         for (int i = 0; i < RT; ++i) ia[i] = OFF ? _mm256_set1_epi32(off[(2 * sb + h) * MR + i]) : _mm256_setzero_si256();
-        for (int g = 0; g < 4; g += 2) {  // two groups' pair sums added in int16 (4 products, |.| <= 4 * 63 * 127)
-          const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
-          const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
-          const uint8_t* x1 = x0 + 4 * MR;
-          for (int i = 0; i < RT; ++i) {
-            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
-                                               _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x1 + 4 * i))));
-            ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+        if (TYPE == GGUF_Q6_K) {
+          for (int g = 0; g < 4; g += 2) {  // two groups' pair sums added in int16 (4 products, |.| <= 4 * 63 * 127)
+            const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
+            const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
+            const uint8_t* x1 = x0 + 4 * MR;
+            for (int i = 0; i < RT; ++i) {
+              const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
+                                                 _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x1 + 4 * i))));
+              ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+            }
+            wc += 64;
+            xq += 8 * MR;
           }
-          wc += 64;
-          xq += 8 * MR;
+        } else {  // Q3_K / Q2_K: the four groups' pair sums in int16 (8 products of codes <= 7, |.| <= 8 * 7 * 127)
+          const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
+          const __m256i w2 = _mm256_load_si256((const __m256i*)(wc + 64)), w3 = _mm256_load_si256((const __m256i*)(wc + 96));
+          const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
+          for (int i = 0; i < RT; ++i) {
+            const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
+                                                 _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x0 + 4 * (MR + i)))));
+            const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, _mm256_set1_epi32(ld32(x0 + 4 * (2 * MR + i)))),
+                                                 _mm256_maddubs_epi16(w3, _mm256_set1_epi32(ld32(x0 + 4 * (3 * MR + i)))));
+            ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_add_epi16(p01, p23), _mm256_set1_epi16(1)));
+          }
+          wc += 128;
+          xq += 16 * MR;
         }
         const __m256 sc = _mm256_load_ps(P.ws + (2 * sb + h) * 8);
         for (int i = 0; i < RT; ++i)
           t[i] = h == 0 ? _mm256_mul_ps(_mm256_cvtepi32_ps(ia[i]), sc) : _mm256_fmadd_ps(_mm256_cvtepi32_ps(ia[i]), sc, t[i]);
         if (min16(TYPE)) {  // -(dmin m) [NR] * sum(q_x) over these 16 values
           const __m256 mn = _mm256_load_ps(P.wm + (2 * sb + h) * 8);
-          for (int i = 0; i < RT; ++i) t[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps((float)s16[(2 * sb + h) * MR + i]), t[i]);
+          for (int i = 0; i < RT; ++i) t[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(s16[(2 * sb + h) * MR + i]), t[i]);
         }
       }
       for (int i = 0; i < RT; ++i) acc[i] = _mm256_fmadd_ps(t[i], _mm256_set1_ps(dx[sb * MR + i]), acc[i]);
@@ -1441,9 +1458,9 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
       for (int i = 0; i < RT; ++i)
         for (int n = 0; n < NR; ++n) t[i][n] += (float)ia[i][n] * sc[n];
       if (min16(TYPE)) {
-        const int32_t* s16 = A.s16 + (mb * A.nsub + k0 / 16 + 2 * sb + h) * MR;
+        const float* s16 = A.s16 + (mb * A.nsub + k0 / 16 + 2 * sb + h) * MR;
         for (int i = 0; i < RT; ++i)
-          for (int n = 0; n < NR; ++n) t[i][n] += P.wm[(2 * sb + h) * NR + n] * (float)s16[i];
+          for (int n = 0; n < NR; ++n) t[i][n] += P.wm[(2 * sb + h) * NR + n] * s16[i];
       }
     }
     for (int i = 0; i < RT; ++i)
