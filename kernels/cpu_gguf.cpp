@@ -1330,6 +1330,23 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
   PROMPT_UNROLL for (int i = 0; i < RT; ++i) _mm512_store_ps(out + i * 16, acc[i]);
 }
 #elif defined(EDGELLM_G_AVX2)
+// ia[i] += the int sums of 4 groups (16 values of each panel row) of codes <= 31 at wc against activation row i of
+// the block at xq, the 4 groups' maddubs pair sums added in int16 first (8 products: |.| <= 8 * 31 * 127 = 31496).
+template <int RT>
+inline void dot_4groups(const uint8_t* wc, const int8_t* xq, __m256i* ia) {
+  constexpr int MR = P_MR;
+  const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
+  const __m256i w2 = _mm256_load_si256((const __m256i*)(wc + 64)), w3 = _mm256_load_si256((const __m256i*)(wc + 96));
+  const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
+  for (int i = 0; i < RT; ++i) {
+    const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
+                                         _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x0 + 4 * (MR + i)))));
+    const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, _mm256_set1_epi32(ld32(x0 + 4 * (2 * MR + i)))),
+                                         _mm256_maddubs_epi16(w3, _mm256_set1_epi32(ld32(x0 + 4 * (3 * MR + i)))));
+    ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_add_epi16(p01, p23), _mm256_set1_epi16(1)));
+  }
+}
+
 template <int TYPE, int RT>
 void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, int64_t kc, float* out) {
   using F = Fmt<TYPE>;
@@ -1362,17 +1379,8 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
             wc += 64;
             xq += 8 * MR;
           }
-        } else {  // Q3_K / Q2_K: the four groups' pair sums in int16 (8 products of codes <= 7, |.| <= 8 * 7 * 127)
-          const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
-          const __m256i w2 = _mm256_load_si256((const __m256i*)(wc + 64)), w3 = _mm256_load_si256((const __m256i*)(wc + 96));
-          const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
-          for (int i = 0; i < RT; ++i) {
-            const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
-                                                 _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x0 + 4 * (MR + i)))));
-            const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, _mm256_set1_epi32(ld32(x0 + 4 * (2 * MR + i)))),
-                                                 _mm256_maddubs_epi16(w3, _mm256_set1_epi32(ld32(x0 + 4 * (3 * MR + i)))));
-            ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_add_epi16(p01, p23), _mm256_set1_epi16(1)));
-          }
+        } else {  // Q3_K / Q2_K: the four groups' pair sums in int16 (8 products of codes <= 7)
+          dot_4groups<RT>(wc, xq, ia);
           wc += 128;
           xq += 16 * MR;
         }
@@ -1405,18 +1413,8 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
           xq += 4 * MR;
         }
       } else {
-        for (int g = 0; g < 8; g += 4) {  // four groups' pair sums added in int16 (8 products of codes <= 31,
-                                           // |.| <= 8 * 31 * 127 = 31496)
-          const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
-          const __m256i w2 = _mm256_load_si256((const __m256i*)(wc + 64)), w3 = _mm256_load_si256((const __m256i*)(wc + 96));
-          const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
-          for (int i = 0; i < RT; ++i) {
-            const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
-                                                 _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x0 + 4 * (MR + i)))));
-            const __m256i p23 = _mm256_add_epi16(_mm256_maddubs_epi16(w2, _mm256_set1_epi32(ld32(x0 + 4 * (2 * MR + i)))),
-                                                 _mm256_maddubs_epi16(w3, _mm256_set1_epi32(ld32(x0 + 4 * (3 * MR + i)))));
-            ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_add_epi16(p01, p23), _mm256_set1_epi16(1)));
-          }
+        for (int g = 0; g < 8; g += 4) {
+          dot_4groups<RT>(wc, xq, ia);
           wc += 128;
           xq += 16 * MR;
         }
