@@ -1761,15 +1761,18 @@ GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K, bool paired) {
   a.K = K;
   a.nb = K / QK;
   const size_t per = (size_t)(M * a.nb);
-  // q [M, K] (K % 32 == 0: every row 32-byte aligned), then d, s, sum32 (4 bytes each), sum16 (2 x 2 bytes)
-  uint8_t* base = acts_buffer(per * 64 + per * 16 + 64);
+  // q [M, K] (K % 32 == 0: every row 32-byte aligned), then d, s, sum32 (4 bytes each), sum16 (2 x 2 bytes),
+  // d_sum16, q3k_off (2 x 4 bytes each)
+  uint8_t* base = acts_buffer(per * 96 + 64);
   int8_t* q = reinterpret_cast<int8_t*>(base);
   float* d = reinterpret_cast<float*>(base + per * 32);
   float* s = d + per;
   int32_t* s32 = reinterpret_cast<int32_t*>(s + per);
   int16_t* s16 = reinterpret_cast<int16_t*>(s32 + per);
+  float* ds16 = reinterpret_cast<float*>(s16 + 2 * per);
+  int32_t* off3 = reinterpret_cast<int32_t*>(ds16 + 2 * per);
 #ifdef EDGELLM_G_AVX2
-  int8_t* q2 = paired ? reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(s16 + 2 * per) + 63) & ~uintptr_t(63))
+  int8_t* q2 = paired ? reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(off3 + 2 * per) + 63) & ~uintptr_t(63))
                       : nullptr;
 #else
   (void)paired;
@@ -1781,6 +1784,10 @@ GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K, bool paired) {
         const int64_t o = m * a.nb + b;
         d[o] = quantize_block32(x + m * K + b * QK, q + m * K + b * QK, &s32[o], &s16[2 * o]);
         s[o] = d[o] * (float)s32[o];
+        for (int h = 0; h < 2; ++h) {
+          ds16[2 * o + h] = d[o] * (float)s16[2 * o + h];
+          off3[2 * o + h] = (int32_t)(uint16_t)(-4 * s16[2 * o + h]);
+        }
       }
 #ifdef EDGELLM_G_AVX2
     if (q2)
@@ -1800,6 +1807,8 @@ GgufActs gguf_quantize_acts(const float* x, int64_t M, int64_t K, bool paired) {
   a.s = s;
   a.sum32 = s32;
   a.sum16 = s16;
+  a.d_sum16 = ds16;
+  a.q3k_off = off3;
   return a;
 }
 

@@ -51,6 +51,9 @@ struct GgufActs {
   const float* s = nullptr;      // [M, nb]
   const int32_t* sum32 = nullptr;  // [M, nb]
   const int16_t* sum16 = nullptr;  // [M, 2 * nb]
+  // from sum16, for the Q2_K / Q3_K x8 kernels (broadcast loads where they would convert per weight group):
+  const float* d_sum16 = nullptr;  // [M, 2 * nb] d * sum16 (Q2_K's mins meet it)
+  const int32_t* q3k_off = nullptr;  // [M, 2 * nb] -4 * sum16 as the low int16 of a dword (Q3_K's offset)
   // AVX2 builds: q again, blocks paired as cpu_kernels.cpp's int4 kernel reads them (the 64 bytes of blocks 2p,
   // 2p + 1 = [2p: x0..15 | 2p+1: x0..15 | 2p: x16..31 | 2p+1: x16..31]), so that one 32-byte load of Q4_0 / Q4_1
   // codes serves two blocks; null elsewhere

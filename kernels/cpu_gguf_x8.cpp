@@ -437,7 +437,7 @@ inline void codes_q3k(__m256i hm, __m256i q, __m256i u[4]) {
 }
 
 // As group_q6k for Q3_K: per 16 values of each sub-block, the pair sums of 4 groups in int16 (codes <= 7:
-// |.| <= 4 * 2 * 7 * 127), the offset 4 sum(q_x) taken off the low int16 of each row's pair (|.| <= 8128 more), then
+// |.| <= 4 * 2 * 7 * 127), the offset -4 sum(q_x) added to the low int16 of each row's pair (|.| <= 8128 more), then
 // one madd with the row's scale gives sc (sum q x - 4 sum x) in int32, and one FMA with d_x.
 template <int T, int N>
 inline void half_q3k(const GgufActs& a, int64_t m0, const uint8_t* o, int64_t s, __m256 sacc[T]) {
@@ -460,8 +460,7 @@ inline void half_q3k(const GgufActs& a, int64_t m0, const uint8_t* o, int64_t s,
       const __m256i sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s8, s8));
       for (int t = 0; t < T; ++t) {
         const int64_t b = (m0 + t) * a.nb + s * 8;
-        const __m256i off = _mm256_set1_epi32(4 * a.sum16[2 * b + sub16] & 0xFFFF);
-        const __m256i v = _mm256_madd_epi16(_mm256_sub_epi16(hs[t][i], off), sc);
+        const __m256i v = _mm256_madd_epi16(_mm256_add_epi16(hs[t][i], _mm256_set1_epi32(a.q3k_off[2 * b + sub16])), sc);
         sacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(a.d[b + 4 * N + i]), sacc[t]);
       }
     }
@@ -500,10 +499,9 @@ inline void half_q2k(const GgufActs& a, int64_t m0, const uint8_t* o, int64_t s,
       const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(s8, 4), m4)));
       for (int t = 0; t < T; ++t) {
         const int64_t b = (m0 + t) * a.nb + s * 8;
-        const float dx = a.d[b + 4 * N + i];
         const __m256i v = _mm256_madd_epi16(hs[t][i], sc);
-        sacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(dx), sacc[t]);
-        macc[t] = _mm256_fmadd_ps(mn, _mm256_set1_ps((float)a.sum16[2 * b + sub16] * dx), macc[t]);
+        sacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(a.d[b + 4 * N + i]), sacc[t]);
+        macc[t] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a.d_sum16[2 * b + sub16]), macc[t]);
       }
     }
   }
