@@ -318,10 +318,20 @@ inline int32_t dot32(const int8_t* w, const int8_t* x) {
 #endif
 }
 
-inline int32_t dot16(const int8_t* w, const int8_t* x) {
+inline int32_t dot16(const int8_t* w, const int8_t* x) {  // (the per16 types' codes: |w| <= 32)
+#if defined(EDGELLM_G_NEON)
+  const int8x16_t a = vld1q_s8(w), b = vld1q_s8(x);
+#if defined(__ARM_FEATURE_DOTPROD)
+  return vaddvq_s32(vdotq_s32(vdupq_n_s32(0), a, b));
+#else
+  const int16x8_t p = vmlal_s8(vmull_s8(vget_low_s8(a), vget_low_s8(b)), vget_high_s8(a), vget_high_s8(b));
+  return vaddlvq_s16(p);  // two products a lane: |.| <= 2 * 32 * 127
+#endif
+#else
   int32_t s = 0;
   for (int l = 0; l < 16; ++l) s += (int32_t)w[l] * x[l];
   return s;
+#endif
 }
 
 template <int TYPE>
