@@ -92,8 +92,8 @@ bool gguf_prompt_gemm_fast();
 // W [N, K] fp32, bit-identical to gguf.quants.dequantize.
 void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K, float* out);
 
-// The x8 layout (cpu_gguf_x8.cpp): whether this build multiplies it for a base type (Q4_K, Q5_K, Q6_K, Q5_0, Q5_1
-// with the AVX2 kernels), its bytes per unit of 8 rows x the type's block (256 values, Q5_0 / Q5_1: 32; 0: no x8
+// The x8 layout (cpu_gguf_x8.cpp): whether this build multiplies it for a base type (the K-quants Q2_K .. Q6_K, Q5_0,
+// Q5_1 with the AVX2 kernels), its bytes per unit of 8 rows x the type's block (256 values, Q5_0 / Q5_1: 32; 0: no x8
 // layout), the conversions either way (N % 8 == 0, K a multiple of the block; bit for bit), and the product, as
 // gguf_gemm (rows' results bit-identical whatever M).
 bool gguf_x8_supported(int base_type);
@@ -108,8 +108,8 @@ bool gguf_r8_supported(int base_type);
 void gguf_convert_r8(const uint8_t* src, int base_type, int64_t N, int64_t K, uint8_t* dst, bool to_r8);
 // One x8 unit (8 rows x 256 values; Q5_0 / Q5_1: x 32, one sub-block) as the prompt GEMM's panels hold it (AVX2
 // builds): the u8 codes of sub-block j, 4-value group g, rows 0..7 (32 bytes) at codes + (8 j + g) * cstride; the fp32
-// scales d sc of sub-block j (Q6_K: of 16-value sub-block t; Q5_0 / Q5_1: d) at ws + j (t) * wstride, and -(dmin m)
-// at wm + j * wstride (Q4_K / Q5_K; Q5_1: m).
+// scales d sc of sub-block j (Q6_K / Q3_K / Q2_K: of 16-value sub-block t; Q5_0 / Q5_1: d) at ws + j (t) * wstride,
+// and -(dmin m) at wm + j (Q2_K: t) * wstride (Q4_K / Q5_K / Q2_K; Q5_1: m).
 void gguf_x8_panel_sb(const uint8_t* sb, int base_type, uint8_t* codes, int64_t cstride, float* ws, float* wm,
                       int64_t wstride);
 
