@@ -41,7 +41,8 @@ import torch
 _NAME = "edgellm_cpu_kernels"
 _SOURCES = ("cpu_kernels.cpp", "cpu_decode.cpp", "cpu_gguf.cpp", "cpu_gguf_x8.cpp", "cpu_attention.cpp",
             "cpu_pointwise.cpp", "cpu_bindings.cpp")
-_HEADERS = ("cpu_decode.h", "cpu_gguf.h", "half.h", "simd_math.h", "simd_transpose.h")  # hashed with the sources: a change rebuilds
+# hashed with the sources: a change rebuilds
+_HEADERS = ("cpu_decode.h", "cpu_gguf.h", "gguf_low_k_codes.h", "half.h", "simd_math.h", "simd_transpose.h")
 _BUILD_VERSION = "1"  # bump to force a rebuild when the flags logic changes
 
 _state: dict[str, object] = {"tried": False, "ext": None}

@@ -45,6 +45,7 @@
 #include <functional>
 #include <vector>
 
+#include "gguf_low_k_codes.h"
 #include "half.h"
 #include "simd_transpose.h"
 
@@ -570,29 +571,15 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
   const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   for (int j = 0; j < 8; ++j)
     ch.sc16[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_add_epi8(pick, _mm_set1_epi8((char)(2 * j)))));
-  if (TYPE == GGUF_Q2_K) {  // bits 2i, 2i+1 of qs (16-bit shifts: what crosses bytes lands outside the kept bits)
-    const __m256i m2 = _mm256_set1_epi8(3);
-    for (int n = 0; n < 2; ++n) {
-      const __m256i q = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * n));
-      ch.u[4 * n] = _mm256_and_si256(q, m2);
-      ch.u[4 * n + 1] = _mm256_and_si256(_mm256_srli_epi16(q, 2), m2);
-      ch.u[4 * n + 2] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m2);
-      ch.u[4 * n + 3] = _mm256_and_si256(_mm256_srli_epi16(q, 6), m2);
-    }
+  if (TYPE == GGUF_Q2_K) {
+    codes_q2k(_mm256_loadu_si256((const __m256i*)(b + 16)), ch.u);
+    codes_q2k(_mm256_loadu_si256((const __m256i*)(b + 48)), ch.u + 4);
     return;
   }
-  if (TYPE == GGUF_Q3_K) {  // bits 2i, 2i+1 of qs and bit j of hmask to bits 0-1 and 2 (16-bit shifts: what
-                            // crosses bytes lands outside the kept bits)
-    const __m256i m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
+  if (TYPE == GGUF_Q3_K) {
     const __m256i hm = _mm256_loadu_si256((const __m256i*)b);
-    for (int n = 0; n < 2; ++n) {
-      const __m256i q = _mm256_loadu_si256((const __m256i*)(b + 32 + 32 * n));
-      for (int i = 0; i < 4; ++i) {
-        const int j = 4 * n + i;
-        const __m256i h = j < 2 ? _mm256_sll_epi16(hm, _mm_cvtsi32_si128(2 - j)) : _mm256_srl_epi16(hm, _mm_cvtsi32_si128(j - 2));
-        ch.u[j] = _mm256_or_si256(_mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * i)), m2), _mm256_and_si256(h, b2));
-      }
-    }
+    codes_q3k<0>(hm, _mm256_loadu_si256((const __m256i*)(b + 32)), ch.u);
+    codes_q3k<1>(hm, _mm256_loadu_si256((const __m256i*)(b + 64)), ch.u + 4);
     return;
   }
   const __m256i m3 = _mm256_set1_epi8(0x30);

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "cpu_gguf.h"
+#include "gguf_low_k_codes.h"
 #include "half.h"
 #include "simd_transpose.h"
 
@@ -423,19 +424,6 @@ void group_q6k(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
   for (int t = 0; t < T; ++t) out[t] = acc[t];
 }
 
-// The codes (0..7, offset 4) of sub-block 4n + i, group g of a Q3_K x8 super-block, from its hm and qs[n] vectors:
-// bits 2i, 2i+1 of qs and bit 4n + i of hm as bit 2 (16-bit shifts; what crosses bytes is masked off).
-// All four sub-blocks of half n at once, shifts by immediates.
-template <int N>
-inline void codes_q3k(__m256i hm, __m256i q, __m256i u[4]) {
-  const __m256i m2 = _mm256_set1_epi8(3), b2 = _mm256_set1_epi8(4);
-  const __m256i h = N == 0 ? hm : _mm256_srli_epi16(hm, 4);  // bits 4n .. 4n + 3 -> 0 .. 3
-  u[0] = _mm256_or_si256(_mm256_and_si256(q, m2), _mm256_and_si256(_mm256_slli_epi16(h, 2), b2));
-  u[1] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2), m2), _mm256_and_si256(_mm256_slli_epi16(h, 1), b2));
-  u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m2), _mm256_and_si256(h, b2));
-  u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 6), m2), _mm256_and_si256(_mm256_srli_epi16(h, 1), b2));
-}
-
 // As group_q6k for Q3_K: per 16 values of each sub-block, the pair sums of 4 groups in int16 (codes <= 7:
 // |.| <= 4 * 2 * 7 * 127), the offset -4 sum(q_x) added to the low int16 of each row's pair (|.| <= 8128 more), then
 // one madd with the row's scale gives sc (sum q x - 4 sum x) in int32, and one FMA with d_x.
@@ -465,15 +453,6 @@ inline void half_q3k(const GgufActs& a, int64_t m0, const uint8_t* o, int64_t s,
       }
     }
   }
-}
-
-// The codes (0..3) of the four sub-blocks 4n + i of a Q2_K group: bits 2i, 2i+1 of its qs[n] vector.
-inline void codes_q2k(__m256i q, __m256i u[4]) {
-  const __m256i m2 = _mm256_set1_epi8(3);
-  u[0] = _mm256_and_si256(q, m2);
-  u[1] = _mm256_and_si256(_mm256_srli_epi16(q, 2), m2);
-  u[2] = _mm256_and_si256(_mm256_srli_epi16(q, 4), m2);
-  u[3] = _mm256_and_si256(_mm256_srli_epi16(q, 6), m2);
 }
 
 // As half_q3k for Q2_K (no offset): per 16 values, one madd with the rows' 4-bit scales, one FMA with d_x; the mins
