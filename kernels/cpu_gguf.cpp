@@ -975,13 +975,14 @@ PromptActs prompt_acts(const GgufActs& a) {
   p.Mp = (a.M + MR - 1) / MR * MR;
   p.nsub = per16(TYPE) ? 2 * a.nb : a.nb;
   const int64_t nmb = p.Mp / MR, K = a.K, nb = a.nb, nsub = p.nsub, M = a.M;
-  constexpr bool SUMS = OFF || min16(TYPE);  // an int per row and nsub: the offsets, or Q2_K's 16-value sums
+  constexpr bool SUMS = OFF || min16(TYPE);  // 4 bytes per row and nsub: the offsets, or Q2_K's 16-value sums
   const size_t qbytes = (size_t)(p.Mp * K), fl = (size_t)(p.Mp * nb), ob = SUMS ? (size_t)(p.Mp * nsub) : 0;
   uint8_t* base = prompt_acts_buffer(qbytes + 8 * fl + 4 * ob + 128);
   int8_t* q = reinterpret_cast<int8_t*>(base);
   float* d = reinterpret_cast<float*>(base + qbytes);
   float* s = d + fl;
-  int32_t* off = SUMS ? reinterpret_cast<int32_t*>(s + fl) : nullptr;
+  int32_t* off = OFF ? reinterpret_cast<int32_t*>(s + fl) : nullptr;
+  float* s16 = min16(TYPE) ? s + fl : nullptr;
   parallel_run(0, nmb, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t b0, int64_t b1) {
     for (int64_t mb = b0; mb < b1; ++mb) {
       int8_t* qd = q + mb * MR * K;
@@ -1006,16 +1007,18 @@ PromptActs prompt_acts(const GgufActs& a) {
             s[(mb * nb + b) * MR + i] = a.s[m * nb + b];
           }
           if (min16(TYPE)) {
-            for (int64_t b = 0; b < nsub; ++b) reinterpret_cast<float*>(off)[(mb * nsub + b) * MR + i] = (float)a.sum16[m * nsub + b];
-          } else if (SUMS) {
+            for (int64_t b = 0; b < nsub; ++b) s16[(mb * nsub + b) * MR + i] = (float)a.sum16[m * nsub + b];
+          } else if (OFF) {
             for (int64_t b = 0; b < nsub; ++b)
               off[(mb * nsub + b) * MR + i] = -OFF * (per16(TYPE) ? (int32_t)a.sum16[m * nsub + b] : a.sum32[m * nb + b]);
           }
         } else {
           for (int64_t g = 0; g < K / 4; ++g) std::memset(qd + (g * MR + i) * 4, 0, 4);
           for (int64_t b = 0; b < nb; ++b) d[(mb * nb + b) * MR + i] = s[(mb * nb + b) * MR + i] = 0.0f;
-          if (SUMS)  // (0 as int32 and as float alike)
-            for (int64_t b = 0; b < nsub; ++b) off[(mb * nsub + b) * MR + i] = 0;
+          for (int64_t b = 0; b < (SUMS ? nsub : 0); ++b) {
+            if (OFF) off[(mb * nsub + b) * MR + i] = 0;
+            if (min16(TYPE)) s16[(mb * nsub + b) * MR + i] = 0.0f;
+          }
         }
       }
     }
@@ -1023,8 +1026,8 @@ PromptActs prompt_acts(const GgufActs& a) {
   p.q = q;
   p.d = d;
   p.s = s;
-  p.off = OFF ? off : nullptr;
-  p.s16 = min16(TYPE) ? reinterpret_cast<const float*>(off) : nullptr;
+  p.off = off;
+  p.s16 = s16;
   return p;
 }
 
