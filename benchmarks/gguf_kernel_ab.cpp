@@ -75,6 +75,7 @@ void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function
   if (threads < 2) f(begin, end);
   else pool->run(begin, end, grain, f);
 }
+int max_threads() { return threads; }
 }  // namespace edgellm
 namespace edgellm_old {
 // The old build's x8 entry points: the tensors here are as stored (never x8), so these are never called; defined
@@ -89,6 +90,7 @@ void gguf_unrepack_x8(const uint8_t*, int, int64_t, int64_t, uint8_t*) {}
 void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
   edgellm::parallel_run(begin, end, grain, f);
 }
+int max_threads() { return edgellm::max_threads(); }
 }  // namespace edgellm_old
 
 // the old build's entry point (gguf_kernel_ab.py appends it to the old source: quantize x, then gguf_gemm)
