@@ -14,7 +14,7 @@ from pathlib import Path
 import llama_cpp
 
 FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q6_K": 18, "Q4_K_M": 15, "Q5_K_M": 17,
-          "Q4_K_S": 14, "Q3_K_M": 12, "Q2_K": 10}
+          "Q4_K_S": 14, "Q3_K_M": 12, "Q2_K": 10, "IQ4_NL": 25, "IQ4_XS": 30}
 
 
 def main() -> None:

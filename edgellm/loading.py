@@ -443,9 +443,10 @@ MATRIX_NAMES = ("tok_embeddings.weight", "output.weight", "attention.wqkv.weight
                 "feed_forward.w13.weight", "feed_forward.w2.weight")
 
 
-# A matrix part of a GGUF type without a kernel here (IQ*, TQ*) runs as Q8_0 blocks: dequantized and rounded to int8
-# per 32 values at load, ~8.5 bits a weight, multiplied by the kernels like any Q8_0 (an 8B IQ4_XS file: ~8 GB
-# instead of 32 in fp32). False: such matrices are dequantized to the compute dtype (benchmarks' A/B).
+# A matrix part of a GGUF type without a kernel here (the IQ types but IQ4_NL / IQ4_XS, TQ*) runs as Q8_0 blocks:
+# dequantized and rounded to int8 per 32 values at load, ~8.5 bits a weight, multiplied by the kernels like any Q8_0
+# (an 8B IQ3_XXS file: ~8 GB instead of 32 in fp32). False: such matrices are dequantized to the compute dtype
+# (benchmarks' A/B).
 REQUANTIZE_WITHOUT_KERNEL = True
 
 

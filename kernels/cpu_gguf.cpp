@@ -8,6 +8,10 @@
 //   Q5_0  d, qh u32, qs[16]          w = d (q - 16)       q = nibble | bit l of qh << 4
 //   Q5_1  d, m, qh, qs[16]           w = d q + m
 //   Q8_0  d, qs int8[32]             w = d q
+//   IQ4_NL d, qs[16]                 w = d kv[q]          q: nibbles as Q4_0's; kv: the 16 non-uniform int8 levels
+//   IQ4_XS d fp16, scales_h u16, scales_l[4], qs[128]: sub-block j (32 values) has the nibbles of qs[16 j ..] as
+//         Q4_0's and the 6-bit scale ls_j = (scales_l[j/2] >> 4 (j&1)) & 15 | ((scales_h >> 2j) & 3) << 4;
+//         w = (d (ls_j - 32)) kv[q].  Both IQ4 types' codes kv[q] are signed int8: they take Q8_0's paths
 //   Q4_K  d, dmin fp16, scales[12] (8 x 6-bit scale + 8 x 6-bit min), qs[128]: sub-block j (32 values) = the
 //         low (j even) / high (j odd) nibbles of qs[32 (j/2) ..]; w = (d sc_j) q - (dmin m_j)
 //   Q5_K  as Q4_K, plus qh[32]: bit j of qh[l] is bit 4 of sub-block j's value l
@@ -108,10 +112,21 @@ template <> struct Fmt<GGUF_Q5_K> { static constexpr int64_t QV = 256, BYTES = 1
 template <> struct Fmt<GGUF_Q6_K> { static constexpr int64_t QV = 256, BYTES = 210; static constexpr bool MIN = false; };
 template <> struct Fmt<GGUF_Q3_K> { static constexpr int64_t QV = 256, BYTES = 110; static constexpr bool MIN = false; };
 template <> struct Fmt<GGUF_Q2_K> { static constexpr int64_t QV = 256, BYTES = 84; static constexpr bool MIN = false; };
+template <> struct Fmt<GGUF_IQ4_NL> { static constexpr int64_t QV = 32, BYTES = 18; static constexpr bool MIN = false; };
+template <> struct Fmt<GGUF_IQ4_XS> { static constexpr int64_t QV = 256, BYTES = 136; static constexpr bool MIN = false; };
 
 // Q6_K, Q3_K, Q2_K: an int scale per 16 values and one fp16 d per super-block; the codes' offset (32 / 4 / none) as
 // a shift.  Q2_K: and a min per 16 values (fp16 dmin times a 4-bit m).
 constexpr bool per16(int type) { return type == GGUF_Q6_K || type == GGUF_Q3_K || type == GGUF_Q2_K; }
+// Types whose codes are signed int8 (Q8_0's, the IQ4 types' looked-up levels): dot products by sign transfer
+// (|w| against x with w's sign) where the others' unsigned codes go straight into maddubs
+constexpr bool signed_codes(int type) { return type == GGUF_Q8_0 || type == GGUF_IQ4_NL || type == GGUF_IQ4_XS; }
+// IQ4_NL / IQ4_XS: the int8 level of each 4-bit code (ggml-common.h kvalues_iq4nl)
+alignas(16) constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+inline int iq4xs_scale(const uint8_t* b, int j) {  // ls_j - 32
+  const int h = (b[2] | (b[3] << 8)) >> (2 * j) & 3;
+  return ((b[4 + j / 2] >> (4 * (j & 1))) & 15 | h << 4) - 32;
+}
 constexpr bool min16(int type) { return type == GGUF_Q2_K; }
 constexpr int per16_off_shift(int type) { return type == GGUF_Q6_K ? 5 : type == GGUF_Q3_K ? 2 : -1; }
 
@@ -201,6 +216,13 @@ inline void decode_sub(const uint8_t* b, int j, int8_t w[32], float* fs, float* 
   } else if (TYPE == GGUF_Q8_0) {
     std::memcpy(w, b + 2, 32);
     *fs = f16(b);
+  } else if (TYPE == GGUF_IQ4_NL || TYPE == GGUF_IQ4_XS) {
+    const uint8_t* qs = TYPE == GGUF_IQ4_NL ? b + 2 : b + 8 + 16 * j;
+    for (int l = 0; l < 16; ++l) {
+      w[l] = IQ4_LEVELS[qs[l] & 15];
+      w[l + 16] = IQ4_LEVELS[qs[l] >> 4];
+    }
+    *fs = TYPE == GGUF_IQ4_NL ? f16(b) : f16(b) * (float)iq4xs_scale(b, j);
   } else if (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
     uint8_t sm[16];
     kquant_scales(b + 4, sm);
@@ -462,7 +484,12 @@ inline __m256i bits32(const uint8_t* qh) {  // 32 bits -> byte l = 0x10 where bi
   return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(0x10));
 }
 
-// The codes of 32-value block b of a 32-block type as u8 in x's order (Q8_0: its int8 codes).
+// IQ4 codes 0..15 -> their int8 levels (one in-lane table lookup)
+inline __m256i iq4_levels(__m256i codes) {
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)IQ4_LEVELS)), codes);
+}
+
+// The codes of 32-value block b of a 32-block type as u8 in x's order (Q8_0, IQ4_NL: int8 codes / levels).
 template <int TYPE>
 inline __m256i codes32(const uint8_t* b) {
   if constexpr (is_r8(TYPE)) return codes32<stored_of(TYPE)>(b);  // a row's tail blocks
@@ -470,6 +497,7 @@ inline __m256i codes32(const uint8_t* b) {
   if (TYPE == GGUF_Q4_1) return nibbles32(b + 4);
   if (TYPE == GGUF_Q5_0) return _mm256_or_si256(nibbles32(b + 6), bits32(b + 2));
   if (TYPE == GGUF_Q5_1) return _mm256_or_si256(nibbles32(b + 8), bits32(b + 4));
+  if (TYPE == GGUF_IQ4_NL) return iq4_levels(nibbles32(b + 2));
   return _mm256_loadu_si256((const __m256i*)(b + 2));  // Q8_0
 }
 
@@ -547,6 +575,14 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     return;
   }
   const uint8_t* b = row + c * F::BYTES;
+  if (TYPE == GGUF_IQ4_XS) {
+    alignas(32) float ls[8];
+    for (int j = 0; j < 8; ++j) ls[j] = (float)iq4xs_scale(b, j);
+    ch.fs = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_load_ps(ls));  // d (ls - 32), rounded as gguf.quants
+    ch.fm = _mm256_setzero_ps();
+    for (int j = 0; j < 8; ++j) ch.u[j] = iq4_levels(nibbles32(b + 8 + 16 * j));
+    return;
+  }
   if (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
     alignas(16) uint8_t sm[16];
     kquant_scales(b + 4, sm);
@@ -634,7 +670,7 @@ inline __m256i chunk_isums(const Chunk& ch, const GgufActs& a, int64_t m, int64_
   __m256i p[8];
   for (int j = 0; j < 8; ++j) {
     const __m256i x = _mm256_load_si256((const __m256i*)(xq + 32 * j));
-    if (TYPE == GGUF_Q8_0) {
+    if (signed_codes(TYPE)) {
       p[j] = dot_u8s8(_mm256_sign_epi8(ch.u[j], ch.u[j]), _mm256_sign_epi8(x, ch.u[j]));
     } else if (per16(TYPE)) {  // per-16 int scales: madd with [sc_a x8 | sc_b x8]
       p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(ch.u[j], x), ch.sc16[j]);
@@ -649,7 +685,7 @@ inline __m256i chunk_isums(const Chunk& ch, const GgufActs& a, int64_t m, int64_
 #ifdef EDGELLM_G_VNNI
   __m256i isum = reduce8(p);
 #else
-  __m256i isum = TYPE == GGUF_Q8_0 || per16(TYPE) ? reduce8(p) : reduce8_i16(p);
+  __m256i isum = signed_codes(TYPE) || per16(TYPE) ? reduce8(p) : reduce8_i16(p);
 #endif
   const int64_t o = m * a.nb + c * 8;
   if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q5_0)
@@ -692,7 +728,7 @@ void row_avx2(const GgufActs& a, int64_t m0, const uint8_t* row, float* y, int64
       for (int t = 0; t < T; ++t) {
         const int64_t m = m0 + t, o = m * nb + bi;
         const __m256i x = _mm256_load_si256((const __m256i*)(a.q + m * a.K + bi * QK));
-        int32_t isum = TYPE == GGUF_Q8_0 ? hsum_i32(dot_u8s8(_mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u)))
+        int32_t isum = signed_codes(TYPE) ? hsum_i32(dot_u8s8(_mm256_sign_epi8(u, u), _mm256_sign_epi8(x, u)))
                                          : hsum_i32(dot_u8s8(u, x));
         if (TYPE == GGUF_Q4_0) isum -= 8 * a.sum32[o];
         if (stored_of(TYPE) == GGUF_Q5_0) isum -= 16 * a.sum32[o];
@@ -739,12 +775,12 @@ void rows_range(const GgufActs& a, const uint8_t* blocks, int64_t n0, int64_t n1
 // 8 codes (u8, or int8 for Q8_0) -> fp32 with gguf.quants' operations: (q - off) * d, d * q + m, d * q - dm.
 template <int TYPE>
 inline __m256 dequant8(__m128i q8, __m256 d, __m256 m) {
-  const __m256 q = _mm256_cvtepi32_ps(TYPE == GGUF_Q8_0 ? _mm256_cvtepi8_epi32(q8) : _mm256_cvtepu8_epi32(q8));
+  const __m256 q = _mm256_cvtepi32_ps(signed_codes(TYPE) ? _mm256_cvtepi8_epi32(q8) : _mm256_cvtepu8_epi32(q8));
   if (TYPE == GGUF_Q4_0) return _mm256_mul_ps(_mm256_sub_ps(q, _mm256_set1_ps(8.0f)), d);
   if (TYPE == GGUF_Q5_0) return _mm256_mul_ps(_mm256_sub_ps(q, _mm256_set1_ps(16.0f)), d);
   if (TYPE == GGUF_Q6_K) return _mm256_mul_ps(d, _mm256_sub_ps(q, _mm256_set1_ps(32.0f)));
   if (TYPE == GGUF_Q3_K) return _mm256_mul_ps(d, _mm256_sub_ps(q, _mm256_set1_ps(4.0f)));
-  if (TYPE == GGUF_Q8_0) return _mm256_mul_ps(q, d);
+  if (signed_codes(TYPE)) return _mm256_mul_ps(q, d);
   __m256 p = _mm256_mul_ps(d, q);
 #if defined(__GNUC__) || defined(__clang__)
   __asm__("" : "+x"(p));  // two roundings, as numpy: no FMA
@@ -861,6 +897,8 @@ void dispatch(int type, Args&&... args) {
     case GGUF_Q6_K: Op<GGUF_Q6_K>::run(args...); break;
     case GGUF_Q3_K: Op<GGUF_Q3_K>::run(args...); break;
     case GGUF_Q2_K: Op<GGUF_Q2_K>::run(args...); break;
+    case GGUF_IQ4_NL: Op<GGUF_IQ4_NL>::run(args...); break;
+    case GGUF_IQ4_XS: Op<GGUF_IQ4_XS>::run(args...); break;
 #ifdef EDGELLM_G_AVX2
     case GGUF_Q5_0_R8: Op<GGUF_Q5_0_R8>::run(args...); break;
     case GGUF_Q5_1_R8: Op<GGUF_Q5_1_R8>::run(args...); break;
@@ -943,7 +981,7 @@ template <int TYPE>
 constexpr int prompt_off() {
 #ifdef EDGELLM_G_AVX2
   return TYPE == GGUF_Q4_0 ? 8 : TYPE == GGUF_Q5_0 ? 16 : TYPE == GGUF_Q6_K ? 32 : TYPE == GGUF_Q3_K ? 4
-       : (TYPE == GGUF_Q8_0 && P_Q8_U8) ? 128 : 0;
+       : (signed_codes(TYPE) && P_Q8_U8) ? 128 : 0;
 #else
   return 0;  // the portable panel holds the codes as int8 with the offsets already taken off
 #endif
@@ -1168,7 +1206,7 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
         for (int j = 0; j < nsub; ++j) {
           const uint8_t* b = row + ((k0 + u0) / 32 + j) * F::BYTES;
           __m256i u = codes32<TYPE>(b);
-          if (TYPE == GGUF_Q8_0 && P_Q8_U8) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+          if (signed_codes(TYPE) && P_Q8_U8) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
           _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), u);
           P.ws[(s0 + j) * NR + r] = f16(b);
           if (F::MIN) P.wm[(s0 + j) * NR + r] = f16(b + 2);
@@ -1176,7 +1214,7 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
       }
     }
     store_panel_codes(tmp, nsub, s0, P);
-    if (TYPE == GGUF_Q8_0 && !P_Q8_U8) split_panel_signs(nsub, s0, P);
+    if (signed_codes(TYPE) && !P_Q8_U8) split_panel_signs(nsub, s0, P);
   }
 }
 
@@ -1200,7 +1238,7 @@ void build_panel_quant(const QuantWeights& w, int64_t K, int64_t n0, int nvalid,
         if (r < nvalid) {
           const uint8_t* c = w.codes + n * cb;
           u = TYPE == GGUF_Q8_0 ? _mm256_loadu_si256((const __m256i*)(c + 32 * g32)) : nibbles32(c + 16 * g32);
-          if (TYPE == GGUF_Q8_0 && P_Q8_U8) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
+          if (signed_codes(TYPE) && P_Q8_U8) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
           sc = f16(reinterpret_cast<const uint8_t*>(w.scales + gi));
           if (TYPE == GGUF_Q4_1) mn = f16(reinterpret_cast<const uint8_t*>(w.mins + gi));
         }
@@ -1210,7 +1248,7 @@ void build_panel_quant(const QuantWeights& w, int64_t K, int64_t n0, int nvalid,
       }
     }
     store_panel_codes(tmp, nsub, s0, P);
-    if (TYPE == GGUF_Q8_0 && !P_Q8_U8) split_panel_signs(nsub, s0, P);
+    if (signed_codes(TYPE) && !P_Q8_U8) split_panel_signs(nsub, s0, P);
   }
 }
 #else
@@ -1398,7 +1436,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
     } else {
       __m256i ia[MR];
       for (int i = 0; i < RT; ++i) ia[i] = OFF ? _mm256_set1_epi32(off[sb * MR + i]) : _mm256_setzero_si256();
-      if (TYPE == GGUF_Q8_0) {  // |w| against x flipped where w < 0, from sum(|w| : w < 0) (see P_Q8_U8)
+      if (signed_codes(TYPE)) {  // |w| against x flipped where w < 0, from sum(|w| : w < 0) (see P_Q8_U8)
         const __m256i neg = _mm256_load_si256((const __m256i*)(P.negsum + sb * 8));
         for (int i = 0; i < RT; ++i) ia[i] = neg;
         const uint8_t* wn = P.negs + (wc - P.codes);
@@ -1666,8 +1704,8 @@ int64_t gguf_block_values(int type) {
   if (type > GGUF_R8) return gguf_r8_supported(type - GGUF_R8) ? 32 : 0;
   if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? gguf_block_values(type - GGUF_X8) : 0;
   switch (type) {
-    case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q5_0: case GGUF_Q5_1: case GGUF_Q8_0: return 32;
-    case GGUF_Q2_K: case GGUF_Q3_K: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: return 256;
+    case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q5_0: case GGUF_Q5_1: case GGUF_Q8_0: case GGUF_IQ4_NL: return 32;
+    case GGUF_Q2_K: case GGUF_Q3_K: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: case GGUF_IQ4_XS: return 256;
     default: return 0;
   }
 }
@@ -1686,6 +1724,8 @@ int64_t gguf_block_bytes(int type) {
     case GGUF_Q6_K: return Fmt<GGUF_Q6_K>::BYTES;
     case GGUF_Q3_K: return Fmt<GGUF_Q3_K>::BYTES;
     case GGUF_Q2_K: return Fmt<GGUF_Q2_K>::BYTES;
+    case GGUF_IQ4_NL: return Fmt<GGUF_IQ4_NL>::BYTES;
+    case GGUF_IQ4_XS: return Fmt<GGUF_IQ4_XS>::BYTES;
     default: return 0;
   }
 }

@@ -8,7 +8,8 @@ namespace edgellm {
 
 // GGML type ids (gguf.GGMLQuantizationType) of the types multiplied natively.
 enum GgufType { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8,
-                GGUF_Q2_K = 10, GGUF_Q3_K = 11, GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14 };
+                GGUF_Q2_K = 10, GGUF_Q3_K = 11, GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14,
+                GGUF_IQ4_NL = 20, GGUF_IQ4_XS = 23 };
 
 // A type id plus GGUF_X8: that K-quant's, Q5_0's or Q5_1's rows repacked 8 at a time (cpu_gguf_x8.cpp), N a
 // multiple of 8.

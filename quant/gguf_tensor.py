@@ -19,7 +19,7 @@ __all__ = ["NATIVE_TYPES", "dequantize_blocks"]
 
 
 # the quantized types edgellm multiplies as stored (the C++ kernels' list; this module dequantizes each of
-# them on other devices); others (IQ*, TQ*) are requantized to Q8_0 at load (loading.gguf_as_stored)
+# them on other devices); others (the other IQ types, TQ*) are requantized to Q8_0 at load (loading.gguf_as_stored)
 NATIVE_TYPES = frozenset(GGUF_NATIVE_TYPES)
 assert NATIVE_TYPES == {t.name for t in GGUF_TYPES.values()}
 
@@ -41,6 +41,19 @@ def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = torch.cat((d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)), dim=-1)
     mn = torch.cat((m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)), dim=-1)
     return sc, mn
+
+
+# IQ4_NL / IQ4_XS: the int8 level of each 4-bit code (ggml-common.h kvalues_iq4nl), as the bytes of two int64
+# constants: `_iq4_levels` builds the table on the blocks' device from fills and shifts (no host copy: a CUDA graph
+# can capture it)
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_IQ4_WORDS = tuple(int.from_bytes(bytes(v & 0xFF for v in IQ4_LEVELS[i:i + 8]), "little", signed=True) for i in (0, 8))
+
+
+def _iq4_levels(device: torch.device) -> torch.Tensor:
+    shifts = torch.arange(0, 64, 8, device=device, dtype=torch.int64)
+    words = [(torch.full((1,), w, dtype=torch.int64, device=device) >> shifts) & 0xFF for w in _IQ4_WORDS]
+    return torch.cat(words).to(torch.uint8).view(torch.int8).float()
 
 
 def dequantize_blocks(raw: torch.Tensor, type_id: int, shape: tuple[int, int],
@@ -124,6 +137,21 @@ def dequantize_blocks(raw: torch.Tensor, type_id: int, shape: tuple[int, int],
         q = (qs.reshape(nb, 2, 1, 32) >> torch.arange(0, 8, 2, device=b.device, dtype=torch.uint8)
              .reshape(1, 1, 4, 1)) & 3
         w = dl * q.reshape(nb, 16, 16).float() - ml
+    elif t.name == "IQ4_NL":
+        d = _f16(b[..., 0:2]).unsqueeze(-1)
+        w = d * _iq4_levels(b.device)[unpack_halves(b[..., 2:]).long()]
+    elif t.name == "IQ4_XS":
+        nb = b.shape[0]
+        d = _f16(b[:, 0, 0:2].unsqueeze(1)).reshape(nb, 1)
+        # 6-bit scales: low nibbles of bytes 4..7 (sub-blocks 0, 2, 4, 6 low, 1, 3, 5, 7 high), 2 more bits each
+        # from the uint16 at bytes 2..3 (shifted by 2j), minus 32
+        low = torch.stack((b[:, 0, 4:8] & 0x0F, b[:, 0, 4:8] >> 4), dim=-1).reshape(nb, 8)
+        sh = b[:, 0, 2:4].contiguous().view(torch.int16).to(torch.int32).reshape(nb, 1) & 0xFFFF
+        high = (sh >> torch.arange(0, 16, 2, device=b.device, dtype=torch.int32).reshape(1, 8)) & 3
+        scales = ((low.to(torch.int32) | (high << 4)) - 32).float()
+        dl = (d * scales).reshape(nb, 8, 1)
+        q = unpack_halves(b[:, 0, 8:].reshape(nb, 8, 16))
+        w = dl * _iq4_levels(b.device)[q.long()]
     else:  # pragma: no cover - GGUF_TYPES lists exactly the branches above
         raise ValueError(f"no dequantizer for {t.name}")
     return w.reshape(n, k).to(dtype)

@@ -22,9 +22,9 @@ from gguf import quants
 from edgellm.kernels import cpu_ext
 from tests.test_cpu_kernels import ext, start_builds, stop_builds  # noqa: F401  (ext: the extension fixture, shared)
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
-X8_K_QUANTS = K_QUANTS  # every K-quant has an x8 layout (cpu_gguf_x8.cpp)
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
+K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}  # the types of 256-value super-blocks
+X8_K_QUANTS = K_QUANTS - {Q.IQ4_XS}  # every K-quant has an x8 layout (cpu_gguf_x8.cpp); IQ4_XS runs as stored
 TOL_EMULATED = 1e-5
 TOL_EXACT = 1e-2
 
@@ -38,7 +38,7 @@ def make_weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
     """uint8 [n, row_bytes]: n rows of k values as GGUF blocks of type qtype."""
     rng = np.random.default_rng(seed)
     block_values, block_bytes = GGML_QUANT_SIZES[qtype]
-    if qtype not in K_QUANTS:
+    if qtype not in K_QUANTS | {Q.IQ4_NL}:
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
         return quants.quantize(w, qtype)
     nb = n * k // block_values
@@ -47,6 +47,8 @@ def make_weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
         raw[:, 208:210] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # d; scales int8 random (signed)
     elif qtype == Q.Q3_K:
         raw[:, 108:110] = _f16_bytes(rng, nb, 1e-3, 2e-2)  # d; 6-bit scales (minus 32) and codes random
+    elif qtype in (Q.IQ4_NL, Q.IQ4_XS):
+        raw[:, 0:2] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # d; IQ4_XS's 6-bit scales (minus 32) and all codes random
     elif qtype == Q.Q2_K:
         raw[:, 80:82] = _f16_bytes(rng, nb, 1e-3, 2e-2)  # d
         raw[:, 82:84] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # dmin; 4-bit scales and mins, codes random
