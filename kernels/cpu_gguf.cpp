@@ -575,10 +575,13 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     return;
   }
   const uint8_t* b = row + c * F::BYTES;
-  if (TYPE == GGUF_IQ4_XS) {
-    alignas(32) float ls[8];
-    for (int j = 0; j < 8; ++j) ls[j] = (float)iq4xs_scale(b, j);
-    ch.fs = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_load_ps(ls));  // d (ls - 32), rounded as gguf.quants
+  if (TYPE == GGUF_IQ4_XS) {  // ls_j - 32 in dword j: nibble j of bytes 4..7, bits 2j, 2j+1 of the u16 at 2 as bits 4-5
+    const __m256i lo_at = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+    const __m256i hi_at = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30);  // (d is the dword's low half)
+    const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(ld32(b + 4)), lo_at), _mm256_set1_epi32(15));
+    const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(ld32(b)), hi_at), _mm256_set1_epi32(3));
+    const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+    ch.fs = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(ls));  // d (ls - 32), rounded as gguf.quants
     ch.fm = _mm256_setzero_ps();
     for (int j = 0; j < 8; ++j) ch.u[j] = iq4_levels(nibbles32(b + 8 + 16 * j));
     return;
