@@ -121,12 +121,6 @@ constexpr bool per16(int type) { return type == GGUF_Q6_K || type == GGUF_Q3_K |
 // Types whose codes are signed int8 (Q8_0's, the IQ4 types' looked-up levels): dot products by sign transfer
 // (|w| against x with w's sign) where the others' unsigned codes go straight into maddubs
 constexpr bool signed_codes(int type) { return type == GGUF_Q8_0 || type == GGUF_IQ4_NL || type == GGUF_IQ4_XS; }
-// IQ4_NL / IQ4_XS: the int8 level of each 4-bit code (ggml-common.h kvalues_iq4nl)
-alignas(16) constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
-inline int iq4xs_scale(const uint8_t* b, int j) {  // ls_j - 32
-  const int h = (b[2] | (b[3] << 8)) >> (2 * j) & 3;
-  return ((b[4 + j / 2] >> (4 * (j & 1))) & 15 | h << 4) - 32;
-}
 constexpr bool min16(int type) { return type == GGUF_Q2_K; }
 constexpr int per16_off_shift(int type) { return type == GGUF_Q6_K ? 5 : type == GGUF_Q3_K ? 2 : -1; }
 
@@ -219,10 +213,10 @@ inline void decode_sub(const uint8_t* b, int j, int8_t w[32], float* fs, float* 
   } else if (TYPE == GGUF_IQ4_NL || TYPE == GGUF_IQ4_XS) {
     const uint8_t* qs = TYPE == GGUF_IQ4_NL ? b + 2 : b + 8 + 16 * j;
     for (int l = 0; l < 16; ++l) {
-      w[l] = IQ4_LEVELS[qs[l] & 15];
-      w[l + 16] = IQ4_LEVELS[qs[l] >> 4];
+      w[l] = GGUF_IQ4_LEVELS[qs[l] & 15];
+      w[l + 16] = GGUF_IQ4_LEVELS[qs[l] >> 4];
     }
-    *fs = TYPE == GGUF_IQ4_NL ? f16(b) : f16(b) * (float)iq4xs_scale(b, j);
+    *fs = TYPE == GGUF_IQ4_NL ? f16(b) : f16(b) * (float)gguf_iq4xs_scale(b, j);
   } else if (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
     uint8_t sm[16];
     kquant_scales(b + 4, sm);
@@ -486,7 +480,7 @@ inline __m256i bits32(const uint8_t* qh) {  // 32 bits -> byte l = 0x10 where bi
 
 // IQ4 codes 0..15 -> their int8 levels (one in-lane table lookup)
 inline __m256i iq4_levels(__m256i codes) {
-  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)IQ4_LEVELS)), codes);
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_IQ4_LEVELS)), codes);
 }
 
 // The codes of 32-value block b of a 32-block type as u8 in x's order (Q8_0, IQ4_NL: int8 codes / levels).
@@ -1556,6 +1550,16 @@ void build_panel_x8(const uint8_t* x8, int64_t n0, int nvalid, int64_t K, int64_
       }
       gguf_x8_panel_sb(x8 + (n0 / 8 + gi) * gbytes + s * xb, TYPE, codes, NR * 4, ws, wm, NR);
     }
+    if constexpr (signed_codes(TYPE)) {  // (IQ4_XS) the int8 levels as the panel holds Q8_0's codes
+      if (P_Q8_U8) {
+        uint8_t* c = P.codes + sl * SUB * 8 * NR * 4;
+        for (int64_t o = 0; o < SUB * 8 * NR * 4; o += 32)
+          _mm256_store_si256((__m256i*)(c + o), _mm256_xor_si256(_mm256_load_si256((const __m256i*)(c + o)),
+                                                                  _mm256_set1_epi8((char)0x80)));
+      } else {
+        split_panel_signs((int)SUB, sl * SUB, P);
+      }
+    }
   }
 }
 #endif
@@ -1902,6 +1906,7 @@ void gguf_gemm_prompt(const GgufActs& acts, const uint8_t* blocks, int type, int
     else if (type - GGUF_X8 == GGUF_Q2_K) PromptX8Op<GGUF_Q2_K>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_Q5_0) PromptX8Op<GGUF_Q5_0>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_Q5_1) PromptX8Op<GGUF_Q5_1>::run(acts, blocks, N, y, ldy, out_index);
+    else if (type - GGUF_X8 == GGUF_IQ4_XS) PromptX8Op<GGUF_IQ4_XS>::run(acts, blocks, N, y, ldy, out_index);
     return;
   }
   dispatch<PromptOp>(type, acts, blocks, N, y, ldy, out_index);

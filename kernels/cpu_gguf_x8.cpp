@@ -19,6 +19,9 @@
 //        (bits 2i', 2i' + 1: sub-block 4n + i'); 32 bytes more than the 8 stored blocks (3.6%)
 //   Q2_K (672): d[r] fp16 | dmin[r] fp16 | sc[t][r] u8 (as stored: scale | min << 4 of 16-value sub-block t) | then
 //        for each group g, 64 bytes: qs[n][r][i] = qs[32n + 4g + i] for n = 0, 1; the stored blocks' size
+//   IQ4_XS (1104): d[r] fp16 | sc[j][r] int8 (the 6-bit scales of sub-blocks j unpacked, minus 32) | then for each
+//        sub-block j and group g (0..3), 32 bytes: row r's qs[16 j + 4g + i] (low nibble: value 4g + i, high: 16 +
+//        4g + i), codes that index the 16 int8 levels; 16 bytes more than the 8 stored blocks (1.5%)
 // The unpacked Q4_K / Q5_K scales cost 32 bytes per 8 super-blocks (2.8%) and save the 6-bit unpacking per row.
 // The 32-value types with a fifth bit take the same idea per 32-value block ("x8 unit" = 32 values of 8 rows; their
 // tensors are the ones whose K is not a multiple of 256, e.g. most of a Qwen2.5-0.5B or SmolLM2 Q4_K_M):
@@ -62,6 +65,7 @@ template <> struct Raw<GGUF_Q5_K> { static constexpr int64_t QV = 256, BYTES = 1
 template <> struct Raw<GGUF_Q6_K> { static constexpr int64_t QV = 256, BYTES = 210, XB = 1680, QS = 0; };
 template <> struct Raw<GGUF_Q3_K> { static constexpr int64_t QV = 256, BYTES = 110, XB = 912, QS = 32; };
 template <> struct Raw<GGUF_Q2_K> { static constexpr int64_t QV = 256, BYTES = 84, XB = 672, QS = 16; };
+template <> struct Raw<GGUF_IQ4_XS> { static constexpr int64_t QV = 256, BYTES = 136, XB = 1104, QS = 8; };
 // Q5_0 / Q5_1: HOFF = the stored qh's offset (qs after it), XH = the x8 unit's qh (nibbles after it)
 template <> struct Raw<GGUF_Q5_0> { static constexpr int64_t QV = 32, BYTES = 22, XB = 176, HOFF = 2, XH = 16; };
 template <> struct Raw<GGUF_Q5_1> { static constexpr int64_t QV = 32, BYTES = 24, XB = 192, HOFF = 4, XH = 32; };
@@ -76,6 +80,7 @@ void on_x8_type(int base_type, F&& f) {
     case GGUF_Q6_K: f(std::integral_constant<int, GGUF_Q6_K>()); break;
     case GGUF_Q3_K: f(std::integral_constant<int, GGUF_Q3_K>()); break;
     case GGUF_Q2_K: f(std::integral_constant<int, GGUF_Q2_K>()); break;
+    case GGUF_IQ4_XS: f(std::integral_constant<int, GGUF_IQ4_XS>()); break;
     case GGUF_Q5_0: f(std::integral_constant<int, GGUF_Q5_0>()); break;
     case GGUF_Q5_1: f(std::integral_constant<int, GGUF_Q5_1>()); break;
     default: break;
@@ -180,6 +185,24 @@ template <int TYPE, bool TO_X8>
 void convert_sb(uint8_t* const raw[8], uint8_t* o) {
   for (int r = 0; r < 8; ++r) {  // the fp16 d's and the scales, a row at a time
     uint8_t* b = raw[r];
+    if (TYPE == GGUF_IQ4_XS) {
+      if (TO_X8) {
+        std::memcpy(o + 2 * r, b, 2);
+        for (int j = 0; j < 8; ++j) o[16 + 8 * j + r] = (uint8_t)(int8_t)gguf_iq4xs_scale(b, j);
+      } else {
+        std::memcpy(b, o + 2 * r, 2);
+        unsigned h = 0;
+        std::memset(b + 4, 0, 4);
+        for (int j = 0; j < 8; ++j) {
+          const unsigned ls = (unsigned)((int8_t)o[16 + 8 * j + r] + 32);
+          b[4 + j / 2] = (uint8_t)(b[4 + j / 2] | (ls & 15) << (4 * (j & 1)));
+          h |= (ls >> 4) << (2 * j);
+        }
+        b[2] = (uint8_t)(h & 0xFF);
+        b[3] = (uint8_t)(h >> 8);
+      }
+      continue;
+    }
     if (TYPE == GGUF_Q2_K) {
       for (int t = 0; t < 16; ++t) {
         if (TO_X8) o[32 + t * 8 + r] = b[t];
@@ -229,6 +252,10 @@ void convert_sb(uint8_t* const raw[8], uint8_t* o) {
       }
       kquant_pack6(sc, mn, b + 4);
     }
+  }
+  if (TYPE == GGUF_IQ4_XS) {  // [j][g]: the 16 qs bytes of sub-block j as 4 groups (two sub-blocks a transpose)
+    for (int p = 0; p < 4; ++p) groups8<TO_X8>(o + 80 + 256 * p, raw, Raw<TYPE>::QS + 32 * p);
+    return;
   }
   if (TYPE == GGUF_Q2_K) {  // [g]: qs (n = 0), qs (n = 1), 32 bytes each
     for (int n = 0; n < 2; ++n) groups8<TO_X8>(o + 160 + 32 * n, raw, 16 + 32 * n, 64);
@@ -513,6 +540,54 @@ void group_low_k(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T])
   for (int t = 0; t < T; ++t) out[t] = acc[t];
 }
 
+// IQ4_XS: the levels of group g of sub-block j (values 4g + i | 16 + 4g + i of row r at byte 4r + i), as int8.
+inline void levels_iq4xs(const uint8_t* o, int j, int g, __m256i table, __m256i& lo, __m256i& hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256((const __m256i*)(o + 80 + 128 * j + 32 * g));
+  lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, m4));
+  hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+}
+
+// IQ4_XS: per sub-block, each row's int dot in one int32 lane (signed levels: |w| against x with w's sign, as the
+// per-row kernels take Q8_0; the pair sums reach 2 * 127 * 127, so each maddubs is widened on its own), then
+// (dot d_x) sc per sub-block and d per super-block.
+template <int T>
+void group_iq4xs(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
+  constexpr int64_t XB = Raw<GGUF_IQ4_XS>::XB;
+  const int64_t nsb = a.K / 256;
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_IQ4_LEVELS));
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* o = w + s * XB;
+    prefetch_sb<XB>(o);
+    __m256 sacc[T];
+    for (int t = 0; t < T; ++t) sacc[t] = _mm256_setzero_ps();
+    for (int j = 0; j < 8; ++j) {
+      __m256i is[T];
+      for (int t = 0; t < T; ++t) is[t] = _mm256_setzero_si256();
+      for (int g = 0; g < 4; ++g) {
+        __m256i lo, hi;
+        levels_iq4xs(o, j, g, table, lo, hi);
+        const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 32 * j + 4 * g;
+          is[t] = dot4(is[t], alo, _mm256_sign_epi8(bcast4(xq), lo));
+          is[t] = dot4(is[t], ahi, _mm256_sign_epi8(bcast4(xq + 16), hi));
+        }
+      }
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(o + 16 + 8 * j))));
+      for (int t = 0; t < T; ++t) {
+        const int64_t b = (m0 + t) * a.nb + s * 8 + j;
+        sacc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(is[t]), _mm256_set1_ps(a.d[b])), sc, sacc[t]);
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(sacc[t], d, acc[t]);
+  }
+  for (int t = 0; t < T; ++t) out[t] = acc[t];
+}
+
 // Code vector g (value 4g + i of row r at byte 4r + i, fifth bit included) of a Q5_0 / Q5_1 x8 unit, its qh loaded.
 template <int TYPE>
 inline __m256i codes_q5(const uint8_t* o, __m256i qh, int g) {
@@ -576,6 +651,7 @@ inline void group_rows(const GgufActs& a, int64_t m0, const uint8_t* w, float* y
   if constexpr (TYPE == GGUF_Q6_K) group_q6k<T>(a, m0, w, out);
   else if constexpr (TYPE == GGUF_Q3_K || TYPE == GGUF_Q2_K) group_low_k<TYPE, T>(a, m0, w, out);
   else if constexpr (is_q5(TYPE)) group_q5<TYPE, T>(a, m0, w, out);
+  else if constexpr (TYPE == GGUF_IQ4_XS) group_iq4xs<T>(a, m0, w, out);
   else group_k<TYPE, T>(a, m0, w, out);
   for (int t = 0; t < T; ++t) {
     float* yr = y + (m0 + t) * ldy;
@@ -618,6 +694,21 @@ void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, floa
     for (int g = 0; g < 8; ++g) _mm256_storeu_si256((__m256i*)(codes + g * cstride), codes_q5<TYPE>(o, qh, g));
     _mm256_storeu_ps(ws, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o)));
     if (TYPE == GGUF_Q5_1) _mm256_storeu_ps(wm, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 16))));
+    return;
+  }
+  if (TYPE == GGUF_IQ4_XS) {  // per sub-block: d sc; the int8 levels (build_panel_x8 splits their signs)
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_IQ4_LEVELS));
+    for (int j = 0; j < 8; ++j) {
+      _mm256_storeu_ps(ws + j * wstride, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                              _mm_loadl_epi64((const __m128i*)(o + 16 + 8 * j))))));
+      for (int g = 0; g < 4; ++g) {
+        __m256i lo, hi;
+        levels_iq4xs(o, j, g, table, lo, hi);
+        _mm256_storeu_si256((__m256i*)(codes + (j * 8 + g) * cstride), lo);
+        _mm256_storeu_si256((__m256i*)(codes + (j * 8 + 4 + g) * cstride), hi);
+      }
+    }
     return;
   }
   if (TYPE == GGUF_Q2_K) {  // per 16 values: d sc, -(dmin m); codes as half_q2k decodes them

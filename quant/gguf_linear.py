@@ -42,7 +42,7 @@ __all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "raw_tensor", "install_ggu
 
 # the x8 layout's unit per base type: (values, bytes of 8 rows x those values)
 X8_UNITS = {10: (256, 672), 11: (256, 912), 12: (256, 1184), 13: (256, 1440), 14: (256, 1680),  # Q2_K .. Q6_K
-            6: (32, 176), 7: (32, 192)}  # Q5_0 Q5_1
+            23: (256, 1104), 6: (32, 176), 7: (32, 192)}  # IQ4_XS, Q5_0, Q5_1
 
 
 def part_row_bytes(type_id: int, k: int) -> int:

@@ -18,7 +18,7 @@ from tests.test_gguf_kernels import (TOL_EMULATED, TOL_EXACT, dequant_ref, emula
                                      require_layout)
 
 X8 = 1000
-K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
+K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
 Q5 = [Q.Q5_0, Q.Q5_1]  # x8 per 32-value block: any K % 32 == 0
 X8_TYPES = K_QUANTS + Q5
 
@@ -37,6 +37,18 @@ def k_for(qtype, k: int) -> int:
 def repacked(ext, qtype, n, k, seed):
     raw = make_weights(qtype, n, k, seed)
     return raw, ext.gguf_repack(torch.from_numpy(raw), int(qtype), n, k)
+
+
+def test_loader_knows_every_x8_layout(x8_ext):
+    """The loader's table of x8 units (quant/gguf_linear.X8_UNITS: values and bytes per 8 rows) is the extension's:
+    every type it repacks, at the size it writes."""
+    from edgellm.quant.gguf_linear import X8_UNITS
+
+    assert set(x8_ext.gguf_x8_types()) == set(X8_UNITS) == {int(t) for t in X8_TYPES}
+    for t in X8_TYPES:
+        values, unit_bytes = X8_UNITS[int(t)]
+        k = k_for(t, 512) // values * values
+        assert repacked(x8_ext, t, 8, k, seed=1)[1].numel() == k // values * unit_bytes, t.name
 
 
 @pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
