@@ -1,6 +1,6 @@
-// GGUF blocks multiplied in place, bit for bit as stored: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (blocks of 32 values) and
-// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (super-blocks of 256), y = x @ W^T for small M (decode, verification), and W dequantized to
-// fp32 exactly as gguf.quants.dequantize does (embedding rows, the big-prefill GEMM).
+// GGUF blocks multiplied in place, bit for bit as stored: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (blocks of 32 values)
+// and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (super-blocks of 256), y = x @ W^T for small M (decode, verification), and W
+// dequantized to fp32 exactly as gguf.quants.dequantize does (embedding rows, the big-prefill GEMM).
 //
 // Block layouts (ggml-common.h; gguf/quants.py has the numpy reference):
 //   Q4_0  d fp16, qs[16]             w = d (q - 8)        q = qs[l] & 15 (value l), qs[l] >> 4 (value l + 16)
@@ -569,7 +569,7 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     return;
   }
   const uint8_t* b = row + c * F::BYTES;
-  if (TYPE == GGUF_IQ4_XS) {  // ls_j - 32 in dword j: nibble j of bytes 4..7, bits 2j, 2j+1 of the u16 at 2 as bits 4-5
+  if (TYPE == GGUF_IQ4_XS) {  // ls_j - 32 in dword j: nibble j of bytes 4..7, bits 2j, 2j+1 of the u16 at 2 (4-5)
     const __m256i lo_at = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i hi_at = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30);  // (d is the dword's low half)
     const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(ld32(b + 4)), lo_at), _mm256_set1_epi32(15));

@@ -11,8 +11,8 @@ enum GgufType { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF
                 GGUF_Q2_K = 10, GGUF_Q3_K = 11, GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14,
                 GGUF_IQ4_NL = 20, GGUF_IQ4_XS = 23 };
 
-// A type id plus GGUF_X8: that K-quant's, Q5_0's or Q5_1's rows repacked 8 at a time (cpu_gguf_x8.cpp), N a
-// multiple of 8.
+// A type id plus GGUF_X8: that K-quant's, IQ4_XS's, Q5_0's or Q5_1's rows repacked 8 at a time (cpu_gguf_x8.cpp),
+// N a multiple of 8.
 constexpr int GGUF_X8 = 1000;
 // A type id plus GGUF_R8: that 32-value type's rows with each run of 8 blocks regrouped (Q5_0, Q5_1; cpu_gguf.cpp
 // "r8"): the same bytes per row, any N and K % 32 == 0, a row's last (K / 32) % 8 blocks as stored.

@@ -6,7 +6,7 @@ of M rows the int-dot row kernel re-decodes each weight row for every 4 activati
 (the same product as an int8 panel GEMM, cpu_gguf.cpp "prompt GEMM") decodes each weight once per call and runs
 ~2.5-3x an fp32 GEMM's rate where it is vectorized (`ext.gguf_prompt_gemm_fast()`: AVX2, AVX-512 VNNI). Elsewhere
 (the portable and NEON builds) dequantize + an fp32 GEMM takes the long prompts, past the row counts below.
-Parts repacked at load for the AVX2 / AVX-512 kernels carry their type id + X8 (K-quants, Q5_0, Q5_1: 8 rows
+Parts repacked at load for the AVX2 / AVX-512 kernels carry their type id + X8 (K-quants, IQ4_XS, Q5_0, Q5_1: 8 rows
 interleaved) or + R8 (Q5_0 / Q5_1 rows left over from groups of 8: each row's runs of 8 blocks regrouped): see
 quant/gguf_linear.repack_for_cpu.
 """
@@ -22,7 +22,7 @@ GGUF_NATIVE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_
 # and run the GEMM. The 32-block types (not measured past 16 rows) take the kernel for decode and verification only.
 GGUF_KERNEL_MAX_ROWS = {"Q4_K": 64, "Q5_K": 32, "Q6_K": 32}
 _DEFAULT_MAX_ROWS = 16  # the decode / verification passes (<= 16 rows) take the kernel in any case
-X8 = 1000  # a K-quant's, Q5_0's or Q5_1's type id + X8: its rows repacked 8 at a time (kernels/cpu_gguf_x8.cpp)
+X8 = 1000  # a K-quant's, IQ4_XS's, Q5_0's or Q5_1's type id + X8: rows repacked 8 at a time (kernels/cpu_gguf_x8.cpp)
 R8 = 2000  # a Q5_0 / Q5_1 type id + R8: each row's runs of 8 blocks regrouped (kernels/cpu_gguf.cpp)
 
 
