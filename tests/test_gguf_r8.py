@@ -19,6 +19,7 @@ from gguf import GGMLQuantizationType as Q
 
 from tests.test_cpu_kernels import ext  # noqa: F401  (the extension fixture, shared)
 from tests.test_gguf_kernels import TOL_EMULATED, dequant_ref, emulate_int8_x, make_weights, rel_err, require_layout
+from tests.test_gguf_x8 import X8_TYPES
 
 R8 = 2000
 R8_TYPES = [Q.Q5_0, Q.Q5_1]
@@ -131,7 +132,7 @@ def test_loader_interleaves_q5_linears(r8_ext, m):
     from edgellm.quant import gguf_linear
     from edgellm.quant.gguf_linear import X8, GGUFLinear, repack_for_cpu
 
-    require_layout(r8_ext, "x8", [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q5_0, Q.Q5_1])
+    require_layout(r8_ext, "x8", X8_TYPES)
     assert gguf_linear.Q5_LAYOUT == "x8"
     k = 896
     parts, w = q5_linear_parts(k)
