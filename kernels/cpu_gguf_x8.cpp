@@ -32,6 +32,7 @@
 // or: against the stored blocks' broadcast, shuffle, compare and horizontal sums, 1.6-1.9x the rows a second.
 // Rows are taken in groups of 8: a tensor's first N / 8 * 8 rows (the loader keeps the rest as stored).
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <functional>
 #include <type_traits>
@@ -55,6 +56,7 @@
 namespace edgellm {
 
 void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
+int max_threads();
 
 namespace {
 
@@ -672,7 +674,8 @@ template <int TYPE>
 void gemm_x8(const GgufActs& a, const uint8_t* x8, int64_t N, float* y, int64_t ldy, const int32_t* cols) {
   const int64_t gbytes = a.K / Raw<TYPE>::QV * Raw<TYPE>::XB;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, a.K / 8 * std::min<int64_t>(a.M, 4)));
-  parallel_run(0, N / 8, grain, [&](int64_t g0, int64_t g1) {
+  const int64_t ngroups = N / 8, nt = std::max(1, max_threads());
+  auto groups = [&](int64_t g0, int64_t g1) {
     for (int64_t grp = g0; grp < g1; ++grp) {
       const uint8_t* w = x8 + grp * gbytes;
       int64_t m = 0;
@@ -684,6 +687,18 @@ void gemm_x8(const GgufActs& a, const uint8_t* x8, int64_t N, float* y, int64_t 
         default: break;
       }
     }
+  };
+  if (nt == 1 || ngroups <= grain) {
+    groups(0, ngroups);
+    return;
+  }
+  // runs of groups from a shared counter, as the prompt GEMM takes its panels (uneven vCPUs: no thread waits on a
+  // fixed half)
+  const int64_t run = std::max<int64_t>(1, ngroups / (8 * nt));
+  std::atomic<int64_t> next{0};
+  parallel_run(0, nt, 1, [&](int64_t, int64_t) {
+    for (int64_t g0; (g0 = next.fetch_add(run, std::memory_order_relaxed)) < ngroups;)
+      groups(g0, std::min(ngroups, g0 + run));
   });
 }
 template <int TYPE>
