@@ -44,7 +44,6 @@
 #include "cpu_gguf.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -66,9 +65,6 @@
 #endif
 
 namespace edgellm {
-
-void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
-int max_threads();
 
 namespace {
 
@@ -1634,10 +1630,8 @@ void prompt_range(const PromptActs& A, const Rows& src, int64_t N, const int32_t
   }
 }
 
-// y[:, cols[n]] = x @ row n^T for the N rows `src` gives.  Per block of K, the threads take runs of panels from a
-// shared counter rather than fixed halves: the two vCPUs of a shared host run at different speeds from moment to
-// moment, and a fixed split left one waiting at the end of every GEMM (~5% of each thread's time in libgomp's
-// barrier at 2048 tokens, SmolLM2 Q8_0).  Blocks of K run one after another (each adds into y).
+// y[:, cols[n]] = x @ row n^T for the N rows `src` gives.  Per block of K, the threads take runs of panels
+// (parallel_runs); blocks of K run one after another (each adds into y).
 template <int TYPE, class Rows>
 void prompt_gemm(const GgufActs& a, const Rows& src, int64_t N, const int32_t* cols, float* y, int64_t ldy) {
   const PromptActs A = prompt_acts<TYPE>(a);
@@ -1645,14 +1639,11 @@ void prompt_gemm(const GgufActs& a, const Rows& src, int64_t N, const int32_t* c
   // M = 512 on Zen 4 (1 MiB L2) 1 to 4 MiB measured alike, 512 KiB 5-10% slower and 256 KiB 20% (more passes
   // adding into y)
   const int64_t kc = std::min<int64_t>(a.K, std::max<int64_t>(256, ((int64_t(2) << 20) / std::max<int64_t>(A.Mp, 1)) / 256 * 256));
-  const int64_t npanel = (N + P_NR - 1) / P_NR, nt = std::max(1, max_threads());
-  const int64_t run = std::max<int64_t>(1, npanel / (8 * nt));  // ~8 runs a thread: small tail, few atomics
+  const int64_t npanel = (N + P_NR - 1) / P_NR;
   for (int64_t k0 = 0; k0 < a.K; k0 += kc) {
     const int64_t kn = std::min(kc, a.K - k0);
-    std::atomic<int64_t> next{0};
-    parallel_run(0, nt, 1, [&](int64_t, int64_t) {
-      for (int64_t p0; (p0 = next.fetch_add(run, std::memory_order_relaxed)) < npanel;)
-        prompt_range<TYPE>(A, src, N, cols, p0, std::min(npanel, p0 + run), k0, kn, y, ldy);
+    parallel_runs(npanel, [&](int64_t p0, int64_t p1) {
+      prompt_range<TYPE>(A, src, N, cols, p0, p1, k0, kn, y, ldy);
     });
   }
 }

@@ -32,7 +32,6 @@
 // or: against the stored blocks' broadcast, shuffle, compare and horizontal sums, 1.6-1.9x the rows a second.
 // Rows are taken in groups of 8: a tensor's first N / 8 * 8 rows (the loader keeps the rest as stored).
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <functional>
 #include <type_traits>
@@ -54,9 +53,6 @@
 #endif
 
 namespace edgellm {
-
-void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
-int max_threads();
 
 namespace {
 
@@ -674,7 +670,7 @@ template <int TYPE>
 void gemm_x8(const GgufActs& a, const uint8_t* x8, int64_t N, float* y, int64_t ldy, const int32_t* cols) {
   const int64_t gbytes = a.K / Raw<TYPE>::QV * Raw<TYPE>::XB;
   const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, a.K / 8 * std::min<int64_t>(a.M, 4)));
-  const int64_t ngroups = N / 8, nt = std::max(1, max_threads());
+  const int64_t ngroups = N / 8;
   auto groups = [&](int64_t g0, int64_t g1) {
     for (int64_t grp = g0; grp < g1; ++grp) {
       const uint8_t* w = x8 + grp * gbytes;
@@ -688,18 +684,8 @@ void gemm_x8(const GgufActs& a, const uint8_t* x8, int64_t N, float* y, int64_t 
       }
     }
   };
-  if (nt == 1 || ngroups <= grain) {
-    groups(0, ngroups);
-    return;
-  }
-  // runs of groups from a shared counter, as the prompt GEMM takes its panels (uneven vCPUs: no thread waits on a
-  // fixed half)
-  const int64_t run = std::max<int64_t>(1, ngroups / (8 * nt));
-  std::atomic<int64_t> next{0};
-  parallel_run(0, nt, 1, [&](int64_t, int64_t) {
-    for (int64_t g0; (g0 = next.fetch_add(run, std::memory_order_relaxed)) < ngroups;)
-      groups(g0, std::min(ngroups, g0 + run));
-  });
+  if (max_threads() == 1 || ngroups <= grain) groups(0, ngroups);  // a small product: one thread, as before
+  else parallel_runs(ngroups, groups);
 }
 template <int TYPE>
 void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, float* wm, int64_t wstride) {
