@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install chat test bench clean
+.PHONY: install chat test test-avx512 bench clean
 
 install: $(STAMP)
 
@@ -21,6 +21,17 @@ chat: install
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The AVX-512 VNNI kernels on a CPU without AVX-512: the extension built with SIMDe's emulation of those
+# instructions (Debian: libsimde-dev; kernels/simde_avx512.h), and the tests that run it against their references.
+# Slow (~8 min on 2 cores); `make test` runs the standalone AVX-512 harnesses the same way.
+test-avx512: install
+	EDGELLM_EXT_ISA=avx512vnni-emulated $(BIN)/python -m pytest -q tests/test_cpu_kernels.py \
+		tests/test_gguf_kernels.py tests/test_gguf_prompt_gemm.py tests/test_gguf_x8.py tests/test_gguf_r8.py \
+		tests/test_quant_prompt_gemm.py tests/test_decode_step.py tests/test_pointwise.py tests/test_attention.py \
+		tests/test_int4_layout.py tests/test_quant_linear.py tests/test_kv_cache.py tests/test_kv_cache_classes.py \
+		tests/test_kv_calibration.py tests/test_gguf_as_stored.py tests/test_layers.py tests/test_model_reference.py \
+		tests/test_speculative_exact.py
 
 bench: install
 	$(BIN)/edgellm bench

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Iterator
@@ -42,7 +42,9 @@ _NAME = "edgellm_cpu_kernels"
 _SOURCES = ("cpu_kernels.cpp", "cpu_decode.cpp", "cpu_gguf.cpp", "cpu_gguf_x8.cpp", "cpu_attention.cpp",
             "cpu_pointwise.cpp", "cpu_bindings.cpp")
 # hashed with the sources: a change rebuilds
-_HEADERS = ("cpu_decode.h", "cpu_gguf.h", "gguf_low_k_codes.h", "half.h", "simd_math.h", "simd_transpose.h")
+_HEADERS = ("cpu_decode.h", "cpu_gguf.h", "gguf_low_k_codes.h", "half.h", "simd_math.h", "simd_transpose.h",
+            "simde_avx512.h")
+_ISAS = ("avx2", "scalar", "avx512vnni-emulated")
 _BUILD_VERSION = "1"  # bump to force a rebuild when the flags logic changes
 
 _state: dict[str, object] = {"tried": False, "ext": None}
@@ -54,16 +56,20 @@ class ExtensionSettings:
     decide it. enabled: False = no extension (the torch paths); isa: None = the best this CPU runs, "avx2" = the
     AVX2 build on an AVX-512 VNNI machine, "scalar" = the portable C++ path (for testing and A/B runs); openmp:
     False = the kernels' own thread pool instead of torch's OpenMP (the macOS build, tested elsewhere); cache_dir:
-    where builds are kept (None: the user cache folder; the app reads $EDGELLM_EXT_CACHE)."""
+    where builds are kept (None: the user cache folder; the app reads $EDGELLM_EXT_CACHE).
+
+    isa "avx512vnni-emulated": the AVX-512 VNNI build on an AVX2 CPU, its AVX-512 intrinsics emulated by SIMDe
+    (simde_avx512.h; Debian: libsimde-dev): slow, for testing those paths where no such CPU is at hand (`make
+    test-avx512`). The default isa comes from $EDGELLM_EXT_ISA when set."""
 
     enabled: bool = True
-    isa: str | None = None
+    isa: str | None = field(default_factory=lambda: os.environ.get("EDGELLM_EXT_ISA") or None)
     openmp: bool = True
     cache_dir: Path | None = None
 
     def __post_init__(self):
-        if self.isa not in (None, "avx2", "scalar"):
-            raise ValueError(f"kernel ISA {self.isa!r}: choose from avx2, scalar (or the default, the best)")
+        if self.isa not in (None, *_ISAS):
+            raise ValueError(f"kernel ISA {self.isa!r}: choose from {', '.join(_ISAS)} (or the default, the best)")
 
 
 def get_extension(settings: ExtensionSettings | None = None) -> ModuleType | None:
@@ -122,7 +128,8 @@ def _cpu_flags() -> set[str]:
 
 def _isa_and_flags(forced: str | None = None) -> tuple[str, list[str]]:
     """(tag, compiler flags) for the best kernel path this CPU runs. forced "scalar": the portable C++ path,
-    "avx2": the AVX2 one on an AVX-512 VNNI machine (for testing them)."""
+    "avx2": the AVX2 one on an AVX-512 VNNI machine, "avx512vnni-emulated": the AVX-512 VNNI one on an AVX2 machine
+    through SIMDe (for testing them)."""
     machine = platform.machine().lower()
     msvc = sys.platform == "win32"
     if forced == "scalar":
@@ -131,10 +138,16 @@ def _isa_and_flags(forced: str | None = None) -> tuple[str, list[str]]:
     if machine in ("x86_64", "amd64", "i686", "x86"):
         if {"avx2", "fma", "f16c"} <= flags:
             avx2 = ["/arch:AVX2"] if msvc else ["-mavx2", "-mfma", "-mf16c"]
+            if forced == "avx512vnni-emulated":
+                return forced, avx2 + ["-include", str(Path(__file__).resolve().parent / "simde_avx512.h")]
             if forced != "avx2" and not msvc and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
                 return "avx512vnni", avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
             return "avx2", avx2
+        if forced == "avx512vnni-emulated":
+            raise RuntimeError("the emulated AVX-512 VNNI build needs an x86 CPU with AVX2, FMA and F16C")
         return "scalar", []
+    if forced == "avx512vnni-emulated":
+        raise RuntimeError("the emulated AVX-512 VNNI build needs an x86 CPU with AVX2, FMA and F16C")
     if machine in ("arm64", "aarch64"):
         if "asimddp" in flags and not msvc:
             return "neon-dotprod", ["-march=armv8.2-a+dotprod"]

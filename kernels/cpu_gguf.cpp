@@ -1163,7 +1163,11 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
         Chunk ch;
         const int64_t c = (k0 + u0) / 256;
         decode_chunk<TYPE>(row, c, ch);
-        for (int j = 0; j < 8; ++j) _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), ch.u[j]);
+        for (int j = 0; j < 8; ++j) {
+          __m256i u = ch.u[j];
+          if (signed_codes(TYPE) && P_Q8_U8) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));  // (IQ4_XS)
+          _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), u);
+        }
         if (per16(TYPE)) {
           const uint8_t* b = row + c * F::BYTES;
           const float d = per16_d<TYPE>(b);

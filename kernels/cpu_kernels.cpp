@@ -607,7 +607,7 @@ static inline __m256i dot4_u8s8(__m256i acc, __m256i u, __m256i x) {
 // acc + u . (the 4 bytes at p, broadcast): VNNI folds the broadcast into the instruction's memory operand
 // (compilers load it separately from intrinsics, one more uop per dot).
 static inline __m256i dot4_u8s8_bcast(__m256i acc, __m256i u, const int8_t* p) {
-#if defined(EDGELLM_VNNI) && (defined(__GNUC__) || defined(__clang__))
+#if defined(EDGELLM_VNNI) && (defined(__GNUC__) || defined(__clang__)) && !defined(EDGELLM_SIMDE_AVX512)
   __asm__("vpdpbusd %2%{1to8%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
   return acc;
 #else
@@ -717,7 +717,7 @@ struct V16 {
   }
   static I dot(I acc, I u, I x) { return _mm512_dpbusd_epi32(acc, u, x); }
   static I dot_bcast(I acc, I u, const int8_t* p) {
-#if defined(__GNUC__) || defined(__clang__)
+#if (defined(__GNUC__) || defined(__clang__)) && !defined(EDGELLM_SIMDE_AVX512)
     __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(u), "m"(*reinterpret_cast<const int32_t*>(p)));
     return acc;
 #else

@@ -20,7 +20,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 from gguf import quants
 
 from edgellm.kernels import cpu_ext
-from tests.test_cpu_kernels import ext, start_builds, stop_builds  # noqa: F401  (ext: the extension fixture, shared)
+from tests.test_cpu_kernels import VNNI_MISSING, ext, start_builds, stop_builds  # noqa: F401  (ext: the extension fixture, shared)
 
 TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
 K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}  # the types of 256-value super-blocks
@@ -343,7 +343,7 @@ def run_isa(folder, jobs, name: str) -> dict:
 def test_isa_builds_match_reference(isa_builds, isa):
     folder, jobs = isa_builds
     if isa not in jobs:
-        pytest.skip(f"no {isa} build here (needs the CPU, or aarch64-linux-gnu-g++ and qemu-aarch64 for NEON)")
+        pytest.skip(f"no {isa} build here (AVX2: the CPU; AVX-512 VNNI: the CPU or SIMDe; NEON: aarch64-linux-gnu-g++ and qemu-aarch64)")
     for (t, m, n, k), result in run_isa(folder, jobs, isa).items():
         raw, x, w, y, y1, y8 = result
         want = dequant_ref(raw, t)
@@ -363,7 +363,7 @@ def test_isa_builds_match_reference(isa_builds, isa):
 def test_vnni_build_bit_identical_to_avx2(isa_builds):
     folder, jobs = isa_builds
     if "avx512vnni" not in jobs:
-        pytest.skip("this CPU has no AVX-512 VNNI (avx512f/bw/vl/vnni)")
+        pytest.skip(VNNI_MISSING)
     a, v = run_isa(folder, jobs, "avx2"), run_isa(folder, jobs, "avx512vnni")
     for key in a:
         assert np.array_equal(a[key][3].view(np.uint32), v[key][3].view(np.uint32)), key

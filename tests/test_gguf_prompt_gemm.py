@@ -322,7 +322,7 @@ def test_isa_builds_prompt_gemm_match_reference(prompt_builds, isa):
 
     folder, jobs = prompt_builds
     if isa not in jobs:
-        pytest.skip(f"no {isa} build here (needs the CPU, or aarch64-linux-gnu-g++ and qemu-aarch64 for NEON)")
+        pytest.skip(f"no {isa} build here (AVX2: the CPU; AVX-512 VNNI: the CPU or SIMDe; NEON: aarch64-linux-gnu-g++ and qemu-aarch64)")
     proc, exe, runner = jobs[isa]
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
