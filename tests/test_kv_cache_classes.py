@@ -201,3 +201,7 @@ def test_large_cpu_stores_are_zero_and_resident_only_where_written():
     kv = FloatKV.empty(2, 8192, 64)  # 4 MiB each: mapped
     kv.k[0, 0] = 2.0
     assert kv.k[0, 0].eq(2.0).all() and not kv.v.any()
+    before = proc.memory_info().rss
+    layers = [FloatKV.empty(3, 2560, 64, torch.float16) for _ in range(30)]  # SmolLM2-135M's: 960 KiB a store
+    assert proc.memory_info().rss - before < 16 << 20, "small models' stores are mapped too (56 MiB in all)"
+    assert not any(kv.k.any() or kv.v.any() for kv in layers)
