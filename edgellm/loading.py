@@ -14,6 +14,7 @@ import re
 import time
 import warnings
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -450,18 +451,44 @@ MATRIX_NAMES = ("tok_embeddings.weight", "output.weight", "attention.wqkv.weight
 REQUANTIZE_WITHOUT_KERNEL = True
 
 
+# _as_q8_0 converts this many rows at a time, on up to REQUANTIZE_THREADS threads (numpy's array operations let go
+# of the GIL): gguf.quants' numpy takes ~40 ns a weight per core, minutes for an 8B file on one, and a whole
+# tensor's fp32 copy (2 GB for an 8B model's embedding) is never made.
+REQUANTIZE_ROWS = 256
+REQUANTIZE_THREADS = 8
+
+
 def _as_q8_0(src: GGUFSource, name: str) -> tuple[Any, int, tuple[int, int]]:
     """`src.raw(name)` for a part of a type without a kernel: its values as Q8_0 blocks, as gguf.quants (and
     llama.cpp's quantize_row_q8_0_ref) round them: per 32 values d = amax / 127, q = round(x / d) (gguf.quants'
-    numpy); the mapped original released."""
+    numpy, block by block, so the chunks of rows give what the whole tensor would); the mapped original released."""
     import gguf
 
     from .kernels.gguf_ops import GGUF_NATIVE_TYPES
 
-    rows, k = src.raw(name)[2]
-    raw = gguf.quants.quantize(src.get(name).numpy(), gguf.GGMLQuantizationType.Q8_0)
+    data, type_id, (rows, k) = src.raw(name)
+    qtype, q8 = gguf.GGMLQuantizationType(type_id), gguf.GGMLQuantizationType.Q8_0
+    blocks = data.reshape(rows, -1)
+    out = np.empty((rows, k // 32 * gguf.GGML_QUANT_SIZES[q8][1]), dtype=np.uint8)
+
+    def convert(r0: int) -> None:
+        r1 = min(rows, r0 + REQUANTIZE_ROWS)
+        try:
+            values = gguf.quants.dequantize(blocks[r0:r1], qtype)
+        except NotImplementedError as e:
+            raise UnsupportedModelError(f"{src.path}: tensor {name} has type {qtype.name}, "
+                                        f"which the gguf package cannot dequantize") from e
+        out[r0:r1] = gguf.quants.quantize(values.reshape(r1 - r0, k), q8)
+
+    starts = range(0, rows, REQUANTIZE_ROWS)
+    convert(0)  # alone first: gguf.quants builds its grids for the type on first use
+    pool = ThreadPoolExecutor(max(1, min(REQUANTIZE_THREADS, os.cpu_count() or 1, len(starts) - 1)))
+    try:
+        list(pool.map(convert, starts[1:]))
+    finally:
+        pool.shutdown(cancel_futures=True)  # (Ctrl-C: the chunks not started are dropped)
     src.file.release(name)
-    return raw, GGUF_NATIVE_TYPES["Q8_0"], (rows, k)
+    return out, GGUF_NATIVE_TYPES["Q8_0"], (rows, k)
 
 
 def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPlan):

@@ -184,6 +184,39 @@ def test_q4_1_files_keep_the_packed_int4_path(bundled_path):
     assert "f32" not in loaded.runs_as
 
 
+def test_requantization_in_chunks_of_rows_equals_the_whole_tensors(monkeypatch):
+    """_as_q8_0 converts chunks of rows on several threads: block for block what gguf.quants gives for the whole
+    tensor, and a type gguf.quants cannot dequantize is a clear error."""
+    from edgellm import loading
+
+    class Source:
+        path = "model.gguf"
+
+        def __init__(self, raw, qtype, shape):
+            self.data, self.qtype, self.shape, self.released = raw, qtype, shape, []
+            self.file = self
+
+        def raw(self, name):
+            return self.data, int(self.qtype), self.shape
+
+        def release(self, name):
+            self.released.append(name)
+
+    rows, k = 37, 512
+    qv, qb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.IQ3_XXS]
+    raw = np.random.default_rng(3).integers(0, 256, size=(rows, k // qv * qb), dtype=np.uint8)
+    raw.reshape(rows, -1, qb)[:, :, :2] = np.frombuffer(np.float16(0.02).tobytes(), np.uint8)
+    want = gguf.quants.quantize(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.IQ3_XXS),
+                                gguf.GGMLQuantizationType.Q8_0)
+    monkeypatch.setattr(loading, "REQUANTIZE_ROWS", 5)  # 8 chunks, 7 of them on the threads
+    src = Source(raw, gguf.GGMLQuantizationType.IQ3_XXS, (rows, k))
+    got, type_id, shape = loading._as_q8_0(src, "blk.0.ffn_down.weight")
+    assert type_id == 8 and shape == (rows, k) and src.released == ["blk.0.ffn_down.weight"]
+    assert got.shape == want.shape and np.array_equal(got, want)
+    with pytest.raises(loading.UnsupportedModelError, match="model.gguf: tensor t has type"):
+        loading._as_q8_0(Source(raw, gguf.GGMLQuantizationType.Q8_1, (rows, k)), "t")
+
+
 def test_types_without_a_kernel_run_as_q8_0_with_a_warning(tmp_path):
     """A matrix part of a GGUF type without a kernel (IQ2_XXS, IQ3_XXS here) runs requantized to Q8_0, not as a float
     copy: each weight within half an int8 step of gguf.quants' dequantized value. A matrix of such parts alone takes the
