@@ -4,6 +4,10 @@ fresh process per variant and round, the variants alternating:
 
     python benchmarks/gguf_fallback_ab.py /work/ggufs/SmolLM2-135M-Instruct.Q2_K.gguf [--rounds 2] [--json F [--merge]]
 
+`--variants q8_0,q8_0-whole`: the requantization in chunks of rows on threads (loading.REQUANTIZE_ROWS / _THREADS)
+against each tensor whole on one thread (as before). Files of IQ types llama.cpp quantizes only with an importance
+matrix: benchmarks/random_blocks_gguf.py.
+
 `--as-without Q3_K --variants native,q8_0`: a type that has kernels run as stored ("native") against treated as one
 without (its parts requantized to Q8_0 as before it had kernels; through gguf.quants' numpy, so that variant's load
 time is not the C++ requantizer's).
@@ -28,7 +32,7 @@ if str(ROOT) not in sys.path:
 from run_record import run_child  # noqa: E402  (benchmarks/, this script's folder)
 
 TEXT = "/usr/share/common-licenses/GPL-3"
-VARIANTS = ("native", "q8_0", "fp32")
+VARIANTS = ("native", "q8_0", "q8_0-whole", "fp32")
 
 
 def child(path: str, variant: str, as_without: list[str]) -> None:
@@ -43,6 +47,8 @@ def child(path: str, variant: str, as_without: list[str]) -> None:
 
     if variant == "fp32":
         loading.REQUANTIZE_WITHOUT_KERNEL = False
+    if variant == "q8_0-whole":
+        loading.REQUANTIZE_ROWS, loading.REQUANTIZE_THREADS = 1 << 40, 1
     if variant != "native" and as_without:
         from edgellm.quant import gguf_tensor
 
@@ -108,8 +114,8 @@ def main() -> None:
         if args.merge and path.exists():
             rows = [r for r in json.loads(path.read_text())["rows"] if r["file"] != row["file"]] + rows
         doc = {"what": "GGUF types without a kernel: matrix parts requantized to Q8_0 at load (the --weights auto default) "
-                       "vs dequantized to fp32 (before), or (as_without) a native type as stored vs requantized to Q8_0; "
-                       "fresh processes alternating",
+                       "vs dequantized to fp32 (before), or in chunks of rows on threads vs whole (q8_0-whole), or "
+                       "(as_without) a native type as stored vs requantized to Q8_0; fresh processes alternating",
                "command": " ".join(["python", "benchmarks/gguf_fallback_ab.py", *sys.argv[1:]]), "rows": rows}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n")

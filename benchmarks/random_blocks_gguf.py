@@ -1,0 +1,52 @@
+"""A GGUF for speed tests of a type llama.cpp will not quantize here (the IQ2 / IQ3 / IQ1 types want an importance
+matrix): a source file with every tensor of one type replaced by random blocks of another, same shapes, same
+metadata and tokenizer (each block's fp16 d set small so the values stay finite).
+
+    python benchmarks/random_blocks_gguf.py /work/ggufs/random1b.Q4_K_M.gguf /work/ggufs/random1b.IQ3_XXS.gguf \
+        --type IQ3_XXS [--replace Q4_K]
+
+The weights are noise: for load time, memory and kernel speed, not for text.
+"""
+from __future__ import annotations
+
+import argparse
+
+import gguf
+import numpy as np
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("source")
+    ap.add_argument("out")
+    ap.add_argument("--type", required=True, help="the GGML type of the random blocks, e.g. IQ3_XXS")
+    ap.add_argument("--replace", default="Q4_K", help="the source's tensors of this type are replaced")
+    args = ap.parse_args()
+    T = gguf.GGMLQuantizationType
+    new, old = T[args.type], T[args.replace]
+    qv, qb = gguf.GGML_QUANT_SIZES[new]
+    reader = gguf.GGUFReader(args.source)
+    writer = gguf.GGUFWriter(args.out, reader.fields["general.architecture"].contents())
+    for key, f in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            writer.add_key_value(key, f.contents(), f.types[0], f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    rng = np.random.default_rng(0)
+    for t in reader.tensors:
+        if t.tensor_type == old:
+            k = int(t.shape[0])
+            rows = int(t.n_elements) // k
+            raw = rng.integers(0, 256, size=(rows, k // qv * qb), dtype=np.uint8)
+            raw.reshape(rows, -1, qb)[:, :, :2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+            writer.add_tensor(t.name, raw, raw_dtype=new)
+        else:
+            float_type = t.tensor_type in (T.F32, T.F16)
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=None if float_type else t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()
