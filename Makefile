@@ -26,6 +26,8 @@ test: install
 # instructions (Debian: libsimde-dev; kernels/simde_avx512.h), and the tests that run it against their references.
 # Slow (~8 min on 2 cores); `make test` runs the standalone AVX-512 harnesses the same way.
 test-avx512: install
+	@echo '#include <simde/x86/avx512.h>' | $${CXX:-c++} -x c++ -fsyntax-only -mavx2 -mfma -mf16c - \
+		|| (echo "make test-avx512 needs SIMDe's headers (Debian: apt install libsimde-dev)"; exit 1)
 	EDGELLM_EXT_ISA=avx512vnni-emulated $(BIN)/python -m pytest -q tests/test_cpu_kernels.py \
 		tests/test_gguf_kernels.py tests/test_gguf_prompt_gemm.py tests/test_gguf_x8.py tests/test_gguf_r8.py \
 		tests/test_quant_prompt_gemm.py tests/test_decode_step.py tests/test_pointwise.py tests/test_attention.py \
