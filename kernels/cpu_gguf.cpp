@@ -1127,6 +1127,19 @@ inline void split_panel_signs(int nsub, int64_t s0, const Panel& P) {
 }
 #endif
 
+// The signed codes (Q8_0's, the IQ4 levels) of sub-blocks [s0, s0 + nsub), stored as int8 by store_panel_codes, into
+// the form the micro-kernel takes: u8 + 128 where vpdpbusd multiplies (AVX-512 VNNI), else |w| with the signs apart.
+inline void signed_panel_codes(int nsub, int64_t s0, const Panel& P) {
+  if (!P_Q8_U8) {
+    split_panel_signs(nsub, s0, P);
+    return;
+  }
+  uint8_t* c = P.codes + s0 * 8 * P_NR * 4;
+  for (int64_t o = 0; o < nsub * 8 * P_NR * 4; o += 32)
+    _mm256_store_si256((__m256i*)(c + o), _mm256_xor_si256(_mm256_load_si256((const __m256i*)(c + o)),
+                                                            _mm256_set1_epi8((char)0x80)));
+}
+
 // Unpack rows[0 .. nvalid) (stored row numbers; the rest of the panel's NR rows are zeros) over [k0, k0 + kc).
 // r8 types: full chunks through decode_chunk (codes back in each block's order), a row's tail blocks as stored.
 template <int TYPE>
@@ -1163,11 +1176,7 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
         Chunk ch;
         const int64_t c = (k0 + u0) / 256;
         decode_chunk<TYPE>(row, c, ch);
-        for (int j = 0; j < 8; ++j) {
-          __m256i u = ch.u[j];
-          if (signed_codes(TYPE) && P_Q8_U8) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));  // (IQ4_XS)
-          _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), u);
-        }
+        for (int j = 0; j < 8; ++j) _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), ch.u[j]);
         if (per16(TYPE)) {
           const uint8_t* b = row + c * F::BYTES;
           const float d = per16_d<TYPE>(b);
@@ -1202,16 +1211,14 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
       } else {
         for (int j = 0; j < nsub; ++j) {
           const uint8_t* b = row + ((k0 + u0) / 32 + j) * F::BYTES;
-          __m256i u = codes32<TYPE>(b);
-          if (signed_codes(TYPE) && P_Q8_U8) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
-          _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), u);
+          _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), codes32<TYPE>(b));
           P.ws[(s0 + j) * NR + r] = f16(b);
           if (F::MIN) P.wm[(s0 + j) * NR + r] = f16(b + 2);
         }
       }
     }
     store_panel_codes(tmp, nsub, s0, P);
-    if (signed_codes(TYPE) && !P_Q8_U8) split_panel_signs(nsub, s0, P);
+    if (signed_codes(TYPE)) signed_panel_codes(nsub, s0, P);
   }
 }
 
@@ -1235,7 +1242,6 @@ void build_panel_quant(const QuantWeights& w, int64_t K, int64_t n0, int nvalid,
         if (r < nvalid) {
           const uint8_t* c = w.codes + n * cb;
           u = TYPE == GGUF_Q8_0 ? _mm256_loadu_si256((const __m256i*)(c + 32 * g32)) : nibbles32(c + 16 * g32);
-          if (signed_codes(TYPE) && P_Q8_U8) u = _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80));
           sc = f16(reinterpret_cast<const uint8_t*>(w.scales + gi));
           if (TYPE == GGUF_Q4_1) mn = f16(reinterpret_cast<const uint8_t*>(w.mins + gi));
         }
@@ -1245,7 +1251,7 @@ void build_panel_quant(const QuantWeights& w, int64_t K, int64_t n0, int nvalid,
       }
     }
     store_panel_codes(tmp, nsub, s0, P);
-    if (signed_codes(TYPE) && !P_Q8_U8) split_panel_signs(nsub, s0, P);
+    if (signed_codes(TYPE)) signed_panel_codes(nsub, s0, P);
   }
 }
 #else
@@ -1550,16 +1556,7 @@ void build_panel_x8(const uint8_t* x8, int64_t n0, int nvalid, int64_t K, int64_
       }
       gguf_x8_panel_sb(x8 + (n0 / 8 + gi) * gbytes + s * xb, TYPE, codes, NR * 4, ws, wm, NR);
     }
-    if constexpr (signed_codes(TYPE)) {  // (IQ4_XS) the int8 levels as the panel holds Q8_0's codes
-      if (P_Q8_U8) {
-        uint8_t* c = P.codes + sl * SUB * 8 * NR * 4;
-        for (int64_t o = 0; o < SUB * 8 * NR * 4; o += 32)
-          _mm256_store_si256((__m256i*)(c + o), _mm256_xor_si256(_mm256_load_si256((const __m256i*)(c + o)),
-                                                                  _mm256_set1_epi8((char)0x80)));
-      } else {
-        split_panel_signs((int)SUB, sl * SUB, P);
-      }
-    }
+    if (signed_codes(TYPE)) signed_panel_codes((int)SUB, sl * SUB, P);  // (IQ4_XS)
   }
 }
 #endif
