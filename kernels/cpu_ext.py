@@ -135,19 +135,20 @@ def _isa_and_flags(forced: str | None = None) -> tuple[str, list[str]]:
     if forced == "scalar":
         return "scalar", ["/DEDGELLM_FORCE_SCALAR" if msvc else "-DEDGELLM_FORCE_SCALAR"]
     flags = _cpu_flags()
+    x86_avx2 = machine in ("x86_64", "amd64", "i686", "x86") and {"avx2", "fma", "f16c"} <= flags
+    if forced == "avx512vnni-emulated":
+        if not x86_avx2 or msvc:
+            raise RuntimeError("the emulated AVX-512 VNNI build needs an x86 CPU with AVX2, FMA and F16C, "
+                               "and GCC or clang")
+        shim = Path(__file__).resolve().parent / "simde_avx512.h"
+        return forced, ["-mavx2", "-mfma", "-mf16c", "-include", str(shim)]
     if machine in ("x86_64", "amd64", "i686", "x86"):
-        if {"avx2", "fma", "f16c"} <= flags:
+        if x86_avx2:
             avx2 = ["/arch:AVX2"] if msvc else ["-mavx2", "-mfma", "-mf16c"]
-            if forced == "avx512vnni-emulated":
-                return forced, avx2 + ["-include", str(Path(__file__).resolve().parent / "simde_avx512.h")]
             if forced != "avx2" and not msvc and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
                 return "avx512vnni", avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
             return "avx2", avx2
-        if forced == "avx512vnni-emulated":
-            raise RuntimeError("the emulated AVX-512 VNNI build needs an x86 CPU with AVX2, FMA and F16C")
         return "scalar", []
-    if forced == "avx512vnni-emulated":
-        raise RuntimeError("the emulated AVX-512 VNNI build needs an x86 CPU with AVX2, FMA and F16C")
     if machine in ("arm64", "aarch64"):
         if "asimddp" in flags and not msvc:
             return "neon-dotprod", ["-march=armv8.2-a+dotprod"]

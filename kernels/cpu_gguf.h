@@ -38,9 +38,6 @@ constexpr int GGUF_X8 = 1000;
 constexpr int GGUF_R8 = 2000;
 inline bool gguf_is_x8(int type) { return type > GGUF_X8 && type < GGUF_R8; }
 
-// The 16 scales of a Q3_K super-block (its 12 packed bytes: 6 bits each, the low nibbles of scales 0..7 / 8..15 in
-// bytes 0..7's low / high nibbles, the top 2 bits in bytes 8..11 at bits 2 (i / 4)), minus 32, as ggml's
-// dequantize_row_q3_K unpacks them.
 // IQ4_NL / IQ4_XS: the int8 level of each 4-bit code (ggml-common.h kvalues_iq4nl)
 alignas(16) inline constexpr int8_t GGUF_IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                            1, 13, 25, 38, 53, 69, 89, 113};
@@ -52,6 +49,9 @@ inline int gguf_iq4xs_scale(const uint8_t* b, int j) {
   return ((b[4 + j / 2] >> (4 * (j & 1))) & 15 | h << 4) - 32;
 }
 
+// The 16 scales of a Q3_K super-block (its 12 packed bytes: 6 bits each, the low nibbles of scales 0..7 / 8..15 in
+// bytes 0..7's low / high nibbles, the top 2 bits in bytes 8..11 at bits 2 (i / 4)), minus 32, as ggml's
+// dequantize_row_q3_K unpacks them.
 inline void gguf_q3k_scales(const uint8_t* packed, int8_t out[16]) {
   uint32_t u[4];
   std::memcpy(u, packed, 12);

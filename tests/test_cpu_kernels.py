@@ -510,18 +510,19 @@ ISA_FLAGS = {
 }
 
 
-SIMDE_SHIM = Path(cpu_ext.__file__).resolve().parent / "simde_avx512.h"
 VNNI_MISSING = ("neither an AVX-512 VNNI CPU (avx512f/bw/vl/vnni) nor SIMDe's headers to emulate one "
                 "(apt: libsimde-dev; .ci/run installs it)")
 
 
-def simde_available(cxx: str) -> bool:
-    """Whether `cxx` finds SIMDe's AVX-512 header (Debian's libsimde-dev puts it in /usr/include)."""
+def simde_flags(cxx: str) -> list[str] | None:
+    """The extension's "avx512vnni-emulated" flags (AVX2 + kernels/simde_avx512.h) where `cxx` finds SIMDe's AVX-512
+    header (Debian's libsimde-dev puts it in /usr/include), else None."""
     import subprocess
 
-    probe = subprocess.run([cxx, "-x", "c++", "-fsyntax-only", "-mavx2", "-mfma", "-mf16c", "-include", str(SIMDE_SHIM),
-                            "-"], input="int main() { return 0; }\n", capture_output=True, text=True)
-    return probe.returncode == 0
+    flags = cpu_ext._isa_and_flags("avx512vnni-emulated")[1]
+    probe = subprocess.run([cxx, "-x", "c++", "-fsyntax-only", *flags, "-"], input="int main() { return 0; }\n",
+                           capture_output=True, text=True)
+    return flags if probe.returncode == 0 else None
 
 
 def standalone_plan() -> dict[str, tuple[str, list[str], list[str]]]:
@@ -537,8 +538,8 @@ def standalone_plan() -> dict[str, tuple[str, list[str], list[str]]]:
             plan["avx2"] = (cxx, ISA_FLAGS["avx2"], [])
             if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
                 plan["avx512vnni"] = (cxx, ISA_FLAGS["avx512vnni"], [])
-            elif simde_available(cxx):  # the same paths, the AVX-512 intrinsics emulated (kernels/simde_avx512.h)
-                plan["avx512vnni"] = (cxx, [*ISA_FLAGS["avx2"], "-include", str(SIMDE_SHIM)], [])
+            elif emulated := simde_flags(cxx):  # the same paths, the AVX-512 intrinsics emulated
+                plan["avx512vnni"] = (cxx, emulated, [])
     cross, qemu = _cross()
     if cross and qemu:
         plan["neon"] = (cross, ["-static", *ISA_FLAGS["neon"]], [qemu])
