@@ -184,6 +184,26 @@ def test_q4_1_files_keep_the_packed_int4_path(bundled_path):
     assert "f32" not in loaded.runs_as
 
 
+def test_the_cyclic_collector_is_paused_during_a_load_and_put_back(quant_files):
+    """load_model runs with the cyclic collector off (its passes over torch's objects cost half a GGUF tokenizer's
+    build) and leaves it as it found it, after a failed load too."""
+    import gc
+
+    seen = []
+    assert gc.isenabled()
+    load_model(quant_files["kmix"], weights="auto", max_seq_len=32, on_tensor=lambda name: seen.append(gc.isenabled()))
+    assert seen and not any(seen) and gc.isenabled()
+    with pytest.raises(Exception):
+        load_model(quant_files["kmix"].with_name("missing.gguf"))
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        load_model(quant_files["kmix"], weights="auto", max_seq_len=32)
+        assert not gc.isenabled()  # a caller's choice kept
+    finally:
+        gc.enable()
+
+
 def test_requantization_in_chunks_of_rows_equals_the_whole_tensors(monkeypatch):
     """_as_q8_0 converts chunks of rows on several threads: block for block what gguf.quants gives for the whole
     tensor, and a type gguf.quants cannot dequantize is a clear error."""
