@@ -4,8 +4,9 @@ fresh process per variant and round, the variants alternating:
 
     python benchmarks/gguf_fallback_ab.py /work/ggufs/SmolLM2-135M-Instruct.Q2_K.gguf [--rounds 2] [--json F [--merge]]
 
-`--variants q8_0,q8_0-whole`: the requantization in chunks of rows on threads (loading.REQUANTIZE_ROWS / _THREADS)
-against each tensor whole on one thread (as before). Files of IQ types llama.cpp quantizes only with an importance
+`--variants q8_0,q8_0-numpy` (or q8_0-whole): the IQ / TQ types requantized by the C++ converter (quant/gguf_grid.py,
+the default) against gguf.quants' numpy in chunks of rows on threads (loading.REQUANTIZE_ROWS / _THREADS), or
+gguf.quants with each tensor whole on one thread (before either). Files of IQ types llama.cpp quantizes only with an importance
 matrix: benchmarks/random_blocks_gguf.py.
 
 `--as-without Q3_K --variants native,q8_0`: a type that has kernels run as stored ("native") against treated as one
@@ -32,7 +33,7 @@ if str(ROOT) not in sys.path:
 from run_record import run_child  # noqa: E402  (benchmarks/, this script's folder)
 
 TEXT = "/usr/share/common-licenses/GPL-3"
-VARIANTS = ("native", "q8_0", "q8_0-whole", "fp32")
+VARIANTS = ("native", "q8_0", "q8_0-numpy", "q8_0-whole", "fp32")
 
 
 def child(path: str, variant: str, as_without: list[str]) -> None:
@@ -49,6 +50,10 @@ def child(path: str, variant: str, as_without: list[str]) -> None:
         loading.REQUANTIZE_WITHOUT_KERNEL = False
     if variant == "q8_0-whole":
         loading.REQUANTIZE_ROWS, loading.REQUANTIZE_THREADS = 1 << 40, 1
+    if variant in ("q8_0-numpy", "q8_0-whole"):
+        from edgellm.quant import gguf_grid
+
+        gguf_grid.convert = lambda *args, **kwargs: None  # no C++ converter: gguf.quants' numpy
     if variant != "native" and as_without:
         from edgellm.quant import gguf_tensor
 

@@ -171,6 +171,12 @@ class GGUFSource(TensorSource):
             return torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16).reshape(t.shape)
         if t.type_name in FLOAT_VIEWS:
             return torch.from_numpy(np.array(data)).reshape(t.shape)  # a private copy: the mmap is read-only
+        from .quant import gguf_grid
+
+        rows, k = (int(np.prod(t.shape[:-1])), t.shape[-1]) if len(t.shape) > 1 else (1, t.shape[0])
+        values = gguf_grid.convert(data, t.type_id, rows, k, q8_0=False)  # the grid types, in C++
+        if values is not None:
+            return values.reshape(t.shape)
         import gguf  # (~0.17 s: only for the types edgellm dequantizes at load)
 
         try:
@@ -462,13 +468,20 @@ REQUANTIZE_THREADS = 8
 
 def _as_q8_0(src: GGUFSource, name: str) -> tuple[Any, int, tuple[int, int]]:
     """`src.raw(name)` for a part of a type without a kernel: its values as Q8_0 blocks, as gguf.quants (and
-    llama.cpp's quantize_row_q8_0_ref) round them: per 32 values d = amax / 127, q = round(x / d) (gguf.quants'
-    numpy, block by block, so the chunks of rows give what the whole tensor would); the mapped original released."""
-    import gguf
-
+    llama.cpp's quantize_row_q8_0_ref) round them: per 32 values d = amax / 127, q = round(x / d); the mapped
+    original released. The IQ and TQ types go through the C++ converter (quant/gguf_grid.py, ~3 ns a weight);
+    others, or no extension: gguf.quants' numpy (~70 ns a weight) on chunks of rows, block for block what the
+    whole tensor would give."""
     from .kernels.gguf_ops import GGUF_NATIVE_TYPES
+    from .quant import gguf_grid
 
     data, type_id, (rows, k) = src.raw(name)
+    converted = gguf_grid.convert(data, type_id, rows, k, q8_0=True)
+    if converted is not None:
+        src.file.release(name)
+        return converted.numpy(), GGUF_NATIVE_TYPES["Q8_0"], (rows, k)
+    import gguf
+
     qtype, q8 = gguf.GGMLQuantizationType(type_id), gguf.GGMLQuantizationType.Q8_0
     blocks = data.reshape(rows, -1)
     out = np.empty((rows, k // 32 * gguf.GGML_QUANT_SIZES[q8][1]), dtype=np.uint8)

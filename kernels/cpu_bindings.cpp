@@ -359,6 +359,39 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t N, int64
   return out;
 }
 
+// The grid / ternary types without a kernel (cpu_gguf_grid.cpp): raw [N, row bytes] -> fp32 [N, K] (q8_0 false)
+// or Q8_0 blocks uint8 [N, K / 32 x 34] (q8_0 true). grid: int8 [entries, width] or empty, ksigns: uint8 [128] or
+// empty, as the type needs them (gguf.quants' tables; edgellm/quant/gguf_grid.py passes them).
+at::Tensor gguf_grid_convert(const at::Tensor& raw, int64_t type, int64_t N, int64_t K, const at::Tensor& grid,
+                             const at::Tensor& ksigns, bool q8_0) {
+  const char* what = "edgellm gguf_grid_convert";
+  const int64_t rb = edgellm::gguf_grid_row_bytes((int)type, K);
+  TORCH_CHECK(rb > 0, what, ": GGML type ", type, " with rows of ", K, " values is not one this converts (IQ1_S, "
+              "IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0; K a multiple of 256)");
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() && N >= 0 &&
+                  raw.numel() == N * rb, what, ": expected a contiguous uint8 CPU tensor of ", N * rb, " bytes, got ",
+              raw.scalar_type(), " ", raw.sizes());
+  const bool ternary = type == 34 || type == 35, signed_grid = type == 16 || type == 17 || type == 18;
+  const int64_t entries = type == 22 ? 1024 : (type == 19 || type == 29) ? 2048 : (type == 17 || type == 21) ? 512 : 256;
+  const int64_t width = (type == 18 || type == 21) ? 4 : 8;
+  TORCH_CHECK(ternary || (grid.device().is_cpu() && grid.scalar_type() == at::kChar && grid.is_contiguous() &&
+                          grid.numel() == entries * width), what, ": type ", type, " needs its grid as int8 [",
+              entries, ", ", width, "], got ", grid.scalar_type(), " ", grid.sizes());
+  TORCH_CHECK(!signed_grid || (ksigns.device().is_cpu() && ksigns.scalar_type() == at::kByte &&
+                               ksigns.is_contiguous() && ksigns.numel() == 128),
+              what, ": type ", type, " needs the 128 sign bytes as uint8, got ", ksigns.scalar_type(), " ", ksigns.sizes());
+  edgellm::GridTables tables;
+  if (!ternary) tables.grid = grid.data_ptr<int8_t>();
+  if (signed_grid) tables.ksigns = ksigns.data_ptr<uint8_t>();
+  at::Tensor out = q8_0 ? at::empty({N, K / 32 * 34}, raw.options()) : at::empty({N, K}, raw.options().dtype(at::kFloat));
+  {
+    py::gil_scoped_release nogil;
+    edgellm::gguf_grid_rows(raw.data_ptr<uint8_t>(), (int)type, N, K, tables, q8_0 ? nullptr : out.data_ptr<float>(),
+                            q8_0 ? out.data_ptr<uint8_t>() : nullptr);
+  }
+  return out;
+}
+
 // x8: a K-quant's or Q5_0 / Q5_1's rows repacked 8 at a time (cpu_gguf_x8.cpp); raw [N, row bytes] -> x8 [N, x8 row bytes] and back.
 at::Tensor gguf_x8_convert(const at::Tensor& src, int64_t type, int64_t N, int64_t K, bool to_x8) {
   TORCH_CHECK(edgellm::gguf_x8_supported((int)type), "edgellm gguf_repack: type ", type, " has no x8 kernels in this build");
@@ -682,6 +715,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_dequantize", &gguf_dequantize, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
         py::arg("out") = py::none(), "GGUF blocks -> fp32 [n, k], bit-identical to gguf.quants.dequantize");
   m.def("gguf_types", [] { return gguf_types_where(edgellm::gguf_supported); }, "the GGML type ids this build multiplies natively");
+  m.def("gguf_grid_convert", &gguf_grid_convert, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
+        py::arg("grid"), py::arg("ksigns"), py::arg("q8_0"),
+        "a grid / ternary type's blocks [n, row bytes] (no product kernel) -> fp32 [n, k] as gguf.quants.dequantize, "
+        "or (q8_0) Q8_0 blocks [n, k / 32 * 34] as gguf.quants.quantize rounds those values");
   m.def("gguf_x8_types", [] { return gguf_types_where(edgellm::gguf_x8_supported); }, "the GGML type ids this build also multiplies repacked 8 rows at a time "
         "(their type id + 1000)");
   m.def("gguf_repack", [](const at::Tensor& raw, int64_t type, int64_t n, int64_t k) {

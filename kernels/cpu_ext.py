@@ -39,7 +39,7 @@ from typing import Iterator
 import torch
 
 _NAME = "edgellm_cpu_kernels"
-_SOURCES = ("cpu_kernels.cpp", "cpu_decode.cpp", "cpu_gguf.cpp", "cpu_gguf_x8.cpp", "cpu_attention.cpp",
+_SOURCES = ("cpu_kernels.cpp", "cpu_decode.cpp", "cpu_gguf.cpp", "cpu_gguf_x8.cpp", "cpu_gguf_grid.cpp", "cpu_attention.cpp",
             "cpu_pointwise.cpp", "cpu_bindings.cpp")
 # hashed with the sources: a change rebuilds
 _HEADERS = ("cpu_decode.h", "cpu_gguf.h", "gguf_low_k_codes.h", "half.h", "simd_math.h", "simd_transpose.h",

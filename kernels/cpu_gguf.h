@@ -123,6 +123,20 @@ bool gguf_prompt_gemm_fast();
 // W [N, K] fp32, bit-identical to gguf.quants.dequantize.
 void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K, float* out);
 
+// The grid-codebook and ternary types without a product kernel (cpu_gguf_grid.cpp: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS,
+// IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0). `grid`: gguf.quants' grid of the type as int8 [entries, 8 or 4] (none for
+// TQ), `ksigns`: its 128 sign bytes (IQ2_XXS, IQ2_XS, IQ3_XXS).
+struct GridTables {
+  const int8_t* grid = nullptr;
+  const uint8_t* ksigns = nullptr;
+};
+// Bytes of a row of K values of such a type (0: not one of them, or K % 256 != 0).
+int64_t gguf_grid_row_bytes(int type, int64_t K);
+// Rows of such blocks -> fp32 [N, K] (`out`; gguf.quants.dequantize's values) and / or Q8_0 blocks [N, K / 32 x 34
+// bytes] (`q8_0`; gguf.quants.quantize's rounding of those values); either may be null.
+void gguf_grid_rows(const uint8_t* blocks, int type, int64_t N, int64_t K, const GridTables& tables, float* out,
+                    uint8_t* q8_0);
+
 // The x8 layout (cpu_gguf_x8.cpp): whether this build multiplies it for a base type (the K-quants Q2_K .. Q6_K, Q5_0,
 // Q5_1 with the AVX2 kernels), its bytes per unit of 8 rows x the type's block (256 values, Q5_0 / Q5_1: 32; 0: no x8
 // layout), the conversions either way (N % 8 == 0, K a multiple of the block; bit for bit), and the product, as

@@ -204,10 +204,23 @@ def test_the_cyclic_collector_is_paused_during_a_load_and_put_back(quant_files):
         gc.enable()
 
 
-def test_requantization_in_chunks_of_rows_equals_the_whole_tensors(monkeypatch):
-    """_as_q8_0 converts chunks of rows on several threads: block for block what gguf.quants gives for the whole
-    tensor, and a type gguf.quants cannot dequantize is a clear error."""
+@pytest.mark.parametrize("converter", ["c++", "numpy"])
+def test_requantization_in_chunks_of_rows_equals_the_whole_tensors(monkeypatch, converter):
+    """_as_q8_0 requantizes an IQ3_XXS part with the C++ converter where the extension is built, else with
+    gguf.quants' numpy in chunks of rows on several threads: either way block for block what gguf.quants gives for
+    the whole tensor; a type gguf.quants cannot dequantize is a clear error."""
     from edgellm import loading
+    from edgellm.quant import gguf_grid
+
+    if converter == "numpy":
+        monkeypatch.setattr(gguf_grid, "convert", lambda *args, **kwargs: None)
+    elif matmul.cpu_extension() is None:
+        pytest.skip("the C++ extension is not built here (no compiler)")
+    converted = []
+    if converter == "c++":
+        real = gguf_grid.convert
+        monkeypatch.setattr(gguf_grid, "convert", lambda *args, **kwargs: converted.append(real(*args, **kwargs))
+                            or converted[-1])
 
     class Source:
         path = "model.gguf"
@@ -233,6 +246,7 @@ def test_requantization_in_chunks_of_rows_equals_the_whole_tensors(monkeypatch):
     got, type_id, shape = loading._as_q8_0(src, "blk.0.ffn_down.weight")
     assert type_id == 8 and shape == (rows, k) and src.released == ["blk.0.ffn_down.weight"]
     assert got.shape == want.shape and np.array_equal(got, want)
+    assert (converter == "c++") == (len(converted) == 1 and converted[0] is not None)
     with pytest.raises(loading.UnsupportedModelError, match="model.gguf: tensor t has type"):
         loading._as_q8_0(Source(raw, gguf.GGMLQuantizationType.Q8_1, (rows, k)), "t")
 

@@ -1,0 +1,230 @@
+// The GGUF types this build has no product kernel for (grid codebooks: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S,
+// IQ3_XXS, IQ3_S; ternary: TQ1_0, TQ2_0), dequantized to fp32, or requantized straight to Q8_0 blocks, which the
+// loader multiplies in their place (edgellm/loading.py `_as_q8_0`).  Portable C++, one pass per 256-value block; what
+// gguf.quants' numpy did at ~70 ns a weight (an 8B IQ3 file: minutes of load) takes a few ns.
+//
+// Values: the fp32 operations of ggml's dequantize_row_* in their order, so the results are gguf.quants.dequantize's
+// bit for bit.  Q8_0: as gguf.quants.quantize (and ggml's quantize_row_q8_0_ref) per 32 values: d = amax / 127,
+// q = roundf(x / d) as x * (1 / d), d stored as fp16.
+//
+// The grids (each grid entry: 8, or 4, small integers) and the 128 sign bytes are the caller's, from gguf.quants, so
+// no codebook is copied into this file.
+//
+// Block layouts (ggml-common.h), d fp16 unless said:
+//   IQ2_XXS d, qs u32[16]: 32 values ib = the pair (a0, a1) = qs[2 ib ..]: grid index byte l of a0 (8 values each),
+//           signs ksigns[(a1 >> 7 l) & 127], db = d (0.5 + a1 >> 28) / 4
+//   IQ2_XS  d, qs u16[32], scales[8]: q = qs[i] (8 values): grid q & 511, signs ksigns[q >> 9]; scale per 16 values
+//           (nibbles, low first), db = d (0.5 + s) / 4
+//   IQ2_S   d, qs[32], signs[32], qh[8], scales[8]: grid qs[i] | ((qh[i/4] >> 2 (i%4)) & 3) << 8, signs[i] the sign
+//           bits, scales as IQ2_XS
+//   IQ3_XXS d, qs[64], aux u32[8]: grid qs[i] (4 values each), per 32 values aux: signs ksigns[(aux >> 7 l) & 127]
+//           for each 8, db = d (0.5 + aux >> 28) / 2
+//   IQ3_S   d, qs[64], qh[8], signs[32], scales[4]: grid qs[i] | ((qh[i/8] >> i%8) & 1) << 8, db = d (1 + 2 s) per 32
+//   IQ1_S   d, qs[32], qh u16[8]: per 32 values qh: grid qs[4 ib + l] | ((qh >> 3 l) & 7) << 8 (values -1, 0, 1),
+//           dl = d (2 ((qh >> 12) & 7) + 1), w = dl (g + delta), delta = -1/8 if qh bit 15 else 1/8
+//   IQ1_M   qs[32], qh[16], sc u16[4]: d = the top nibbles of sc; 3-bit scales per 16 values (dl = d (2 s + 1)); per
+//           8 values the nibble qh[i/2] >> 4 (i%2): its low 3 bits extend qs[i], bit 3 the delta's sign
+//   TQ1_0   qs[48], qh[4], d: base-3 digits, value (x 3^p mod 256) * 3 >> 8, minus 1
+//   TQ2_0   qs[64], d: 2-bit codes minus 1
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_gguf.h"
+#include "half.h"
+
+namespace edgellm {
+namespace {
+
+enum GridType { IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ3_S = 21, IQ2_S = 22, IQ1_M = 29,
+                TQ1_0 = 34, TQ2_0 = 35 };
+
+inline uint16_t u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+inline uint32_t u32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+inline float f16(const uint8_t* p) { return half_to_float(u16(p)); }
+
+// 8 values g[j] * db with sign bit j of `signs` (gguf.quants: db * grid * (+-1), the sign exact), flipped as a bit:
+// a branch on random sign bits mispredicted half the time
+inline void signed8(const int8_t* g, float db, uint8_t signs, float* v) {
+  for (int j = 0; j < 8; ++j) {
+    const float x = db * (float)g[j];
+    uint32_t bits;
+    std::memcpy(&bits, &x, 4);
+    bits ^= (uint32_t)((signs >> j) & 1) << 31;
+    std::memcpy(v + j, &bits, 4);
+  }
+}
+
+void iq2_xxs(const uint8_t* b, const GridTables& t, float* v) {
+  const float d = f16(b);
+  for (int ib = 0; ib < 8; ++ib) {
+    const uint32_t a0 = u32(b + 2 + 8 * ib), a1 = u32(b + 6 + 8 * ib);
+    const float db = d * (0.5f + (float)(a1 >> 28)) * 0.25f;
+    for (int l = 0; l < 4; ++l)
+      signed8(t.grid + 8 * ((a0 >> 8 * l) & 255), db, t.ksigns[(a1 >> 7 * l) & 127], v + 32 * ib + 8 * l);
+  }
+}
+
+inline float iq2_scale(const uint8_t* scales, float d, int g) {  // per 16 values g: nibble g, low first
+  return d * (0.5f + (float)((scales[g / 2] >> 4 * (g % 2)) & 15)) * 0.25f;
+}
+
+void iq2_xs(const uint8_t* b, const GridTables& t, float* v) {
+  const float d = f16(b);
+  for (int i = 0; i < 32; ++i) {
+    const uint16_t q = u16(b + 2 + 2 * i);
+    signed8(t.grid + 8 * (q & 511), iq2_scale(b + 66, d, i / 2), t.ksigns[q >> 9], v + 8 * i);
+  }
+}
+
+void iq2_s(const uint8_t* b, const GridTables& t, float* v) {
+  const float d = f16(b);
+  const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66;
+  for (int i = 0; i < 32; ++i) {
+    const int q = qs[i] | ((qh[i / 4] >> 2 * (i % 4)) & 3) << 8;
+    signed8(t.grid + 8 * q, iq2_scale(b + 74, d, i / 2), signs[i], v + 8 * i);
+  }
+}
+
+void iq3_xxs(const uint8_t* b, const GridTables& t, float* v) {
+  const float d = f16(b);
+  const uint8_t* qs = b + 2;
+  for (int ib = 0; ib < 8; ++ib) {
+    const uint32_t aux = u32(b + 66 + 4 * ib);
+    const float db = d * (0.5f + (float)(aux >> 28)) * 0.5f;
+    for (int l = 0; l < 4; ++l) {
+      int8_t g[8];  // two grid entries of 4
+      std::memcpy(g, t.grid + 4 * qs[8 * ib + 2 * l], 4);
+      std::memcpy(g + 4, t.grid + 4 * qs[8 * ib + 2 * l + 1], 4);
+      signed8(g, db, t.ksigns[(aux >> 7 * l) & 127], v + 32 * ib + 8 * l);
+    }
+  }
+}
+
+void iq3_s(const uint8_t* b, const GridTables& t, float* v) {
+  const float d = f16(b);
+  const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *scales = b + 106;
+  for (int i = 0; i < 32; ++i) {  // 8 values: grid entries 2i, 2i + 1
+    const int ib = i / 4;
+    const float db = d * (float)(1 + 2 * ((scales[ib / 2] >> 4 * (ib % 2)) & 15));
+    int8_t g[8];
+    for (int h = 0; h < 2; ++h) {
+      const int e = 2 * i + h;
+      std::memcpy(g + 4 * h, t.grid + 4 * (qs[e] | ((qh[e / 8] >> (e % 8)) & 1) << 8), 4);
+    }
+    signed8(g, db, signs[i], v + 8 * i);
+  }
+}
+
+// dl (g + delta) for the 8 grid values of entry q (-1, 0, 1)
+inline void shifted8(const int8_t* g, float dl, float delta, float* v) {
+  for (int j = 0; j < 8; ++j) v[j] = dl * ((float)g[j] + delta);
+}
+
+void iq1_s(const uint8_t* b, const GridTables& t, float* v) {
+  const float d = f16(b);
+  const uint8_t* qs = b + 2;
+  for (int ib = 0; ib < 8; ++ib) {
+    const uint16_t qh = u16(b + 34 + 2 * ib);
+    const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1), delta = qh & 0x8000 ? -0.125f : 0.125f;
+    for (int l = 0; l < 4; ++l)
+      shifted8(t.grid + 8 * (qs[4 * ib + l] | ((qh >> 3 * l) & 7) << 8), dl, delta, v + 32 * ib + 8 * l);
+  }
+}
+
+void iq1_m(const uint8_t* b, const GridTables& t, float* v) {
+  const uint8_t *qs = b, *qh = b + 32;
+  uint16_t sc[4];
+  std::memcpy(sc, b + 48, 8);
+  const float d = half_to_float((uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xf0) | ((sc[2] >> 4) & 0xf00) |
+                                           (sc[3] & 0xf000)));
+  for (int i = 0; i < 32; ++i) {  // 8 values; 16 values share a scale
+    const int s = (sc[i / 8] >> 3 * ((i / 2) % 4)) & 7, h = (qh[i / 2] >> 4 * (i % 2)) & 15;
+    const float dl = d * (float)(2 * s + 1), delta = h & 8 ? -0.125f : 0.125f;
+    shifted8(t.grid + 8 * (qs[i] | (h & 7) << 8), dl, delta, v + 8 * i);
+  }
+}
+
+inline float ternary(uint8_t x) { return (float)((int)(((unsigned)x * 3) >> 8) - 1); }
+
+void tq1_0(const uint8_t* b, const GridTables&, float* v) {
+  static constexpr uint8_t pow3[5] = {1, 3, 9, 27, 81};
+  const uint8_t *qs = b, *qh = b + 48;
+  const float d = f16(b + 52);
+  for (int p = 0; p < 5; ++p) {
+    for (int j = 0; j < 32; ++j) v[32 * p + j] = d * ternary((uint8_t)(qs[j] * pow3[p]));
+    for (int j = 0; j < 16; ++j) v[160 + 16 * p + j] = d * ternary((uint8_t)(qs[32 + j] * pow3[p]));
+  }
+  for (int p = 0; p < 4; ++p)
+    for (int j = 0; j < 4; ++j) v[240 + 4 * p + j] = d * ternary((uint8_t)(qh[j] * pow3[p]));
+}
+
+void tq2_0(const uint8_t* b, const GridTables&, float* v) {
+  const float d = f16(b + 64);
+  for (int h = 0; h < 2; ++h)
+    for (int s = 0; s < 4; ++s)
+      for (int j = 0; j < 32; ++j) v[128 * h + 32 * s + j] = d * (float)((int)((b[32 * h + j] >> 2 * s) & 3) - 1);
+}
+
+using BlockFn = void (*)(const uint8_t*, const GridTables&, float*);
+
+struct GridFormat {
+  BlockFn fn;
+  int64_t bytes;  // per 256 values
+};
+
+GridFormat format_of(int type) {
+  switch (type) {
+    case IQ2_XXS: return {iq2_xxs, 66};
+    case IQ2_XS: return {iq2_xs, 74};
+    case IQ2_S: return {iq2_s, 82};
+    case IQ3_XXS: return {iq3_xxs, 98};
+    case IQ3_S: return {iq3_s, 110};
+    case IQ1_S: return {iq1_s, 50};
+    case IQ1_M: return {iq1_m, 56};
+    case TQ1_0: return {tq1_0, 54};
+    case TQ2_0: return {tq2_0, 66};
+    default: return {nullptr, 0};
+  }
+}
+
+// 32 values -> a Q8_0 block (d fp16, 32 int8), gguf.quants' rounding.  Half away from zero as gguf.quants' np_roundf
+// computes it, floor(a) + floor(2 (a - floor(a))), every step exact: the same as roundf, but inlined and vectorized
+// where roundf and fmaxf are library calls (they were two thirds of the time).
+void q8_0_block(const float* x, uint8_t* out) {
+  float amax = 0.0f;
+  for (int j = 0; j < 32; ++j) {
+    const float a = std::fabs(x[j]);
+    amax = a > amax ? a : amax;
+  }
+  const float d = amax / 127.0f, id = d == 0.0f ? 0.0f : 1.0f / d;
+  const uint16_t dh = float_to_half(d);
+  std::memcpy(out, &dh, 2);
+  for (int j = 0; j < 32; ++j) {
+    const float y = x[j] * id, a = std::fabs(y), whole = std::floor(a);
+    const int q = (int)(whole + std::floor(2.0f * (a - whole)));
+    out[2 + j] = (uint8_t)(int8_t)(y < 0.0f ? -q : q);
+  }
+}
+
+}  // namespace
+
+int64_t gguf_grid_row_bytes(int type, int64_t K) { return K % 256 ? 0 : K / 256 * format_of(type).bytes; }
+
+void gguf_grid_rows(const uint8_t* blocks, int type, int64_t N, int64_t K, const GridTables& tables, float* out,
+                    uint8_t* q8_0) {
+  const GridFormat f = format_of(type);
+  const int64_t nb = K / 256, rb = nb * f.bytes;
+  parallel_run(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    float v[256];
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t b = 0; b < nb; ++b) {
+        float* dst = out ? out + n * K + b * 256 : v;
+        f.fn(blocks + n * rb + b * f.bytes, tables, dst);
+        if (q8_0)
+          for (int s = 0; s < 8; ++s) q8_0_block(dst + 32 * s, q8_0 + (n * (K / 32) + b * 8 + s) * 34);
+      }
+  });
+}
+
+}  // namespace edgellm

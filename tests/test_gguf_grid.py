@@ -1,0 +1,62 @@
+"""The C++ converter of the GGUF types without a product kernel (kernels/cpu_gguf_grid.cpp via quant/gguf_grid.py:
+IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0) against gguf.quants: its fp32 values are
+gguf.quants.dequantize's bit for bit, its Q8_0 blocks gguf.quants.quantize's of those values byte for byte."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from edgellm.kernels import matmul
+from edgellm.quant import gguf_grid
+from tests.fixtures.tiny import random_blocks
+
+T = gguf.GGMLQuantizationType
+
+
+@pytest.fixture(scope="module")
+def ext():
+    ext = matmul.cpu_extension()
+    if ext is None:
+        pytest.skip("the C++ extension is not built here (no compiler)")
+    return ext
+
+
+def grid_blocks(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if type_name != "IQ1_M":
+        return random_blocks(type_name, rows, k, rng)
+    # IQ1_M keeps its fp16 d in the top nibbles of its four u16 scales (bytes 48..55)
+    raw = rng.integers(0, 256, size=(rows * (k // 256), 56), dtype=np.uint8)
+    scales, d = raw[:, 48:56].view(np.uint16), int(np.float16(0.01).view(np.uint16))
+    for i in range(4):
+        scales[:, i] = (scales[:, i] & 0x0FFF) | (((d >> 4 * i) & 0xF) << 12)
+    return raw.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_id", sorted(gguf_grid.GRID_TYPES), ids=lambda t: gguf_grid.GRID_TYPES[t])
+@pytest.mark.parametrize("rows,k", [(37, 512), (3, 2304)])
+def test_values_and_q8_0_blocks_are_gguf_quants(ext, type_id, rows, k):
+    name = gguf_grid.GRID_TYPES[type_id]
+    raw = grid_blocks(name, rows, k, seed=type_id + k)
+    want = gguf.quants.dequantize(raw, T(type_id)).reshape(rows, k)
+    assert np.isfinite(want).all() and want.std() > 0
+    values = gguf_grid.convert(raw, type_id, rows, k, q8_0=False)
+    assert values.dtype == torch.float32 and values.shape == (rows, k)
+    assert np.array_equal(values.numpy().view(np.uint32), want.view(np.uint32))  # bit for bit, signed zeros too
+    blocks = gguf_grid.convert(raw, type_id, rows, k, q8_0=True)
+    assert blocks.dtype == torch.uint8 and np.array_equal(blocks.numpy(), gguf.quants.quantize(want, T.Q8_0))
+
+
+def test_what_it_does_not_convert(ext):
+    raw = grid_blocks("IQ3_XXS", 2, 256, seed=0)
+    assert gguf_grid.convert(raw, int(T.Q4_K), 2, 256, q8_0=True) is None  # a type with kernels: not its job
+    assert gguf_grid.convert(raw[:, :49], int(T.IQ3_XXS), 2, 128, q8_0=True) is None  # rows of 128: not a type's
+    grid, ksigns = gguf_grid._tables(int(T.IQ3_XXS))
+    with pytest.raises(RuntimeError, match="expected a contiguous uint8 CPU tensor of 196 bytes"):
+        ext.gguf_grid_convert(torch.from_numpy(raw[:1]), int(T.IQ3_XXS), 2, 256, grid, ksigns, True)
+    with pytest.raises(RuntimeError, match=r"needs its grid as int8 \[256, 4\]"):
+        ext.gguf_grid_convert(torch.from_numpy(raw), int(T.IQ3_XXS), 2, 256, grid[:128], ksigns, True)
+    with pytest.raises(RuntimeError, match="needs the 128 sign bytes"):
+        ext.gguf_grid_convert(torch.from_numpy(raw), int(T.IQ3_XXS), 2, 256, grid, ksigns[:64], True)
