@@ -119,7 +119,8 @@ def main() -> None:
         if args.merge and path.exists():
             rows = [r for r in json.loads(path.read_text())["rows"] if r["file"] != row["file"]] + rows
         doc = {"what": "GGUF types without a kernel: matrix parts requantized to Q8_0 at load (the --weights auto default) "
-                       "vs dequantized to fp32 (before), or in chunks of rows on threads vs whole (q8_0-whole), or "
+                       "vs dequantized to fp32 (before), or by the C++ converter vs gguf.quants' numpy in chunks of rows on "
+                       "threads (q8_0-numpy) or whole (q8_0-whole), or "
                        "(as_without) a native type as stored vs requantized to Q8_0; fresh processes alternating",
                "command": " ".join(["python", "benchmarks/gguf_fallback_ab.py", *sys.argv[1:]]), "rows": rows}
         tmp = path.with_suffix(".tmp")
