@@ -13,6 +13,7 @@ import json
 import math
 import os
 import re
+import threading
 import time
 import warnings
 from collections import Counter
@@ -616,22 +617,32 @@ def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch
 WEIGHT_FORMATS = ("auto", "fp", "int8", "int4")
 
 
-@contextlib.contextmanager
-def _collector_paused():
+class _CollectorPause(contextlib.ContextDecorator):
     """A load makes ~10^5 small container objects (a GGUF's vocabulary and merge pairs, the modules) beside the
     ~2 x 10^5 of torch's import, and every cyclic-collector pass their allocations trigger walks all of them: half
-    of a GGUF tokenizer's build (~0.08 s). Nothing a load makes is cyclic garbage worth those passes; the collector's
-    state is put back after it (nested loads: the calibration's float model)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
+    of a GGUF tokenizer's build (~0.08 s). Nothing a load makes is cyclic garbage worth those passes, so the
+    collector is off while any load runs (nested: the calibration's float model; or in several threads) and put
+    back as the first of them found it when the last one ends."""
+
+    _lock = threading.Lock()
+    _depth = 0
+    _was_enabled = True
+
+    def __enter__(self) -> None:
+        with self._lock:
+            if _CollectorPause._depth == 0:
+                _CollectorPause._was_enabled = gc.isenabled()
+                gc.disable()
+            _CollectorPause._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            _CollectorPause._depth -= 1
+            if _CollectorPause._depth == 0 and _CollectorPause._was_enabled:
+                gc.enable()
 
 
-@_collector_paused()
+@_CollectorPause()
 def load_model(arg: str | os.PathLike | None = None, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, max_seq_len: int | None = None,
                on_tensor: Callable[[str], None] | None = None, weights: str = "auto",

@@ -202,6 +202,16 @@ def test_the_cyclic_collector_is_paused_during_a_load_and_put_back(quant_files):
         assert not gc.isenabled()  # a caller's choice kept
     finally:
         gc.enable()
+    # loads in two threads, the first to start ending first: on until the last ends, then back on
+    from edgellm.loading import _CollectorPause
+
+    first, second = _CollectorPause(), _CollectorPause()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert not gc.isenabled()
+    second.__exit__(None, None, None)
+    assert gc.isenabled()
 
 
 @pytest.mark.parametrize("converter", ["c++", "numpy"])
