@@ -59,7 +59,8 @@ GGUF_TYPES = {t.id: t for t in (
     GGUFType(2, "Q4_0", 32, 18), GGUFType(3, "Q4_1", 32, 20), GGUFType(6, "Q5_0", 32, 22),
     GGUFType(7, "Q5_1", 32, 24), GGUFType(8, "Q8_0", 32, 34), GGUFType(10, "Q2_K", 256, 84),
     GGUFType(11, "Q3_K", 256, 110), GGUFType(12, "Q4_K", 256, 144), GGUFType(13, "Q5_K", 256, 176),
-    GGUFType(14, "Q6_K", 256, 210), GGUFType(20, "IQ4_NL", 32, 18), GGUFType(23, "IQ4_XS", 256, 136),
+    GGUFType(14, "Q6_K", 256, 210), GGUFType(16, "IQ2_XXS", 256, 66), GGUFType(18, "IQ3_XXS", 256, 98),
+    GGUFType(20, "IQ4_NL", 32, 18), GGUFType(21, "IQ3_S", 256, 110), GGUFType(23, "IQ4_XS", 256, 136),
 )}
 
 

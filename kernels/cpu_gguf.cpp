@@ -110,13 +110,19 @@ template <> struct Fmt<GGUF_Q3_K> { static constexpr int64_t QV = 256, BYTES = 1
 template <> struct Fmt<GGUF_Q2_K> { static constexpr int64_t QV = 256, BYTES = 84; static constexpr bool MIN = false; };
 template <> struct Fmt<GGUF_IQ4_NL> { static constexpr int64_t QV = 32, BYTES = 18; static constexpr bool MIN = false; };
 template <> struct Fmt<GGUF_IQ4_XS> { static constexpr int64_t QV = 256, BYTES = 136; static constexpr bool MIN = false; };
+template <> struct Fmt<GGUF_IQ2_XXS> { static constexpr int64_t QV = 256, BYTES = 66; static constexpr bool MIN = false; };
+template <> struct Fmt<GGUF_IQ3_XXS> { static constexpr int64_t QV = 256, BYTES = 98; static constexpr bool MIN = false; };
+template <> struct Fmt<GGUF_IQ3_S> { static constexpr int64_t QV = 256, BYTES = 110; static constexpr bool MIN = false; };
 
 // Q6_K, Q3_K, Q2_K: an int scale per 16 values and one fp16 d per super-block; the codes' offset (32 / 4 / none) as
 // a shift.  Q2_K: and a min per 16 values (fp16 dmin times a 4-bit m).
 constexpr bool per16(int type) { return type == GGUF_Q6_K || type == GGUF_Q3_K || type == GGUF_Q2_K; }
 // Types whose codes are signed int8 (Q8_0's, the IQ4 types' looked-up levels): dot products by sign transfer
 // (|w| against x with w's sign) where the others' unsigned codes go straight into maddubs
-constexpr bool signed_codes(int type) { return type == GGUF_Q8_0 || type == GGUF_IQ4_NL || type == GGUF_IQ4_XS; }
+constexpr bool grid_iquant(int type) { return type == GGUF_IQ2_XXS || type == GGUF_IQ3_XXS || type == GGUF_IQ3_S; }
+constexpr bool signed_codes(int type) {
+  return type == GGUF_Q8_0 || type == GGUF_IQ4_NL || type == GGUF_IQ4_XS || grid_iquant(type);
+}
 constexpr bool min16(int type) { return type == GGUF_Q2_K; }
 constexpr int per16_off_shift(int type) { return type == GGUF_Q6_K ? 5 : type == GGUF_Q3_K ? 2 : -1; }
 
@@ -213,6 +219,8 @@ inline void decode_sub(const uint8_t* b, int j, int8_t w[32], float* fs, float* 
       w[l + 16] = GGUF_IQ4_LEVELS[qs[l] >> 4];
     }
     *fs = TYPE == GGUF_IQ4_NL ? f16(b) : f16(b) * (float)gguf_iq4xs_scale(b, j);
+  } else if (grid_iquant(TYPE)) {
+    *fs = gguf_grid_sub<TYPE>(b, j, f16(b), w);
   } else if (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
     uint8_t sm[16];
     kquant_scales(b + 4, sm);
@@ -491,6 +499,16 @@ inline __m256i codes32(const uint8_t* b) {
   return _mm256_loadu_si256((const __m256i*)(b + 2));  // Q8_0
 }
 
+// 32 unsigned grid values negated where bit v of `signs` is set (value v = byte v): the grid i-quants' codes.
+inline __m256i with_signs(__m256i values, uint32_t signs) {
+  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)signs),  // byte v <- sign byte v / 8
+                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+  const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_sub_epi8(_mm256_xor_si256(values, neg), neg);
+}
+
 // One decoded super-block (or chunk of 8 blocks): codes, per-sub-block scales and mins, Q6_K's int16 scales.
 struct Chunk {
   __m256i u[8];
@@ -574,6 +592,41 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     ch.fs = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(ls));  // d (ls - 32), rounded as gguf.quants
     ch.fm = _mm256_setzero_ps();
     for (int j = 0; j < 8; ++j) ch.u[j] = iq4_levels(nibbles32(b + 8 + 16 * j));
+    return;
+  }
+  if constexpr (grid_iquant(TYPE)) {  // 8 grid entries a sub-block by one gather, the sign bits applied
+    const __m256 d = _mm256_set1_ps(f16(b));
+    ch.fm = _mm256_setzero_ps();
+    if (TYPE == GGUF_IQ3_S) {  // scale d (1 + 2 s_j): s_j nibble j of bytes 106..109
+      const __m256i s = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)gguf_ld32(b + 106)),
+                                                           _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                         _mm256_set1_epi32(15));
+      ch.fs = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(s, 1), _mm256_set1_epi32(1))));
+      const __m256i bit = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), one = _mm256_set1_epi32(1);
+      for (int j = 0; j < 8; ++j) {
+        const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(b[66 + j]), bit), one);
+        const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + 2 + 8 * j))),
+                                            _mm256_slli_epi32(hi, 8));
+        ch.u[j] = with_signs(_mm256_i32gather_epi32((const int*)GGUF_IQ3S_GRID, idx, 4), gguf_ld32(b + 74 + 4 * j));
+      }
+      return;
+    }
+    // IQ2_XXS / IQ3_XXS: per sub-block a u32 of 4 x 7 sign bits and the 4-bit scale at its top
+    alignas(32) uint32_t aux[8];
+    for (int j = 0; j < 8; ++j) aux[j] = gguf_ld32(TYPE == GGUF_IQ2_XXS ? b + 6 + 8 * j : b + 66 + 4 * j);
+    const __m256 s = _mm256_cvtepi32_ps(_mm256_srli_epi32(_mm256_load_si256((const __m256i*)aux), 28));
+    ch.fs = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_add_ps(_mm256_set1_ps(0.5f), s)),
+                          _mm256_set1_ps(TYPE == GGUF_IQ2_XXS ? 0.25f : 0.5f));
+    for (int j = 0; j < 8; ++j) {
+      __m256i g;
+      if (TYPE == GGUF_IQ2_XXS)
+        g = _mm256_i32gather_epi64((const long long*)GGUF_IQ2XXS_GRID,
+                                   _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)gguf_ld32(b + 2 + 8 * j))), 8);
+      else
+        g = _mm256_i32gather_epi32((const int*)GGUF_IQ3XXS_GRID,
+                                   _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + 2 + 8 * j))), 4);
+      ch.u[j] = with_signs(g, gguf_ksigns32(aux[j]));
+    }
     return;
   }
   if (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
@@ -892,6 +945,9 @@ void dispatch(int type, Args&&... args) {
     case GGUF_Q2_K: Op<GGUF_Q2_K>::run(args...); break;
     case GGUF_IQ4_NL: Op<GGUF_IQ4_NL>::run(args...); break;
     case GGUF_IQ4_XS: Op<GGUF_IQ4_XS>::run(args...); break;
+    case GGUF_IQ2_XXS: Op<GGUF_IQ2_XXS>::run(args...); break;
+    case GGUF_IQ3_XXS: Op<GGUF_IQ3_XXS>::run(args...); break;
+    case GGUF_IQ3_S: Op<GGUF_IQ3_S>::run(args...); break;
 #ifdef EDGELLM_G_AVX2
     case GGUF_Q5_0_R8: Op<GGUF_Q5_0_R8>::run(args...); break;
     case GGUF_Q5_1_R8: Op<GGUF_Q5_1_R8>::run(args...); break;
@@ -1617,7 +1673,10 @@ void prompt_range(const PromptActs& A, const Rows& src, int64_t N, const int32_t
     const int nvalid = (int)std::min<int64_t>(NR, N - n0);
     src.build(n0, nvalid, k0, kn, P);
     if (p + 1 < p1) src.prefetch_next(n0 + NR, N, k0);
-    const bool contiguous = nvalid == NR && cols[n0 + NR - 1] - cols[n0] == NR - 1;
+    // every column in turn, not only the first and last: an x8 part's columns keep their stored rows' order, and
+    // a permutation within the panel (0, 2, 1, 3, ...) has the same ends as a run
+    bool contiguous = nvalid == NR;
+    for (int i = 1; contiguous && i < NR; ++i) contiguous = cols[n0 + i] == cols[n0] + i;
     for (int64_t mb = 0; mb < nmb; ++mb) {
       const int64_t left = A.M - mb * P_MR;
       if (left > P_MR / 2)
@@ -1704,7 +1763,8 @@ int64_t gguf_block_values(int type) {
   if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? gguf_block_values(type - GGUF_X8) : 0;
   switch (type) {
     case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q5_0: case GGUF_Q5_1: case GGUF_Q8_0: case GGUF_IQ4_NL: return 32;
-    case GGUF_Q2_K: case GGUF_Q3_K: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: case GGUF_IQ4_XS: return 256;
+    case GGUF_Q2_K: case GGUF_Q3_K: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: case GGUF_IQ4_XS:
+    case GGUF_IQ2_XXS: case GGUF_IQ3_XXS: case GGUF_IQ3_S: return 256;
     default: return 0;
   }
 }
@@ -1725,6 +1785,9 @@ int64_t gguf_block_bytes(int type) {
     case GGUF_Q2_K: return Fmt<GGUF_Q2_K>::BYTES;
     case GGUF_IQ4_NL: return Fmt<GGUF_IQ4_NL>::BYTES;
     case GGUF_IQ4_XS: return Fmt<GGUF_IQ4_XS>::BYTES;
+    case GGUF_IQ2_XXS: return Fmt<GGUF_IQ2_XXS>::BYTES;
+    case GGUF_IQ3_XXS: return Fmt<GGUF_IQ3_XXS>::BYTES;
+    case GGUF_IQ3_S: return Fmt<GGUF_IQ3_S>::BYTES;
     default: return 0;
   }
 }

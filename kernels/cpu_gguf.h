@@ -7,6 +7,8 @@
 #include <cstring>
 #include <functional>
 
+#include "gguf_grids.h"
+
 namespace edgellm {
 
 void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
@@ -28,7 +30,7 @@ inline void parallel_runs(int64_t n, const F& f) {
 // GGML type ids (gguf.GGMLQuantizationType) of the types multiplied natively.
 enum GgufType { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q5_0 = 6, GGUF_Q5_1 = 7, GGUF_Q8_0 = 8,
                 GGUF_Q2_K = 10, GGUF_Q3_K = 11, GGUF_Q4_K = 12, GGUF_Q5_K = 13, GGUF_Q6_K = 14,
-                GGUF_IQ4_NL = 20, GGUF_IQ4_XS = 23 };
+                GGUF_IQ2_XXS = 16, GGUF_IQ3_XXS = 18, GGUF_IQ4_NL = 20, GGUF_IQ3_S = 21, GGUF_IQ4_XS = 23 };
 
 // A type id plus GGUF_X8: that K-quant's, IQ4_XS's, Q5_0's or Q5_1's rows repacked 8 at a time (cpu_gguf_x8.cpp),
 // N a multiple of 8.
@@ -47,6 +49,52 @@ alignas(16) inline constexpr int8_t GGUF_IQ4_LEVELS[16] = {-127, -104, -83, -65,
 inline int gguf_iq4xs_scale(const uint8_t* b, int j) {
   const int h = (b[2] | (b[3] << 8)) >> (2 * j) & 3;
   return ((b[4 + j / 2] >> (4 * (j & 1))) & 15 | h << 4) - 32;
+}
+
+// The grid i-quants (IQ2_XXS, IQ3_XXS, IQ3_S; gguf_grids.h has their codebooks): sub-block j (32 values) of block
+// b as signed int8 codes w = +-g (the grid values with their sign bits), returning its fp32 scale, so that
+// gguf.quants' value is scale * w exactly (it rounds db * g, and the sign is exact).
+//   IQ2_XXS d, qs u32[16]: the pair (a0, a1) = qs[2j ..]: byte l of a0 indexes 8 values, signs GGUF_KSIGNS[(a1 >> 7l)
+//           & 127], scale d (0.5 + a1 >> 28) / 4
+//   IQ3_XXS d, qs[64], aux u32[8]: qs[8j + i] indexes 4 values, signs GGUF_KSIGNS[(aux_j >> 7l) & 127] for each 8,
+//           scale d (0.5 + aux_j >> 28) / 2
+//   IQ3_S   d, qs[64], qh[8], signs[32], scales[4]: entry qs[8j + i] | ((qh[j] >> i) & 1) << 8 (4 values), the sign
+//           bits signs[4j ..], scale d (1 + 2 s_j), s_j nibble j of the scales
+inline uint32_t gguf_ld32(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+inline uint32_t gguf_ksigns32(uint32_t a) {  // the 4 sign bytes of 4 x 7 sign bits
+  return GGUF_KSIGNS[a & 127] | (uint32_t)GGUF_KSIGNS[(a >> 7) & 127] << 8 |
+         (uint32_t)GGUF_KSIGNS[(a >> 14) & 127] << 16 | (uint32_t)GGUF_KSIGNS[(a >> 21) & 127] << 24;
+}
+
+// the grid entries' values with sign bit v of `signs` applied to value v (32 values from 8 bytes a value-group)
+inline void gguf_signed_values(const uint8_t* values, uint32_t signs, int8_t w[32]) {
+  for (int v = 0; v < 32; ++v) w[v] = (int8_t)((signs >> v) & 1 ? -(int)values[v] : (int)values[v]);
+}
+
+template <int TYPE>
+inline float gguf_grid_sub(const uint8_t* b, int j, float d, int8_t w[32]) {
+  uint8_t values[32];
+  if (TYPE == GGUF_IQ2_XXS) {
+    const uint32_t a0 = gguf_ld32(b + 2 + 8 * j), a1 = gguf_ld32(b + 6 + 8 * j);
+    for (int l = 0; l < 4; ++l) std::memcpy(values + 8 * l, &GGUF_IQ2XXS_GRID[(a0 >> 8 * l) & 255], 8);
+    gguf_signed_values(values, gguf_ksigns32(a1), w);
+    return d * (0.5f + (float)(a1 >> 28)) * 0.25f;
+  }
+  if (TYPE == GGUF_IQ3_XXS) {
+    const uint32_t aux = gguf_ld32(b + 66 + 4 * j);
+    for (int i = 0; i < 8; ++i) std::memcpy(values + 4 * i, &GGUF_IQ3XXS_GRID[b[2 + 8 * j + i]], 4);
+    gguf_signed_values(values, gguf_ksigns32(aux), w);
+    return d * (0.5f + (float)(aux >> 28)) * 0.5f;
+  }
+  const uint8_t qh = b[66 + j];  // IQ3_S
+  for (int i = 0; i < 8; ++i) std::memcpy(values + 4 * i, &GGUF_IQ3S_GRID[b[2 + 8 * j + i] | ((qh >> i) & 1) << 8], 4);
+  gguf_signed_values(values, gguf_ld32(b + 74 + 4 * j), w);
+  return d * (float)(1 + 2 * ((b[106 + j / 2] >> 4 * (j & 1)) & 15));
 }
 
 // The 16 scales of a Q3_K super-block (its 12 packed bytes: 6 bits each, the low nibbles of scales 0..7 / 8..15 in

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 # GGML type ids (gguf.GGMLQuantizationType) the kernels multiply natively.
 GGUF_NATIVE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12,
-                     "Q5_K": 13, "Q6_K": 14, "IQ4_NL": 20, "IQ4_XS": 23}
+                     "Q5_K": 13, "Q6_K": 14, "IQ2_XXS": 16, "IQ3_XXS": 18, "IQ4_NL": 20, "IQ3_S": 21, "IQ4_XS": 23}
 
 # The largest M (rows of x) for which the int-dot kernel beat gguf_dequantize + F.linear, per K-quant, measured by
 # benchmarks/gguf_kernels_cpu.py (prefill table: Llama-3.2-1B's 2048 x 2048 projection, M = 16 .. 512; result in

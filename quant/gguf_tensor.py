@@ -56,6 +56,67 @@ def _iq4_levels(device: torch.device) -> torch.Tensor:
     return torch.cat(words).to(torch.uint8).view(torch.int8).float()
 
 
+# The grid i-quants (IQ2_XXS, IQ3_XXS, IQ3_S): each grid entry's 8 / 4 values, and the 128 sign bytes, from
+# gguf.quants, put on a device once (the first dequantization there, an eager pass before any CUDA graph).
+_GRIDS: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _grid(name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (name, str(device))
+    if key not in _GRIDS:
+        import gguf.quants
+
+        cls = getattr(gguf.quants, name)
+        cls.init_grid()
+        grid = torch.from_numpy(cls.grid.reshape(cls.grid_shape).copy()).to(device)
+        signs = torch.frombuffer(bytearray(gguf.quants.IQ2_XXS.ksigns), dtype=torch.uint8).to(device)
+        _GRIDS[key] = grid, signs
+    return _GRIDS[key]
+
+
+def _sign_bits(signs: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., n] → bool [..., n, 8]: bit j of each byte (value j of its 8)."""
+    return ((signs.unsqueeze(-1) >> torch.arange(8, device=signs.device, dtype=torch.uint8)) & 1).bool()
+
+
+def _u32(b: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., 4 n] little-endian → int64 [..., n] (the unsigned values)."""
+    q = b.reshape(*b.shape[:-1], -1, 4).to(torch.int64)  # (from the bytes: a view needs a 4-aligned offset)
+    return q[..., 0] | (q[..., 1] << 8) | (q[..., 2] << 16) | (q[..., 3] << 24)
+
+
+def _ksign_bits(aux: torch.Tensor, ksigns: torch.Tensor) -> torch.Tensor:
+    """int64 [nb, 8] words of 4 x 7 sign bits → bool [nb, 8, 4, 8] (eighth bits from the parity table)."""
+    idx = (aux.unsqueeze(-1) >> torch.arange(0, 28, 7, device=aux.device)) & 127
+    return _sign_bits(ksigns[idx])
+
+
+def _grid_iquant(name: str, blk: torch.Tensor) -> torch.Tensor:
+    """IQ2_XXS / IQ3_XXS / IQ3_S super-blocks uint8 [nb, bytes] → float32 [nb, 8, 32] as gguf.quants: db * grid
+    value, negated where its sign bit is set."""
+    nb = blk.shape[0]
+    grid, ksigns = _grid(name, blk.device)
+    d = _f16(blk[:, 0:2].unsqueeze(1)).reshape(nb, 1)
+    if name == "IQ2_XXS":
+        words = _u32(blk[:, 2:66]).reshape(nb, 8, 2)
+        db = d * (0.5 + (words[..., 1] >> 28).float()) * 0.25
+        g = grid[blk[:, 2:66].reshape(nb, 8, 2, 4)[:, :, 0].long()]  # [nb, 8, 4, 8]: the bytes of each a0
+        neg = _ksign_bits(words[..., 1], ksigns)
+    elif name == "IQ3_XXS":
+        aux = _u32(blk[:, 66:98])
+        db = d * (0.5 + (aux >> 28).float()) * 0.5
+        g = grid[blk[:, 2:66].long()].reshape(nb, 8, 4, 8)
+        neg = _ksign_bits(aux, ksigns)
+    else:  # IQ3_S
+        high = (blk[:, 66:74].unsqueeze(-1) >> torch.arange(8, device=blk.device, dtype=torch.uint8)) & 1
+        g = grid[blk[:, 2:66].long() | (high.reshape(nb, 64).long() << 8)].reshape(nb, 8, 4, 8)
+        scales = torch.stack((blk[:, 106:110] & 0x0F, blk[:, 106:110] >> 4), dim=-1).reshape(nb, 8)
+        db = d * (1 + 2 * scales.to(torch.int32)).float()
+        neg = _sign_bits(blk[:, 74:106]).reshape(nb, 8, 4, 8)
+    w = db.reshape(nb, 8, 1, 1) * g
+    return torch.where(neg, -w, w).reshape(nb, 8, 32)
+
+
 def dequantize_blocks(raw: torch.Tensor, type_id: int, shape: tuple[int, int],
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """uint8 blocks of a tensor of `shape` (N, K) → float [N, K] (computed in float32, then cast)."""
@@ -152,6 +213,8 @@ def dequantize_blocks(raw: torch.Tensor, type_id: int, shape: tuple[int, int],
         dl = (d * scales).reshape(nb, 8, 1)
         q = unpack_halves(b[:, 0, 8:].reshape(nb, 8, 16))
         w = dl * _iq4_levels(b.device)[q.long()]
+    elif t.name in ("IQ2_XXS", "IQ3_XXS", "IQ3_S"):
+        w = _grid_iquant(t.name, b[:, 0, :])
     else:  # pragma: no cover - GGUF_TYPES lists exactly the branches above
         raise ValueError(f"no dequantizer for {t.name}")
     return w.reshape(n, k).to(dtype)

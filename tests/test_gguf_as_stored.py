@@ -43,6 +43,11 @@ LOW_MIX = {"attn_q.weight": "Q3_K", "attn_k.weight": "Q2_K", "attn_v.weight": "Q
 IQ4_MIX = {"attn_q.weight": "IQ4_XS", "attn_k.weight": "IQ4_NL", "attn_v.weight": "IQ4_XS", "attn_output.weight": "IQ4_NL",
            "ffn_gate.weight": "IQ4_NL", "ffn_up.weight": "IQ4_XS", "ffn_down.weight": "IQ4_XS",
            "token_embd.weight": "IQ4_NL", "output.weight": "Q6_K"}
+# An i-quant file's mix (IQ3_XXS / IQ3_S / IQ2_XXS files: the grid types for most matrices, the head Q6_K), the
+# three grid types fused beside each other (Q/K/V, gate/up) and in the embeddings
+IQ3_MIX = {"attn_q.weight": "IQ3_XXS", "attn_k.weight": "IQ3_S", "attn_v.weight": "IQ2_XXS", "attn_output.weight": "IQ3_S",
+           "ffn_gate.weight": "IQ3_XXS", "ffn_up.weight": "IQ2_XXS", "ffn_down.weight": "IQ3_S",
+           "token_embd.weight": "IQ3_XXS", "output.weight": "Q6_K"}
 SHAPE = dict(hidden_size=256, intermediate_size=512)  # K-quants need rows of 256
 
 
@@ -53,7 +58,7 @@ def quant_files(tmp_path_factory):
     for name, variant, types in (("kmix", "llama_gqa", K_MIX), ("legacy", "llama_gqa", LEGACY_MIX),
                                  ("tied", "llama_tied", {k: v for k, v in K_MIX.items() if k != "output.weight"}),
                                  ("qwen2", "qwen2_bias", K_MIX), ("lowmix", "llama_gqa", LOW_MIX),
-                                 ("iq4mix", "llama_gqa", IQ4_MIX)):
+                                 ("iq4mix", "llama_gqa", IQ4_MIX), ("iq3mix", "llama_gqa", IQ3_MIX)):
         folder = make_hf_model(root / name, variant, seed=3, **SHAPE)
         out[name] = make_gguf(folder, root / f"{name}.gguf", quant_types=types, seed=7)
     return out
@@ -87,7 +92,7 @@ def test_torch_dequantize_is_gguf_quants_bit_for_bit(type_id):
     assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
 
 
-@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix"])
+@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix"])
 def test_auto_keeps_every_block_in_place(quant_files, name):
     loaded = load_model(quant_files[name], weights="auto")
     model = loaded.model
@@ -148,7 +153,7 @@ def loaded_tensors(path):
     return gguf.GGUFReader(str(path)).tensors
 
 
-@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix"])
+@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix"])
 def test_auto_equals_fp_exactly_on_the_torch_path(quant_files, name, no_kernels):
     """Dequantized per layer on the device, the as-stored model computes exactly what the fp model computes
     from gguf.quants' dequantization: same floats, same GEMMs (Q/K rows routed, not moved)."""
@@ -159,7 +164,7 @@ def test_auto_equals_fp_exactly_on_the_torch_path(quant_files, name, no_kernels)
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", ["kmix", "legacy", "qwen2", "lowmix", "iq4mix"])
+@pytest.mark.parametrize("name", ["kmix", "legacy", "qwen2", "lowmix", "iq4mix", "iq3mix"])
 def test_auto_with_the_cpu_kernels_tracks_fp(quant_files, name):
     if matmul.cpu_extension() is None or not hasattr(matmul.cpu_extension(), "gguf_linear"):
         pytest.fail("the C++ GGUF kernels did not build")
@@ -262,14 +267,14 @@ def test_requantization_in_chunks_of_rows_equals_the_whole_tensors(monkeypatch, 
 
 
 def test_types_without_a_kernel_run_as_q8_0_with_a_warning(tmp_path):
-    """A matrix part of a GGUF type without a kernel (IQ2_XXS, IQ3_XXS here) runs requantized to Q8_0, not as a float
+    """A matrix part of a GGUF type without a kernel (IQ2_XS, IQ1_S here) runs requantized to Q8_0, not as a float
     copy: each weight within half an int8 step of gguf.quants' dequantized value. A matrix of such parts alone takes the
-    packed int8 path; one fused with native parts (Q/K/V: IQ3_XXS, Q4_K, Q4_K) keeps those as stored, in one GGUF
+    packed int8 path; one fused with native parts (Q/K/V: IQ1_S, Q4_K, Q4_K) keeps those as stored, in one GGUF
     linear. The logits stay close to the float model's; `--weights fp` keeps the exact float values."""
     folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=1, **SHAPE)
-    path = make_gguf(folder, tmp_path / "q2.gguf", quant_types={"ffn_down.weight": "IQ2_XXS", "attn_q.weight": "IQ3_XXS",
+    path = make_gguf(folder, tmp_path / "q2.gguf", quant_types={"ffn_down.weight": "IQ2_XS", "attn_q.weight": "IQ1_S",
                                                                  "attn_k.weight": "Q4_K", "attn_v.weight": "Q4_K"})
-    with pytest.warns(UserWarning, match="IQ2_XXS, IQ3_XXS tensors have no kernel here; they were requantized to Q8_0"):
+    with pytest.warns(UserWarning, match="IQ1_S, IQ2_XS tensors have no kernel here; they were requantized to Q8_0"):
         loaded = load_model(path, weights="auto")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -320,7 +325,7 @@ def test_info_says_what_each_tensor_runs_as(quant_files):
     assert "Q4_K×" in row and "Q6_K×" in row and "Q5_K×" in row and "--weights auto" in row
 
 
-@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix"])
+@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix"])
 def test_fused_cpu_step_runs_gguf_models(quant_files, name):
     """The one-call-per-token C++ step takes a model of GGUF parts (mixed with repacked Q4_x/Q8_0 linears)
     and gives the eager model's logits."""

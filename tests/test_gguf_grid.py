@@ -60,3 +60,21 @@ def test_what_it_does_not_convert(ext):
         ext.gguf_grid_convert(torch.from_numpy(raw), int(T.IQ3_XXS), 2, 256, grid[:128], ksigns, True)
     with pytest.raises(RuntimeError, match="needs the 128 sign bytes"):
         ext.gguf_grid_convert(torch.from_numpy(raw), int(T.IQ3_XXS), 2, 256, grid, ksigns[:64], True)
+
+
+def test_the_kernels_codebooks_are_gguf_quants():
+    """kernels/gguf_grids.h (the grids the native IQ2_XXS / IQ3_XXS / IQ3_S kernels read) is what
+    scripts/gguf_grids_header.py writes from gguf.quants' tables today, entry for entry."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("gguf_grids_header", root / "scripts" / "gguf_grids_header.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    text = (root / "kernels" / "gguf_grids.h").read_text()
+    assert text == script.header()
+    iq3 = gguf.quants.IQ3_XXS
+    iq3.init_grid()
+    first = int.from_bytes(iq3.grid.reshape(iq3.grid_shape)[0].astype(np.uint8).tobytes(), "little")
+    assert f"GGUF_IQ3XXS_GRID[256] = {{\n    0x{first:08x}," in text  # (the header names the entries in order)

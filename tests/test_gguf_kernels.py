@@ -22,9 +22,11 @@ from gguf import quants
 from edgellm.kernels import cpu_ext
 from tests.test_cpu_kernels import VNNI_MISSING, ext, start_builds, stop_builds  # noqa: F401  (ext: the extension fixture, shared)
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
-K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}  # the types of 256-value super-blocks
-X8_K_QUANTS = K_QUANTS  # every 256-value type has an x8 layout (cpu_gguf_x8.cpp)
+TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS,
+         Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S]
+GRID_IQUANTS = {Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S}  # codebook types (kernels/gguf_grids.h), stored layout only
+K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS} | GRID_IQUANTS  # the types of 256-value super-blocks
+X8_K_QUANTS = K_QUANTS - GRID_IQUANTS  # the other 256-value types have an x8 layout (cpu_gguf_x8.cpp)
 TOL_EMULATED = 1e-5
 TOL_EXACT = 1e-2
 
@@ -47,8 +49,9 @@ def make_weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
         raw[:, 208:210] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # d; scales int8 random (signed)
     elif qtype == Q.Q3_K:
         raw[:, 108:110] = _f16_bytes(rng, nb, 1e-3, 2e-2)  # d; 6-bit scales (minus 32) and codes random
-    elif qtype in (Q.IQ4_NL, Q.IQ4_XS):
-        raw[:, 0:2] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # d; IQ4_XS's 6-bit scales (minus 32) and all codes random
+    elif qtype in (Q.IQ4_NL, Q.IQ4_XS) or qtype in GRID_IQUANTS:
+        # d; IQ4_XS's 6-bit scales (minus 32), the grid types' scales, grid indices and sign bits, all codes random
+        raw[:, 0:2] = _f16_bytes(rng, nb, 1e-4, 2e-3)
     elif qtype == Q.Q2_K:
         raw[:, 80:82] = _f16_bytes(rng, nb, 1e-3, 2e-2)  # d
         raw[:, 82:84] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # dmin; 4-bit scales and mins, codes random

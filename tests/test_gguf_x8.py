@@ -132,6 +132,23 @@ def test_prompt_gemm_takes_x8_parts(x8_ext, qtype, m):
     assert rel_err(y, emulate_int8_x(x) @ w.T) <= TOL_EMULATED
 
 
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_prompt_gemm_x8_columns_permuted_within_a_panel(x8_ext, qtype):
+    """An x8 part's output columns follow its stored rows: a panel whose columns are a run at both ends but not in
+    between (0, 2, 1, 3, ...: the first and last as a run would have them) is written column by column, not as a
+    run (it was, from a check of the ends alone: a random permutation found it)."""
+    n, k, m = 32, 512, 24
+    raw, x8 = repacked(x8_ext, qtype, n, k, seed=11)
+    order = np.arange(n)
+    order[1::8], order[2::8] = order[2::8].copy(), order[1::8].copy()  # per 8 rows (a panel: 8 or 16)
+    cols = torch.from_numpy(order.astype(np.int32))
+    w = np.empty((n, k))
+    w[order] = dequant_ref(raw, qtype)
+    x = np.random.default_rng(11).standard_normal((m, k)).astype(np.float32)
+    y = x8_ext.gguf_linear_prompt(torch.from_numpy(x), [(x8, int(qtype) + X8, n, cols)], n).numpy()
+    assert rel_err(y, emulate_int8_x(x) @ w.T) <= TOL_EMULATED
+
+
 def test_loader_releases_only_the_copied_rows(x8_ext):
     """repack_for_cpu on a K-quant part of 13 rows: the first 8 in x8, the last 5 left as stored, in place; only the
     copied rows' blocks are handed to `release` (the loader drops their mapped pages), never the stored tail's."""
