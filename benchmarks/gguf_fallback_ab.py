@@ -9,6 +9,9 @@ the default) against gguf.quants' numpy in chunks of rows on threads (loading.RE
 gguf.quants with each tensor whole on one thread (before either). Files of IQ types llama.cpp quantizes only with an importance
 matrix: benchmarks/random_blocks_gguf.py.
 
+`--variants native,native-grid`: IQ2_XXS / IQ3_XXS / IQ3_S recoded at load as IQ4_XS blocks over their levels (l4,
+quant/gguf_linear.GRID_LAYOUT, the default) against multiplied through their grids.
+
 `--as-without Q3_K --variants native,q8_0`: a type that has kernels run as stored ("native") against treated as one
 without (its parts requantized to Q8_0 as before it had kernels; through gguf.quants' numpy, so that variant's load
 time is not the C++ requantizer's).
@@ -33,7 +36,7 @@ if str(ROOT) not in sys.path:
 from run_record import run_child  # noqa: E402  (benchmarks/, this script's folder)
 
 TEXT = "/usr/share/common-licenses/GPL-3"
-VARIANTS = ("native", "q8_0", "q8_0-numpy", "q8_0-whole", "fp32")
+VARIANTS = ("native", "native-grid", "q8_0", "q8_0-numpy", "q8_0-whole", "fp32")
 
 
 def child(path: str, variant: str, as_without: list[str]) -> None:
@@ -54,7 +57,11 @@ def child(path: str, variant: str, as_without: list[str]) -> None:
         from edgellm.quant import gguf_grid
 
         gguf_grid.convert = lambda *args, **kwargs: None  # no C++ converter: gguf.quants' numpy
-    if variant != "native" and as_without:
+    if variant == "native-grid":  # the grid i-quants multiplied through their grids, not recoded (l4)
+        from edgellm.quant import gguf_linear
+
+        gguf_linear.GRID_LAYOUT = "stored"
+    if not variant.startswith("native") and as_without:
         from edgellm.quant import gguf_tensor
 
         gguf_tensor.NATIVE_TYPES = gguf_tensor.NATIVE_TYPES - set(as_without)

@@ -113,15 +113,30 @@ template <> struct Fmt<GGUF_IQ4_XS> { static constexpr int64_t QV = 256, BYTES =
 template <> struct Fmt<GGUF_IQ2_XXS> { static constexpr int64_t QV = 256, BYTES = 66; static constexpr bool MIN = false; };
 template <> struct Fmt<GGUF_IQ3_XXS> { static constexpr int64_t QV = 256, BYTES = 98; static constexpr bool MIN = false; };
 template <> struct Fmt<GGUF_IQ3_S> { static constexpr int64_t QV = 256, BYTES = 110; static constexpr bool MIN = false; };
+constexpr int GGUF_IQ2_XXS_L4 = GGUF_L4 + GGUF_IQ2_XXS, GGUF_IQ3_XXS_L4 = GGUF_L4 + GGUF_IQ3_XXS,
+              GGUF_IQ3_S_L4 = GGUF_L4 + GGUF_IQ3_S;  // (cpu_gguf.h GGUF_L4: IQ4_XS blocks, the type's levels)
+template <> struct Fmt<GGUF_IQ2_XXS_L4> : Fmt<GGUF_IQ4_XS> {};
+template <> struct Fmt<GGUF_IQ3_XXS_L4> : Fmt<GGUF_IQ4_XS> {};
+template <> struct Fmt<GGUF_IQ3_S_L4> : Fmt<GGUF_IQ4_XS> {};
+// An L4 type's power of two on d m (cpu_gguf.h GGUF_L4); 1 for IQ4_XS
+template <int TYPE>
+constexpr float l4_scale() { return TYPE == GGUF_IQ2_XXS_L4 ? 0.125f : TYPE == GGUF_IQ3_XXS_L4 ? 0.25f : 1.0f; }
+// The 16 int8 levels an IQ4 block's (or an L4 block's) 4-bit codes index
+template <int TYPE>
+constexpr const int8_t* levels_of() {
+  return TYPE == GGUF_IQ2_XXS_L4 ? GGUF_L4_IQ2XXS : TYPE == GGUF_IQ3_XXS_L4 ? GGUF_L4_IQ3XXS
+       : TYPE == GGUF_IQ3_S_L4 ? GGUF_L4_IQ3S : GGUF_IQ4_LEVELS;
+}
 
 // Q6_K, Q3_K, Q2_K: an int scale per 16 values and one fp16 d per super-block; the codes' offset (32 / 4 / none) as
 // a shift.  Q2_K: and a min per 16 values (fp16 dmin times a 4-bit m).
 constexpr bool per16(int type) { return type == GGUF_Q6_K || type == GGUF_Q3_K || type == GGUF_Q2_K; }
 // Types whose codes are signed int8 (Q8_0's, the IQ4 types' looked-up levels): dot products by sign transfer
 // (|w| against x with w's sign) where the others' unsigned codes go straight into maddubs
+constexpr bool is_l4(int type) { return type > GGUF_L4; }  // (cpu_gguf.h GGUF_L4)
 constexpr bool grid_iquant(int type) { return type == GGUF_IQ2_XXS || type == GGUF_IQ3_XXS || type == GGUF_IQ3_S; }
 constexpr bool signed_codes(int type) {
-  return type == GGUF_Q8_0 || type == GGUF_IQ4_NL || type == GGUF_IQ4_XS || grid_iquant(type);
+  return type == GGUF_Q8_0 || type == GGUF_IQ4_NL || type == GGUF_IQ4_XS || grid_iquant(type) || is_l4(type);
 }
 constexpr bool min16(int type) { return type == GGUF_Q2_K; }
 constexpr int per16_off_shift(int type) { return type == GGUF_Q6_K ? 5 : type == GGUF_Q3_K ? 2 : -1; }
@@ -135,7 +150,7 @@ constexpr int per16_off_shift(int type) { return type == GGUF_Q6_K ? 5 : type ==
 constexpr int GGUF_Q5_0_R8 = GGUF_R8 + GGUF_Q5_0, GGUF_Q5_1_R8 = GGUF_R8 + GGUF_Q5_1;
 template <> struct Fmt<GGUF_Q5_0_R8> : Fmt<GGUF_Q5_0> {};
 template <> struct Fmt<GGUF_Q5_1_R8> : Fmt<GGUF_Q5_1> {};
-constexpr bool is_r8(int type) { return type > GGUF_R8; }
+constexpr bool is_r8(int type) { return type > GGUF_R8 && type < GGUF_L4; }
 constexpr int stored_of(int type) { return is_r8(type) ? type - GGUF_R8 : type; }  // the layout a block is in as stored
 
 // The 6-bit scales and mins of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4), as bytes: out[0..7] the
@@ -212,13 +227,15 @@ inline void decode_sub(const uint8_t* b, int j, int8_t w[32], float* fs, float* 
   } else if (TYPE == GGUF_Q8_0) {
     std::memcpy(w, b + 2, 32);
     *fs = f16(b);
-  } else if (TYPE == GGUF_IQ4_NL || TYPE == GGUF_IQ4_XS) {
+  } else if (TYPE == GGUF_IQ4_NL || TYPE == GGUF_IQ4_XS || is_l4(TYPE)) {
     const uint8_t* qs = TYPE == GGUF_IQ4_NL ? b + 2 : b + 8 + 16 * j;
+    const int8_t* levels = levels_of<TYPE>();
     for (int l = 0; l < 16; ++l) {
-      w[l] = GGUF_IQ4_LEVELS[qs[l] & 15];
-      w[l + 16] = GGUF_IQ4_LEVELS[qs[l] >> 4];
+      w[l] = levels[qs[l] & 15];
+      w[l + 16] = levels[qs[l] >> 4];
     }
     *fs = TYPE == GGUF_IQ4_NL ? f16(b) : f16(b) * (float)gguf_iq4xs_scale(b, j);
+    if (l4_scale<TYPE>() != 1.0f) *fs *= l4_scale<TYPE>();
   } else if (grid_iquant(TYPE)) {
     *fs = gguf_grid_sub<TYPE>(b, j, f16(b), w);
   } else if (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
@@ -483,8 +500,9 @@ inline __m256i bits32(const uint8_t* qh) {  // 32 bits -> byte l = 0x10 where bi
 }
 
 // IQ4 codes 0..15 -> their int8 levels (one in-lane table lookup)
+template <int TYPE = GGUF_IQ4_XS>
 inline __m256i iq4_levels(__m256i codes) {
-  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_IQ4_LEVELS)), codes);
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)levels_of<TYPE>())), codes);
 }
 
 // The codes of 32-value block b of a 32-block type as u8 in x's order (Q8_0, IQ4_NL: int8 codes / levels).
@@ -499,21 +517,26 @@ inline __m256i codes32(const uint8_t* b) {
   return _mm256_loadu_si256((const __m256i*)(b + 2));  // Q8_0
 }
 
-// 32 unsigned grid values negated where bit v of `signs` is set (value v = byte v): the grid i-quants' codes.
-inline __m256i with_signs(__m256i values, uint32_t signs) {
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)signs),  // byte v <- sign byte v / 8
-                                             _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
-                                                              2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
-  const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-  const __m256i neg = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-  return _mm256_sub_epi8(_mm256_xor_si256(values, neg), neg);
-}
+// The grid i-quants' sign bits as bytes for _mm256_sign_epi8: bytes[i] holds +1 or -1 (0x01 / 0xFF) for each of
+// the 8 bits of i (bit v: byte v); KSIGN_BYTES for the 7-bit indices into GGUF_KSIGNS (IQ2_XXS, IQ3_XXS).
+struct SignBytes {
+  long long bytes[256] = {};
+  constexpr explicit SignBytes(bool ksigns) {
+    for (int i = 0; i < (ksigns ? 128 : 256); ++i) {
+      const unsigned bits = ksigns ? GGUF_KSIGNS[i] : (unsigned)i;
+      unsigned long long v = 0;
+      for (int k = 0; k < 8; ++k) v |= (unsigned long long)((bits >> k) & 1 ? 0xFF : 0x01) << (8 * k);
+      bytes[i] = (long long)v;
+    }
+  }
+};
+inline constexpr SignBytes SIGN_BYTES{false}, KSIGN_BYTES{true};
 
-// One decoded super-block (or chunk of 8 blocks): codes, per-sub-block scales and mins, Q6_K's int16 scales.
+// One decoded super-block (or chunk of 8 blocks): codes// One decoded super-block (or chunk of 8 blocks): codes, per-sub-block scales and mins, Q6_K's int16 scales.
 struct Chunk {
   __m256i u[8];
   __m256 fs, fm;
-  __m256i sc16[8];  // per16 types: [sc_2j x8 | sc_2j+1 x8]
+  __m256i sc16[8];  // per16 types: [sc_2j x8 | sc_2j+1 x8]; grid i-quants: sub-block j's signs, +-1 bytes
   __m256i scall;    // per16 types: the 16 scales as int16
   __m256i mall;     // Q2_K: the 16 mins as int16 (fm: -dmin)
 };
@@ -583,18 +606,19 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     return;
   }
   const uint8_t* b = row + c * F::BYTES;
-  if (TYPE == GGUF_IQ4_XS) {  // ls_j - 32 in dword j: nibble j of bytes 4..7, bits 2j, 2j+1 of the u16 at 2 (4-5)
+  if (TYPE == GGUF_IQ4_XS || is_l4(TYPE)) {  // ls_j - 32 in dword j: nibble j of bytes 4..7, bits 2j, 2j+1 of the u16 at 2 (4-5)
     const __m256i lo_at = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
     const __m256i hi_at = _mm256_setr_epi32(16, 18, 20, 22, 24, 26, 28, 30);  // (d is the dword's low half)
     const __m256i lo = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(ld32(b + 4)), lo_at), _mm256_set1_epi32(15));
     const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(ld32(b)), hi_at), _mm256_set1_epi32(3));
     const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
     ch.fs = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(ls));  // d (ls - 32), rounded as gguf.quants
+    if (l4_scale<TYPE>() != 1.0f) ch.fs = _mm256_mul_ps(ch.fs, _mm256_set1_ps(l4_scale<TYPE>()));
     ch.fm = _mm256_setzero_ps();
-    for (int j = 0; j < 8; ++j) ch.u[j] = iq4_levels(nibbles32(b + 8 + 16 * j));
+    for (int j = 0; j < 8; ++j) ch.u[j] = iq4_levels<TYPE>(nibbles32(b + 8 + 16 * j));
     return;
   }
-  if constexpr (grid_iquant(TYPE)) {  // 8 grid entries a sub-block by one gather, the sign bits applied
+  if constexpr (grid_iquant(TYPE)) {  // u: the grid values (unsigned), sc16: their signs as +-1 bytes
     const __m256 d = _mm256_set1_ps(f16(b));
     ch.fm = _mm256_setzero_ps();
     if (TYPE == GGUF_IQ3_S) {  // scale d (1 + 2 s_j): s_j nibble j of bytes 106..109
@@ -607,7 +631,8 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
         const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(b[66 + j]), bit), one);
         const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + 2 + 8 * j))),
                                             _mm256_slli_epi32(hi, 8));
-        ch.u[j] = with_signs(_mm256_i32gather_epi32((const int*)GGUF_IQ3S_GRID, idx, 4), gguf_ld32(b + 74 + 4 * j));
+        ch.u[j] = _mm256_i32gather_epi32((const int*)GGUF_IQ3S_GRID, idx, 4);
+        ch.sc16[j] = _mm256_i32gather_epi64(SIGN_BYTES.bytes, _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)gguf_ld32(b + 74 + 4 * j))), 8);
       }
       return;
     }
@@ -618,14 +643,16 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     ch.fs = _mm256_mul_ps(_mm256_mul_ps(d, _mm256_add_ps(_mm256_set1_ps(0.5f), s)),
                           _mm256_set1_ps(TYPE == GGUF_IQ2_XXS ? 0.25f : 0.5f));
     for (int j = 0; j < 8; ++j) {
-      __m256i g;
       if (TYPE == GGUF_IQ2_XXS)
-        g = _mm256_i32gather_epi64((const long long*)GGUF_IQ2XXS_GRID,
-                                   _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)gguf_ld32(b + 2 + 8 * j))), 8);
+        ch.u[j] = _mm256_i32gather_epi64((const long long*)GGUF_IQ2XXS_GRID,
+                                         _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)gguf_ld32(b + 2 + 8 * j))), 8);
       else
-        g = _mm256_i32gather_epi32((const int*)GGUF_IQ3XXS_GRID,
-                                   _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + 2 + 8 * j))), 4);
-      ch.u[j] = with_signs(g, gguf_ksigns32(aux[j]));
+        ch.u[j] = _mm256_i32gather_epi32((const int*)GGUF_IQ3XXS_GRID,
+                                         _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + 2 + 8 * j))), 4);
+      // the 4 sign indices (bits 0, 7, 14, 21) in 4 int32 lanes, their +-1 bytes by one gather
+      const __m128i si = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32((int)aux[j]), _mm_setr_epi32(0, 7, 14, 21)),
+                                       _mm_set1_epi32(127));
+      ch.sc16[j] = _mm256_i32gather_epi64(KSIGN_BYTES.bytes, si, 8);
     }
     return;
   }
@@ -716,7 +743,9 @@ inline __m256i chunk_isums(const Chunk& ch, const GgufActs& a, int64_t m, int64_
   __m256i p[8];
   for (int j = 0; j < 8; ++j) {
     const __m256i x = _mm256_load_si256((const __m256i*)(xq + 32 * j));
-    if (signed_codes(TYPE)) {
+    if (grid_iquant(TYPE)) {  // |w| = the grid values, w's signs onto x
+      p[j] = dot_u8s8(ch.u[j], _mm256_sign_epi8(x, ch.sc16[j]));
+    } else if (signed_codes(TYPE)) {
       p[j] = dot_u8s8(_mm256_sign_epi8(ch.u[j], ch.u[j]), _mm256_sign_epi8(x, ch.u[j]));
     } else if (per16(TYPE)) {  // per-16 int scales: madd with [sc_a x8 | sc_b x8]
       p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(ch.u[j], x), ch.sc16[j]);
@@ -857,7 +886,7 @@ int64_t dequant_chunks(const uint8_t* row, int64_t K, float* out) {
     if (F::MIN) _mm256_store_ps(fm, TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K ? _mm256_xor_ps(ch.fm, _mm256_set1_ps(-0.0f)) : ch.fm);
     float* o = out + c * 256;
     for (int j = 0; j < 8; ++j) {
-      __m256i u = ch.u[j];
+      __m256i u = grid_iquant(TYPE) ? _mm256_sign_epi8(ch.u[j], ch.sc16[j]) : ch.u[j];
       if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1 || is_r8(TYPE)) {  // paired: u[2k] = values 0..15 of blocks 2k | 2k+1
         const __m256i a = ch.u[j & ~1], b = ch.u[j | 1];
         u = (j & 1) ? _mm256_permute2x128_si256(a, b, 0x31) : _mm256_permute2x128_si256(a, b, 0x20);
@@ -948,6 +977,9 @@ void dispatch(int type, Args&&... args) {
     case GGUF_IQ2_XXS: Op<GGUF_IQ2_XXS>::run(args...); break;
     case GGUF_IQ3_XXS: Op<GGUF_IQ3_XXS>::run(args...); break;
     case GGUF_IQ3_S: Op<GGUF_IQ3_S>::run(args...); break;
+    case GGUF_IQ2_XXS_L4: Op<GGUF_IQ2_XXS_L4>::run(args...); break;
+    case GGUF_IQ3_XXS_L4: Op<GGUF_IQ3_XXS_L4>::run(args...); break;
+    case GGUF_IQ3_S_L4: Op<GGUF_IQ3_S_L4>::run(args...); break;
 #ifdef EDGELLM_G_AVX2
     case GGUF_Q5_0_R8: Op<GGUF_Q5_0_R8>::run(args...); break;
     case GGUF_Q5_1_R8: Op<GGUF_Q5_1_R8>::run(args...); break;
@@ -1232,7 +1264,9 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
         Chunk ch;
         const int64_t c = (k0 + u0) / 256;
         decode_chunk<TYPE>(row, c, ch);
-        for (int j = 0; j < 8; ++j) _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), ch.u[j]);
+        for (int j = 0; j < 8; ++j)
+          _mm256_store_si256((__m256i*)(tmp[r] + 32 * j),
+                             grid_iquant(TYPE) ? _mm256_sign_epi8(ch.u[j], ch.sc16[j]) : ch.u[j]);
         if (per16(TYPE)) {
           const uint8_t* b = row + c * F::BYTES;
           const float d = per16_d<TYPE>(b);
@@ -1759,6 +1793,7 @@ void prompt_quant(const GgufActs& a, const QuantWeights& w, int64_t N, float* y,
 bool gguf_supported(int type) { return gguf_block_values(type) != 0; }
 
 int64_t gguf_block_values(int type) {
+  if (type > GGUF_L4) return grid_iquant(type - GGUF_L4) ? 256 : 0;
   if (type > GGUF_R8) return gguf_r8_supported(type - GGUF_R8) ? 32 : 0;
   if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? gguf_block_values(type - GGUF_X8) : 0;
   switch (type) {
@@ -1770,6 +1805,7 @@ int64_t gguf_block_values(int type) {
 }
 
 int64_t gguf_block_bytes(int type) {
+  if (type > GGUF_L4) return grid_iquant(type - GGUF_L4) ? Fmt<GGUF_IQ4_XS>::BYTES : 0;
   if (type > GGUF_R8) return gguf_r8_supported(type - GGUF_R8) ? gguf_block_bytes(type - GGUF_R8) : 0;
   if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? gguf_x8_bytes(type - GGUF_X8) / 8 : 0;
   switch (type) {

@@ -39,6 +39,14 @@ constexpr int GGUF_X8 = 1000;
 // "r8"): the same bytes per row, any N and K % 32 == 0, a row's last (K / 32) % 8 blocks as stored.
 constexpr int GGUF_R8 = 2000;
 inline bool gguf_is_x8(int type) { return type > GGUF_X8 && type < GGUF_R8; }
+// A grid i-quant's type id (IQ2_XXS, IQ3_XXS, IQ3_S) plus GGUF_L4: its blocks recoded at load (gguf_grid_to_l4) as
+// IQ4_XS blocks whose 4-bit codes index that type's 16 signed levels (gguf_grids.h GGUF_L4_*) instead of IQ4_NL's:
+// d as stored and per 32 values the odd multiplier m (2 s + 1) as IQ4_XS's 6-bit scale m + 32; the kernels take
+// (d m) 2^-p (p = 3, 2, 0: gguf.quants' (d (0.5 + s)) / 4, / 2, d (1 + 2 s), the same rounding), so the values are
+// gguf.quants' bit for bit.  4.25 bits a weight where the grids take 2.06-3.44, multiplied by the IQ4_XS kernels
+// (one table lookup a value where a grid entry takes a load and a sign lookup per 8 or 4).
+constexpr int GGUF_L4 = 3000;
+inline bool gguf_is_l4(int type) { return type > GGUF_L4; }
 
 // IQ4_NL / IQ4_XS: the int8 level of each 4-bit code (ggml-common.h kvalues_iq4nl)
 alignas(16) inline constexpr int8_t GGUF_IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
@@ -178,6 +186,9 @@ struct GridTables {
   const int8_t* grid = nullptr;
   const uint8_t* ksigns = nullptr;
 };
+// Rows of IQ2_XXS / IQ3_XXS / IQ3_S blocks -> the same rows as GGUF_L4 blocks (136 bytes per 256 values), the
+// values bit for bit; false for another type.
+bool gguf_grid_to_l4(const uint8_t* blocks, int type, int64_t N, int64_t K, uint8_t* out);
 // Bytes of a row of K values of such a type (0: not one of them, or K % 256 != 0).
 int64_t gguf_grid_row_bytes(int type, int64_t K);
 // Rows of such blocks -> fp32 [N, K] (`out`; gguf.quants.dequantize's values) and / or Q8_0 blocks [N, K / 32 x 34

@@ -207,7 +207,53 @@ void q8_0_block(const float* x, uint8_t* out) {
   }
 }
 
+// A grid value's 4-bit L4 code (cpu_gguf.h GGUF_L4): its index in the type's levels, by the value's byte
+struct L4Codes {
+  uint8_t code[256] = {};
+  explicit L4Codes(const int8_t levels[16]) {
+    for (int i = 15; i >= 0; --i) code[(uint8_t)levels[i]] = (uint8_t)i;  // (0: only unused codes hold it)
+  }
+};
+
+template <int TYPE>
+void block_to_l4(const uint8_t* src, const L4Codes& codes, uint8_t* dst) {
+  const float d = f16(src);
+  std::memcpy(dst, src, 2);  // d as stored (the kernels scale d m by the type's power of two)
+  uint16_t high = 0;
+  uint8_t low[4] = {0, 0, 0, 0};
+  int8_t w[32];
+  for (int j = 0; j < 8; ++j) {
+    gguf_grid_sub<TYPE>(src, j, d, w);
+    const int m = TYPE == IQ2_XXS ? 2 * (int)(u32(src + 6 + 8 * j) >> 28) + 1
+                : TYPE == IQ3_XXS ? 2 * (int)(u32(src + 66 + 4 * j) >> 28) + 1
+                                  : 1 + 2 * ((src[106 + j / 2] >> 4 * (j & 1)) & 15);
+    const int ls = m + 32;  // IQ4_XS's 6-bit scale, minus 32 when read
+    low[j / 2] |= (uint8_t)((ls & 15) << 4 * (j & 1));
+    high |= (uint16_t)(((ls >> 4) & 3) << 2 * j);
+    for (int l = 0; l < 16; ++l)
+      dst[8 + 16 * j + l] = (uint8_t)(codes.code[(uint8_t)w[l]] | codes.code[(uint8_t)w[l + 16]] << 4);
+  }
+  std::memcpy(dst + 2, &high, 2);
+  std::memcpy(dst + 4, low, 4);
+}
+
 }  // namespace
+
+bool gguf_grid_to_l4(const uint8_t* blocks, int type, int64_t N, int64_t K, uint8_t* out) {
+  if (type != IQ2_XXS && type != IQ3_XXS && type != IQ3_S) return false;
+  const L4Codes codes(type == IQ2_XXS ? GGUF_L4_IQ2XXS : type == IQ3_XXS ? GGUF_L4_IQ3XXS : GGUF_L4_IQ3S);
+  const int64_t nb = K / 256, bytes = format_of(type).bytes;
+  parallel_run(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
+    for (int64_t i = n0 * nb; i < n1 * nb; ++i) {
+      const uint8_t* src = blocks + i * bytes;
+      uint8_t* dst = out + i * 136;
+      if (type == IQ2_XXS) block_to_l4<IQ2_XXS>(src, codes, dst);
+      else if (type == IQ3_XXS) block_to_l4<IQ3_XXS>(src, codes, dst);
+      else block_to_l4<IQ3_S>(src, codes, dst);
+    }
+  });
+  return true;
+}
 
 int64_t gguf_grid_row_bytes(int type, int64_t K) { return K % 256 ? 0 : K / 256 * format_of(type).bytes; }
 

@@ -19,7 +19,7 @@ from edgellm.kernels import matmul
 from edgellm.kernels.matmul import KernelOptions
 from edgellm.loading import load_model
 from edgellm.options import Options
-from edgellm.quant.gguf_linear import R8, X8, GGUFEmbedding, GGUFLinear
+from edgellm.quant.gguf_linear import L4, R8, X8, GGUFEmbedding, GGUFLinear
 from edgellm.gguf_file import GGUF_TYPES
 from edgellm.quant.gguf_tensor import dequantize_blocks
 from edgellm.quant.linear import QuantLinear
@@ -117,12 +117,19 @@ def test_auto_keeps_every_block_in_place(quant_files, name):
 
 def assert_same_blocks(parts, stored: np.ndarray, type_id: int, k: int, path) -> None:
     """The parts hold `stored` (a GGUF tensor's rows) bit for bit: x8 / r8 parts through gguf_unrepack(_r8), the
-    rest as views of the file at `path`."""
+    rest as views of the file at `path`; l4 parts (a grid i-quant recoded) hold its values bit for bit."""
     ext = matmul.cpu_extension()
     stored = stored.reshape(sum(p.rows for p in parts), -1)
     start = 0
     for p in parts:
         rows = stored[start:start + p.rows]
+        if p.type >= L4:
+            assert p.type == type_id + L4 and type_id in ext.gguf_l4_types()
+            got = ext.gguf_dequantize(p.raw, p.type, p.rows, k).numpy()
+            want = gguf.quants.dequantize(np.ascontiguousarray(rows), type_id).reshape(p.rows, k)
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+            start += p.rows
+            continue
         if p.type >= R8:
             assert p.type == type_id + R8 and type_id in ext.gguf_r8_types()
             back = ext.gguf_unrepack_r8(p.raw, type_id, p.rows, k).numpy()

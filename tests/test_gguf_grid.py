@@ -78,3 +78,21 @@ def test_the_kernels_codebooks_are_gguf_quants():
     iq3.init_grid()
     first = int.from_bytes(iq3.grid.reshape(iq3.grid_shape)[0].astype(np.uint8).tobytes(), "little")
     assert f"GGUF_IQ3XXS_GRID[256] = {{\n    0x{first:08x}," in text  # (the header names the entries in order)
+
+
+@pytest.mark.parametrize("type_id", [16, 18, 21], ids=lambda t: gguf_grid.GRID_TYPES[t])
+def test_l4_recoding_keeps_every_value(ext, type_id):
+    """The CPU loader's recoding of the grid i-quants (ext.gguf_to_l4: IQ4_XS blocks over the type's levels) holds
+    gguf.quants' values bit for bit: through the extension's dequantizer, and through an independent numpy reading
+    of the layout (tests/test_gguf_kernels.l4_dequant)."""
+    from tests.test_gguf_kernels import L4, l4_dequant
+
+    rows, k = 29, 768
+    raw = grid_blocks(gguf_grid.GRID_TYPES[type_id], rows, k, seed=type_id)
+    raw[:3, 0:2] = np.frombuffer(np.float16(2.0 ** -16).tobytes(), np.uint8)  # subnormal d's (the 2^-p still exact)
+    want = gguf.quants.dequantize(raw, T(type_id)).reshape(rows, k)
+    l4 = ext.gguf_to_l4(torch.from_numpy(raw), type_id, rows, k)
+    assert l4.shape == (rows, k // 256 * 136)
+    got = ext.gguf_dequantize(l4, type_id + 3000, rows, k).numpy()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(l4_dequant(l4.numpy(), L4(T(type_id))).view(np.uint32), want.view(np.uint32))

@@ -22,11 +22,26 @@ from gguf import quants
 from edgellm.kernels import cpu_ext
 from tests.test_cpu_kernels import VNNI_MISSING, ext, start_builds, stop_builds  # noqa: F401  (ext: the extension fixture, shared)
 
-TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS,
-         Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S]
+class L4:
+    """A grid i-quant's blocks recoded as IQ4_XS blocks over its levels (kernels/cpu_gguf.h GGUF_L4, type id + 3000),
+    as the loader runs them on the CPU: made from random blocks of the base type by the extension's converter, and
+    dequantized for the references by l4_dequant below (numpy, from the documented layout)."""
+
+    def __init__(self, base: Q):
+        self.base, self.name = base, base.name + "_L4"
+
+    def __int__(self) -> int:
+        return 3000 + int(self.base)
+
+
 GRID_IQUANTS = {Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S}  # codebook types (kernels/gguf_grids.h), stored layout only
-K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS} | GRID_IQUANTS  # the types of 256-value super-blocks
-X8_K_QUANTS = K_QUANTS - GRID_IQUANTS  # the other 256-value types have an x8 layout (cpu_gguf_x8.cpp)
+L4_TYPES = [L4(t) for t in (Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S)]
+GGUF_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS,
+              Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S]
+TYPES = GGUF_TYPES + L4_TYPES
+# the types of 256-value super-blocks
+K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS} | GRID_IQUANTS | set(L4_TYPES)
+X8_K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}  # the 256-value types with an x8 layout (cpu_gguf_x8.cpp)
 TOL_EMULATED = 1e-5
 TOL_EXACT = 1e-2
 
@@ -38,6 +53,14 @@ def _f16_bytes(rng, n, lo, hi) -> np.ndarray:
 
 def make_weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
     """uint8 [n, row_bytes]: n rows of k values as GGUF blocks of type qtype."""
+    if isinstance(qtype, L4):
+        from edgellm.kernels import matmul
+
+        ext = matmul.cpu_extension()
+        if ext is None:
+            pytest.skip("the L4 blocks are made by the C++ extension, not built here")
+        raw = make_weights(qtype.base, n, k, seed)
+        return ext.gguf_to_l4(torch.from_numpy(raw), int(qtype.base), n, k).numpy()
     rng = np.random.default_rng(seed)
     block_values, block_bytes = GGML_QUANT_SIZES[qtype]
     if qtype not in K_QUANTS | {Q.IQ4_NL}:
@@ -61,7 +84,28 @@ def make_weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
     return raw.reshape(n, k // block_values * block_bytes)
 
 
+def l4_dequant(raw: np.ndarray, qtype: L4) -> np.ndarray:
+    """L4 blocks (IQ4_XS's layout: d fp16, the 6-bit scales' high bits u16 and low nibbles, 128 bytes of codes, low
+    nibble value l, high l + 16 of each 32) -> fp32 as gguf.quants computes the base type: ((d m) 2^-p) level."""
+    blk = np.asarray(raw).reshape(-1, 136)
+    levels = {"IQ2_XXS": (8, 25, 43), "IQ3_XXS": (4, 12, 20, 28, 36, 44, 52, 62),
+              "IQ3_S": (1, 3, 5, 7, 9, 11, 13, 15)}[qtype.base.name]
+    table = np.array(list(levels) + [0] * (8 - len(levels)) + [-v for v in levels] + [0] * (8 - len(levels)),
+                     dtype=np.float32)
+    d = blk[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nb, 1]
+    high = blk[:, 2:4].copy().view(np.uint16).astype(np.int32)
+    low = np.stack((blk[:, 4:8] & 15, blk[:, 4:8] >> 4), axis=-1).reshape(-1, 8).astype(np.int32)
+    m = (low | (((high >> (2 * np.arange(8))) & 3) << 4)) - 32  # [nb, 8]
+    p = {"IQ2_XXS": np.float32(0.125), "IQ3_XXS": np.float32(0.25), "IQ3_S": np.float32(1.0)}[qtype.base.name]
+    scale = (d * m.astype(np.float32)) * p
+    qs = blk[:, 8:].reshape(-1, 8, 16)
+    codes = np.concatenate((qs & 15, qs >> 4), axis=-1)  # [nb, 8, 32]
+    return (scale[:, :, None] * table[codes]).reshape(raw.shape[0], -1)
+
+
 def dequant_ref(raw: np.ndarray, qtype: Q) -> np.ndarray:
+    if isinstance(qtype, L4):
+        return l4_dequant(raw, qtype)
     return quants.dequantize(raw, qtype)
 
 
@@ -106,7 +150,8 @@ def check_linear(ext, qtype, m, n, k, seed):
 
 # ------------------------------------------------------------------------------------------------ tests
 def test_types_listed(ext):
-    assert sorted(ext.gguf_types()) == sorted(int(t) for t in TYPES)
+    assert sorted(ext.gguf_types()) == sorted(int(t) for t in GGUF_TYPES)
+    assert sorted(ext.gguf_l4_types()) == sorted(int(t.base) for t in L4_TYPES)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -493,7 +538,7 @@ def test_kernel_row_thresholds():
     """kernels/gguf_ops.py: the K-quants take the kernel up to their measured row counts, the rest up to 16."""
     from edgellm.kernels.gguf_ops import GGUF_KERNEL_MAX_ROWS, GGUF_NATIVE_TYPES, use_kernel
 
-    assert GGUF_NATIVE_TYPES == {t.name: int(t) for t in TYPES}
+    assert GGUF_NATIVE_TYPES == {t.name: int(t) for t in GGUF_TYPES}
     for name, rows in GGUF_KERNEL_MAX_ROWS.items():
         assert use_kernel(GGUF_NATIVE_TYPES[name], rows) and not use_kernel(GGUF_NATIVE_TYPES[name], rows + 1)
     assert use_kernel(int(Q.Q4_0), 16) and not use_kernel(int(Q.Q4_0), 17)
