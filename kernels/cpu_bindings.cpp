@@ -392,7 +392,7 @@ at::Tensor gguf_grid_convert(const at::Tensor& raw, int64_t type, int64_t N, int
   return out;
 }
 
-// IQ2_XXS / IQ3_XXS / IQ3_S rows -> the same values as GGUF_L4 blocks (type + 3000; cpu_gguf.h), or None where a
+// IQ2_XXS / IQ3_XXS / IQ3_S rows -> the same values as GGUF_L4 blocks (type + 100; cpu_gguf.h), or None where a
 // block's scale cannot be carried exactly (the caller keeps the blocks as stored).
 py::object gguf_grid_l4(const at::Tensor& raw, int64_t type, int64_t N, int64_t K) {
   TORCH_CHECK(type == 16 || type == 18 || type == 21, "edgellm gguf_grid_to_l4: type ", type,
@@ -447,10 +447,10 @@ at::Tensor gguf_r8_convert(const at::Tensor& src, int64_t type, int64_t N, int64
   return out;
 }
 
-// The GGML type ids (0..63) for which `has` says yes.
-std::vector<int> gguf_types_where(bool (*has)(int)) {
+// The type ids below `end` (GGML ids: 0..63) for which `has` says yes.
+std::vector<int> gguf_types_where(bool (*has)(int), int end = 64) {
   std::vector<int> r;
-  for (int t = 0; t < 64; ++t)
+  for (int t = 0; t < end; ++t)
     if (has(t)) r.push_back(t);
   return r;
 }
@@ -739,10 +739,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a grid / ternary type's blocks [n, row bytes] (no product kernel) -> fp32 [n, k] as gguf.quants.dequantize, "
         "or (q8_0) Q8_0 blocks [n, k / 32 * 34] as gguf.quants.quantize rounds those values");
   m.def("gguf_to_l4", &gguf_grid_l4, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
-        "IQ2_XXS / IQ3_XXS / IQ3_S blocks [n, row bytes] -> the same values as L4 blocks (type + 3000: IQ4_XS blocks "
+        "IQ2_XXS / IQ3_XXS / IQ3_S blocks [n, row bytes] -> the same values as L4 blocks (type + 100: IQ4_XS blocks "
         "whose codes index the type's levels) [n, k / 256 * 136], or None where a scale is not exact that way");
   m.def("gguf_l4_types", [] { return std::vector<int>{16, 18, 21}; }, "the GGML type ids gguf_to_l4 recodes");
-  m.def("gguf_x8_types", [] { return gguf_types_where(edgellm::gguf_x8_supported); }, "the GGML type ids this build also multiplies repacked 8 rows at a time "
+  m.def("gguf_x8_types", [] { return gguf_types_where(edgellm::gguf_x8_supported, edgellm::GGUF_L4 + 64); }, "the GGML type ids (and L4 ids, cpu_gguf.h) this build also multiplies repacked 8 rows at a time "
         "(their type id + 1000)");
   m.def("gguf_repack", [](const at::Tensor& raw, int64_t type, int64_t n, int64_t k) {
           return gguf_x8_convert(raw, type, n, k, true); }, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),

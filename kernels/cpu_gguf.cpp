@@ -113,27 +113,16 @@ template <> struct Fmt<GGUF_IQ4_XS> { static constexpr int64_t QV = 256, BYTES =
 template <> struct Fmt<GGUF_IQ2_XXS> { static constexpr int64_t QV = 256, BYTES = 66; static constexpr bool MIN = false; };
 template <> struct Fmt<GGUF_IQ3_XXS> { static constexpr int64_t QV = 256, BYTES = 98; static constexpr bool MIN = false; };
 template <> struct Fmt<GGUF_IQ3_S> { static constexpr int64_t QV = 256, BYTES = 110; static constexpr bool MIN = false; };
-constexpr int GGUF_IQ2_XXS_L4 = GGUF_L4 + GGUF_IQ2_XXS, GGUF_IQ3_XXS_L4 = GGUF_L4 + GGUF_IQ3_XXS,
-              GGUF_IQ3_S_L4 = GGUF_L4 + GGUF_IQ3_S;  // (cpu_gguf.h GGUF_L4: IQ4_XS blocks, the type's levels)
-template <> struct Fmt<GGUF_IQ2_XXS_L4> : Fmt<GGUF_IQ4_XS> {};
+template <> struct Fmt<GGUF_IQ2_XXS_L4> : Fmt<GGUF_IQ4_XS> {};  // (cpu_gguf.h GGUF_L4: IQ4_XS blocks, the type's levels)
 template <> struct Fmt<GGUF_IQ3_XXS_L4> : Fmt<GGUF_IQ4_XS> {};
 template <> struct Fmt<GGUF_IQ3_S_L4> : Fmt<GGUF_IQ4_XS> {};
-// An L4 type's power of two on d m (cpu_gguf.h GGUF_L4); 1 for IQ4_XS
-template <int TYPE>
-constexpr float l4_scale() { return TYPE == GGUF_IQ2_XXS_L4 ? 0.125f : TYPE == GGUF_IQ3_XXS_L4 ? 0.25f : 1.0f; }
-// The 16 int8 levels an IQ4 block's (or an L4 block's) 4-bit codes index
-template <int TYPE>
-constexpr const int8_t* levels_of() {
-  return TYPE == GGUF_IQ2_XXS_L4 ? GGUF_L4_IQ2XXS : TYPE == GGUF_IQ3_XXS_L4 ? GGUF_L4_IQ3XXS
-       : TYPE == GGUF_IQ3_S_L4 ? GGUF_L4_IQ3S : GGUF_IQ4_LEVELS;
-}
 
 // Q6_K, Q3_K, Q2_K: an int scale per 16 values and one fp16 d per super-block; the codes' offset (32 / 4 / none) as
 // a shift.  Q2_K: and a min per 16 values (fp16 dmin times a 4-bit m).
 constexpr bool per16(int type) { return type == GGUF_Q6_K || type == GGUF_Q3_K || type == GGUF_Q2_K; }
 // Types whose codes are signed int8 (Q8_0's, the IQ4 types' looked-up levels): dot products by sign transfer
 // (|w| against x with w's sign) where the others' unsigned codes go straight into maddubs
-constexpr bool is_l4(int type) { return type > GGUF_L4; }  // (cpu_gguf.h GGUF_L4)
+constexpr bool is_l4(int type) { return type > GGUF_L4 && type < GGUF_X8; }  // (cpu_gguf.h GGUF_L4)
 constexpr bool grid_iquant(int type) { return type == GGUF_IQ2_XXS || type == GGUF_IQ3_XXS || type == GGUF_IQ3_S; }
 constexpr bool signed_codes(int type) {
   return type == GGUF_Q8_0 || type == GGUF_IQ4_NL || type == GGUF_IQ4_XS || grid_iquant(type) || is_l4(type);
@@ -150,7 +139,7 @@ constexpr int per16_off_shift(int type) { return type == GGUF_Q6_K ? 5 : type ==
 constexpr int GGUF_Q5_0_R8 = GGUF_R8 + GGUF_Q5_0, GGUF_Q5_1_R8 = GGUF_R8 + GGUF_Q5_1;
 template <> struct Fmt<GGUF_Q5_0_R8> : Fmt<GGUF_Q5_0> {};
 template <> struct Fmt<GGUF_Q5_1_R8> : Fmt<GGUF_Q5_1> {};
-constexpr bool is_r8(int type) { return type > GGUF_R8 && type < GGUF_L4; }
+constexpr bool is_r8(int type) { return type > GGUF_R8; }
 constexpr int stored_of(int type) { return is_r8(type) ? type - GGUF_R8 : type; }  // the layout a block is in as stored
 
 // The 6-bit scales and mins of a Q4_K / Q5_K super-block (ggml's get_scale_min_k4), as bytes: out[0..7] the
@@ -229,13 +218,13 @@ inline void decode_sub(const uint8_t* b, int j, int8_t w[32], float* fs, float* 
     *fs = f16(b);
   } else if (TYPE == GGUF_IQ4_NL || TYPE == GGUF_IQ4_XS || is_l4(TYPE)) {
     const uint8_t* qs = TYPE == GGUF_IQ4_NL ? b + 2 : b + 8 + 16 * j;
-    const int8_t* levels = levels_of<TYPE>();
+    const int8_t* levels = gguf_levels_of<TYPE>();
     for (int l = 0; l < 16; ++l) {
       w[l] = levels[qs[l] & 15];
       w[l + 16] = levels[qs[l] >> 4];
     }
     *fs = TYPE == GGUF_IQ4_NL ? f16(b) : f16(b) * (float)gguf_iq4xs_scale(b, j);
-    if (l4_scale<TYPE>() != 1.0f) *fs *= l4_scale<TYPE>();
+    if (gguf_l4_scale<TYPE>() != 1.0f) *fs *= gguf_l4_scale<TYPE>();
   } else if (grid_iquant(TYPE)) {
     *fs = gguf_grid_sub<TYPE>(b, j, f16(b), w);
   } else if (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
@@ -502,7 +491,7 @@ inline __m256i bits32(const uint8_t* qh) {  // 32 bits -> byte l = 0x10 where bi
 // IQ4 codes 0..15 -> their int8 levels (one in-lane table lookup)
 template <int TYPE = GGUF_IQ4_XS>
 inline __m256i iq4_levels(__m256i codes) {
-  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)levels_of<TYPE>())), codes);
+  return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)gguf_levels_of<TYPE>())), codes);
 }
 
 // The codes of 32-value block b of a 32-block type as u8 in x's order (Q8_0, IQ4_NL: int8 codes / levels).
@@ -613,7 +602,7 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     const __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(ld32(b)), hi_at), _mm256_set1_epi32(3));
     const __m256i ls = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
     ch.fs = _mm256_mul_ps(_mm256_set1_ps(f16(b)), _mm256_cvtepi32_ps(ls));  // d (ls - 32), rounded as gguf.quants
-    if (l4_scale<TYPE>() != 1.0f) ch.fs = _mm256_mul_ps(ch.fs, _mm256_set1_ps(l4_scale<TYPE>()));
+    if (gguf_l4_scale<TYPE>() != 1.0f) ch.fs = _mm256_mul_ps(ch.fs, _mm256_set1_ps(gguf_l4_scale<TYPE>()));
     ch.fm = _mm256_setzero_ps();
     for (int j = 0; j < 8; ++j) ch.u[j] = iq4_levels<TYPE>(nibbles32(b + 8 + 16 * j));
     return;
@@ -1793,9 +1782,9 @@ void prompt_quant(const GgufActs& a, const QuantWeights& w, int64_t N, float* y,
 bool gguf_supported(int type) { return gguf_block_values(type) != 0; }
 
 int64_t gguf_block_values(int type) {
-  if (type > GGUF_L4) return grid_iquant(type - GGUF_L4) ? 256 : 0;
   if (type > GGUF_R8) return gguf_r8_supported(type - GGUF_R8) ? 32 : 0;
   if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? gguf_block_values(type - GGUF_X8) : 0;
+  if (type > GGUF_L4) return grid_iquant(type - GGUF_L4) ? 256 : 0;
   switch (type) {
     case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q5_0: case GGUF_Q5_1: case GGUF_Q8_0: case GGUF_IQ4_NL: return 32;
     case GGUF_Q2_K: case GGUF_Q3_K: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: case GGUF_IQ4_XS:
@@ -1805,9 +1794,9 @@ int64_t gguf_block_values(int type) {
 }
 
 int64_t gguf_block_bytes(int type) {
-  if (type > GGUF_L4) return grid_iquant(type - GGUF_L4) ? Fmt<GGUF_IQ4_XS>::BYTES : 0;
   if (type > GGUF_R8) return gguf_r8_supported(type - GGUF_R8) ? gguf_block_bytes(type - GGUF_R8) : 0;
   if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? gguf_x8_bytes(type - GGUF_X8) / 8 : 0;
+  if (type > GGUF_L4) return grid_iquant(type - GGUF_L4) ? Fmt<GGUF_IQ4_XS>::BYTES : 0;
   switch (type) {
     case GGUF_Q4_0: return Fmt<GGUF_Q4_0>::BYTES;
     case GGUF_Q4_1: return Fmt<GGUF_Q4_1>::BYTES;
@@ -1998,6 +1987,9 @@ void gguf_gemm_prompt(const GgufActs& acts, const uint8_t* blocks, int type, int
     else if (type - GGUF_X8 == GGUF_Q5_0) PromptX8Op<GGUF_Q5_0>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_Q5_1) PromptX8Op<GGUF_Q5_1>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_IQ4_XS) PromptX8Op<GGUF_IQ4_XS>::run(acts, blocks, N, y, ldy, out_index);
+    else if (type - GGUF_X8 == GGUF_IQ2_XXS_L4) PromptX8Op<GGUF_IQ2_XXS_L4>::run(acts, blocks, N, y, ldy, out_index);
+    else if (type - GGUF_X8 == GGUF_IQ3_XXS_L4) PromptX8Op<GGUF_IQ3_XXS_L4>::run(acts, blocks, N, y, ldy, out_index);
+    else if (type - GGUF_X8 == GGUF_IQ3_S_L4) PromptX8Op<GGUF_IQ3_S_L4>::run(acts, blocks, N, y, ldy, out_index);
     return;
   }
   dispatch<PromptOp>(type, acts, blocks, N, y, ldy, out_index);

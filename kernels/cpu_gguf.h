@@ -45,12 +45,24 @@ inline bool gguf_is_x8(int type) { return type > GGUF_X8 && type < GGUF_R8; }
 // (d m) 2^-p (p = 3, 2, 0: gguf.quants' (d (0.5 + s)) / 4, / 2, d (1 + 2 s), the same rounding), so the values are
 // gguf.quants' bit for bit.  4.25 bits a weight where the grids take 2.06-3.44, multiplied by the IQ4_XS kernels
 // (one table lookup a value where a grid entry takes a load and a sign lookup per 8 or 4).
-constexpr int GGUF_L4 = 3000;
-inline bool gguf_is_l4(int type) { return type > GGUF_L4; }
+// (Below the x8 ids, so an L4 type has an x8 layout of its own: its id + GGUF_X8.)
+constexpr int GGUF_L4 = 100;
+inline bool gguf_is_l4(int type) { return type > GGUF_L4 && type < GGUF_X8; }
+constexpr int GGUF_IQ2_XXS_L4 = GGUF_L4 + 16, GGUF_IQ3_XXS_L4 = GGUF_L4 + 18, GGUF_IQ3_S_L4 = GGUF_L4 + 21;
+// An L4 type's power of two on d m (1 for IQ4_XS), and the 16 int8 levels its 4-bit codes index (IQ4_NL's for IQ4_XS)
+template <int TYPE>
+constexpr float gguf_l4_scale() { return TYPE == GGUF_IQ2_XXS_L4 ? 0.125f : TYPE == GGUF_IQ3_XXS_L4 ? 0.25f : 1.0f; }
+template <int TYPE>
+constexpr const int8_t* gguf_levels_of();
 
 // IQ4_NL / IQ4_XS: the int8 level of each 4-bit code (ggml-common.h kvalues_iq4nl)
 alignas(16) inline constexpr int8_t GGUF_IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                            1, 13, 25, 38, 53, 69, 89, 113};
+template <int TYPE>
+constexpr const int8_t* gguf_levels_of() {
+  return TYPE == GGUF_IQ2_XXS_L4 ? GGUF_L4_IQ2XXS : TYPE == GGUF_IQ3_XXS_L4 ? GGUF_L4_IQ3XXS
+       : TYPE == GGUF_IQ3_S_L4 ? GGUF_L4_IQ3S : GGUF_IQ4_LEVELS;
+}
 
 // IQ4_XS block b's 6-bit scale of sub-block j (nibble j of bytes 4..7, bits 2j, 2j+1 of the u16 at 2 as bits 4-5),
 // minus 32

@@ -64,6 +64,13 @@ template <> struct Raw<GGUF_Q6_K> { static constexpr int64_t QV = 256, BYTES = 2
 template <> struct Raw<GGUF_Q3_K> { static constexpr int64_t QV = 256, BYTES = 110, XB = 912, QS = 32; };
 template <> struct Raw<GGUF_Q2_K> { static constexpr int64_t QV = 256, BYTES = 84, XB = 672, QS = 16; };
 template <> struct Raw<GGUF_IQ4_XS> { static constexpr int64_t QV = 256, BYTES = 136, XB = 1104, QS = 8; };
+template <> struct Raw<GGUF_IQ2_XXS_L4> : Raw<GGUF_IQ4_XS> {};  // (cpu_gguf.h GGUF_L4: IQ4_XS blocks)
+template <> struct Raw<GGUF_IQ3_XXS_L4> : Raw<GGUF_IQ4_XS> {};
+template <> struct Raw<GGUF_IQ3_S_L4> : Raw<GGUF_IQ4_XS> {};
+// IQ4_XS and the L4 types: the same layout, their own levels
+constexpr bool iq4xs_like(int type) {
+  return type == GGUF_IQ4_XS || type == GGUF_IQ2_XXS_L4 || type == GGUF_IQ3_XXS_L4 || type == GGUF_IQ3_S_L4;
+}
 // Q5_0 / Q5_1: HOFF = the stored qh's offset (qs after it), XH = the x8 unit's qh (nibbles after it)
 template <> struct Raw<GGUF_Q5_0> { static constexpr int64_t QV = 32, BYTES = 22, XB = 176, HOFF = 2, XH = 16; };
 template <> struct Raw<GGUF_Q5_1> { static constexpr int64_t QV = 32, BYTES = 24, XB = 192, HOFF = 4, XH = 32; };
@@ -79,6 +86,9 @@ void on_x8_type(int base_type, F&& f) {
     case GGUF_Q3_K: f(std::integral_constant<int, GGUF_Q3_K>()); break;
     case GGUF_Q2_K: f(std::integral_constant<int, GGUF_Q2_K>()); break;
     case GGUF_IQ4_XS: f(std::integral_constant<int, GGUF_IQ4_XS>()); break;
+    case GGUF_IQ2_XXS_L4: f(std::integral_constant<int, GGUF_IQ2_XXS_L4>()); break;
+    case GGUF_IQ3_XXS_L4: f(std::integral_constant<int, GGUF_IQ3_XXS_L4>()); break;
+    case GGUF_IQ3_S_L4: f(std::integral_constant<int, GGUF_IQ3_S_L4>()); break;
     case GGUF_Q5_0: f(std::integral_constant<int, GGUF_Q5_0>()); break;
     case GGUF_Q5_1: f(std::integral_constant<int, GGUF_Q5_1>()); break;
     default: break;
@@ -183,7 +193,7 @@ template <int TYPE, bool TO_X8>
 void convert_sb(uint8_t* const raw[8], uint8_t* o) {
   for (int r = 0; r < 8; ++r) {  // the fp16 d's and the scales, a row at a time
     uint8_t* b = raw[r];
-    if (TYPE == GGUF_IQ4_XS) {
+    if (iq4xs_like(TYPE)) {
       if (TO_X8) {
         std::memcpy(o + 2 * r, b, 2);
         for (int j = 0; j < 8; ++j) o[16 + 8 * j + r] = (uint8_t)(int8_t)gguf_iq4xs_scale(b, j);
@@ -251,7 +261,7 @@ void convert_sb(uint8_t* const raw[8], uint8_t* o) {
       kquant_pack6(sc, mn, b + 4);
     }
   }
-  if (TYPE == GGUF_IQ4_XS) {  // [j][g]: the 16 qs bytes of sub-block j as 4 groups (two sub-blocks a transpose)
+  if (iq4xs_like(TYPE)) {  // [j][g]: the 16 qs bytes of sub-block j as 4 groups (two sub-blocks a transpose)
     for (int p = 0; p < 4; ++p) groups8<TO_X8>(o + 80 + 256 * p, raw, Raw<TYPE>::QS + 32 * p);
     return;
   }
@@ -549,11 +559,11 @@ inline void levels_iq4xs(const uint8_t* o, int j, int g, __m256i table, __m256i&
 // IQ4_XS: per sub-block, each row's int dot in one int32 lane (signed levels: |w| against x with w's sign, as the
 // per-row kernels take Q8_0; the pair sums reach 2 * 127 * 127, so each maddubs is widened on its own), then
 // (dot d_x) sc per sub-block and d per super-block.
-template <int T>
+template <int TYPE, int T>
 void group_iq4xs(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
-  constexpr int64_t XB = Raw<GGUF_IQ4_XS>::XB;
+  constexpr int64_t XB = Raw<TYPE>::XB;
   const int64_t nsb = a.K / 256;
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_IQ4_LEVELS));
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)gguf_levels_of<TYPE>()));
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
@@ -580,7 +590,8 @@ void group_iq4xs(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T])
         sacc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(is[t]), _mm256_set1_ps(a.d[b])), sc, sacc[t]);
       }
     }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
+    if (gguf_l4_scale<TYPE>() != 1.0f) d = _mm256_mul_ps(d, _mm256_set1_ps(gguf_l4_scale<TYPE>()));  // (exact)
     for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(sacc[t], d, acc[t]);
   }
   for (int t = 0; t < T; ++t) out[t] = acc[t];
@@ -649,7 +660,7 @@ inline void group_rows(const GgufActs& a, int64_t m0, const uint8_t* w, float* y
   if constexpr (TYPE == GGUF_Q6_K) group_q6k<T>(a, m0, w, out);
   else if constexpr (TYPE == GGUF_Q3_K || TYPE == GGUF_Q2_K) group_low_k<TYPE, T>(a, m0, w, out);
   else if constexpr (is_q5(TYPE)) group_q5<TYPE, T>(a, m0, w, out);
-  else if constexpr (TYPE == GGUF_IQ4_XS) group_iq4xs<T>(a, m0, w, out);
+  else if constexpr (iq4xs_like(TYPE)) group_iq4xs<TYPE, T>(a, m0, w, out);
   else group_k<TYPE, T>(a, m0, w, out);
   for (int t = 0; t < T; ++t) {
     float* yr = y + (m0 + t) * ldy;
@@ -697,12 +708,13 @@ void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, floa
     if (TYPE == GGUF_Q5_1) _mm256_storeu_ps(wm, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 16))));
     return;
   }
-  if (TYPE == GGUF_IQ4_XS) {  // per sub-block: d sc; the int8 levels (build_panel_x8 splits their signs)
+  if (iq4xs_like(TYPE)) {  // per sub-block: d sc (L4: times its power of two); the int8 levels (build_panel_x8 splits their signs)
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_IQ4_LEVELS));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)gguf_levels_of<TYPE>()));
     for (int j = 0; j < 8; ++j) {
-      _mm256_storeu_ps(ws + j * wstride, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                              _mm_loadl_epi64((const __m128i*)(o + 16 + 8 * j))))));
+      __m256 ds = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(o + 16 + 8 * j)))));
+      if (gguf_l4_scale<TYPE>() != 1.0f) ds = _mm256_mul_ps(ds, _mm256_set1_ps(gguf_l4_scale<TYPE>()));
+      _mm256_storeu_ps(ws + j * wstride, ds);
       for (int g = 0; g < 4; ++g) {
         __m256i lo, hi;
         levels_iq4xs(o, j, g, table, lo, hi);

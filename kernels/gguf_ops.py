@@ -24,7 +24,8 @@ GGUF_KERNEL_MAX_ROWS = {"Q4_K": 64, "Q5_K": 32, "Q6_K": 32}
 _DEFAULT_MAX_ROWS = 16  # the decode / verification passes (<= 16 rows) take the kernel in any case
 X8 = 1000  # a K-quant's, IQ4_XS's, Q5_0's or Q5_1's type id + X8: rows repacked 8 at a time (kernels/cpu_gguf_x8.cpp)
 R8 = 2000  # a Q5_0 / Q5_1 type id + R8: each row's runs of 8 blocks regrouped (kernels/cpu_gguf.cpp)
-L4 = 3000  # an IQ2_XXS / IQ3_XXS / IQ3_S type id + L4: recoded as IQ4_XS blocks indexing its levels (cpu_gguf.h)
+L4 = 100  # an IQ2_XXS / IQ3_XXS / IQ3_S type id + L4: recoded as IQ4_XS blocks indexing its levels (cpu_gguf.h);
+# its x8 form: + L4 + X8
 
 
 # Where the prompt GEMM is vectorized it takes every product of more than this many rows: it beat the row kernel

@@ -42,7 +42,8 @@ __all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "raw_tensor", "install_ggu
 
 # the x8 layout's unit per base type: (values, bytes of 8 rows x those values)
 X8_UNITS = {10: (256, 672), 11: (256, 912), 12: (256, 1184), 13: (256, 1440), 14: (256, 1680),  # Q2_K .. Q6_K
-            23: (256, 1104), 6: (32, 176), 7: (32, 192)}  # IQ4_XS, Q5_0, Q5_1
+            23: (256, 1104), 6: (32, 176), 7: (32, 192),  # IQ4_XS, Q5_0, Q5_1
+            L4 + 16: (256, 1104), L4 + 18: (256, 1104), L4 + 21: (256, 1104)}  # the L4 types (IQ4_XS's layout)
 
 
 def part_row_bytes(type_id: int, k: int) -> int:
@@ -50,18 +51,18 @@ def part_row_bytes(type_id: int, k: int) -> int:
     if X8 <= type_id < R8:
         values, group_bytes = X8_UNITS[type_id - X8]
         return k // values * group_bytes // 8
-    if type_id >= L4:
+    if L4 < type_id < X8:
         return k // 256 * 136  # IQ4_XS blocks
     return row_bytes(stored_type(type_id), k)
 
 
 def stored_type(type_id: int) -> int:
     """The GGUF type a part's blocks are (an x8, r8 or l4 part: the type it was repacked from)."""
-    if type_id >= L4:
-        return type_id - L4
     if type_id >= R8:
-        return type_id - R8
-    return type_id - X8 if type_id >= X8 else type_id
+        type_id -= R8
+    elif type_id >= X8:
+        type_id -= X8
+    return type_id - L4 if type_id > L4 else type_id
 
 
 @dataclass
@@ -250,9 +251,13 @@ def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int
     faster than its grid lookups); else its first rows // 8 * 8 rows in the x8 layout where there is one for its
     type, the others (Q5_0 / Q5_1) in the r8 layout, the rest as stored (with their out_index entries)."""
     index = p.out_index
-    if p.type in l4_types:  # the grid i-quants: IQ4_XS blocks over their levels (the same values; None: not exact)
+    if p.type in l4_types:  # the grid i-quants: IQ4_XS blocks over their levels (the same values), then as those
         l4 = ext.gguf_to_l4(p.raw.contiguous(), p.type, p.rows, k)
-        return [GGUFPart(l4, p.type + L4, p.rows, index)] if l4 is not None else [p]
+        if l4 is None:
+            return [p]
+        p = GGUFPart(l4, p.type + L4, p.rows, index)
+        if p.type not in x8_types or p.rows < 8:
+            return [p]
     n8 = p.rows // 8 * 8 if p.type in x8_types and k % X8_UNITS[p.type][0] == 0 else 0
     out = []
     if n8:

@@ -19,7 +19,7 @@ from edgellm.kernels import matmul
 from edgellm.kernels.matmul import KernelOptions
 from edgellm.loading import load_model
 from edgellm.options import Options
-from edgellm.quant.gguf_linear import L4, R8, X8, GGUFEmbedding, GGUFLinear
+from edgellm.quant.gguf_linear import L4, R8, X8, GGUFEmbedding, GGUFLinear, stored_type
 from edgellm.gguf_file import GGUF_TYPES
 from edgellm.quant.gguf_tensor import dequantize_blocks
 from edgellm.quant.linear import QuantLinear
@@ -123,8 +123,8 @@ def assert_same_blocks(parts, stored: np.ndarray, type_id: int, k: int, path) ->
     start = 0
     for p in parts:
         rows = stored[start:start + p.rows]
-        if p.type >= L4:
-            assert p.type == type_id + L4 and type_id in ext.gguf_l4_types()
+        if stored_type(p.type) != p.type % X8:  # a grid i-quant recoded (l4, or l4 then x8): its values
+            assert p.type % X8 == type_id + L4 and type_id in ext.gguf_l4_types()
             got = ext.gguf_dequantize(p.raw, p.type, p.rows, k).numpy()
             want = gguf.quants.dequantize(np.ascontiguousarray(rows), type_id).reshape(p.rows, k)
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32))

@@ -23,7 +23,7 @@ from edgellm.kernels import cpu_ext
 from tests.test_cpu_kernels import VNNI_MISSING, ext, start_builds, stop_builds  # noqa: F401  (ext: the extension fixture, shared)
 
 class L4:
-    """A grid i-quant's blocks recoded as IQ4_XS blocks over its levels (kernels/cpu_gguf.h GGUF_L4, type id + 3000),
+    """A grid i-quant's blocks recoded as IQ4_XS blocks over its levels (kernels/cpu_gguf.h GGUF_L4, type id + 100),
     as the loader runs them on the CPU: made from random blocks of the base type by the extension's converter, and
     dequantized for the references by l4_dequant below (numpy, from the documented layout)."""
 
@@ -31,7 +31,7 @@ class L4:
         self.base, self.name = base, base.name + "_L4"
 
     def __int__(self) -> int:
-        return 3000 + int(self.base)
+        return 100 + int(self.base)
 
 
 GRID_IQUANTS = {Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S}  # codebook types (kernels/gguf_grids.h), stored layout only
@@ -41,7 +41,8 @@ GGUF_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, 
 TYPES = GGUF_TYPES + L4_TYPES
 # the types of 256-value super-blocks
 K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS} | GRID_IQUANTS | set(L4_TYPES)
-X8_K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS}  # the 256-value types with an x8 layout (cpu_gguf_x8.cpp)
+# the 256-value types with an x8 layout (cpu_gguf_x8.cpp)
+X8_K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS} | set(L4_TYPES)
 TOL_EMULATED = 1e-5
 TOL_EXACT = 1e-2
 

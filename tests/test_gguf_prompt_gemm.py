@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 
 from edgellm.kernels import gguf_ops, matmul
 from tests.test_cpu_kernels import ext, start_builds, stop_builds  # noqa: F401  (ext: the extension fixture)
-from tests.test_gguf_kernels import K_QUANTS, KERNELS, TYPES, dequant_ref, make_weights
+from tests.test_gguf_kernels import K_QUANTS, KERNELS, TYPES, X8_K_QUANTS, dequant_ref, make_weights
 
 ROW_TOL = 1e-5
 
@@ -350,7 +350,7 @@ def test_isa_builds_prompt_gemm_match_reference(prompt_builds, isa):
         y8, pos = data[pos:pos + m * n].reshape(m, n), pos + m * n
         # the x8 layout (cpu_gguf_x8.cpp): the AVX2 / VNNI builds' K-quants, Q5_0 and Q5_1, their panels built from
         # 8-row groups
-        assert n8 == (n // 8 * 8 if isa in ("avx2", "avx512vnni") and t in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS, Q.Q5_0, Q.Q5_1) else 0)
+        assert n8 == (n // 8 * 8 if isa in ("avx2", "avx512vnni") and t in X8_K_QUANTS | {Q.Q5_0, Q.Q5_1} else 0)
         if n8:
             cols = (idx if idx is not None else np.arange(n))[:n8]
             assert_rows_close(y8[:, cols], ref[:, cols], (isa, t.name, m, n, k, "x8"))

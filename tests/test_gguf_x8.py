@@ -14,11 +14,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tests.test_cpu_kernels import ext  # noqa: F401  (the extension fixture, shared)
-from tests.test_gguf_kernels import (TOL_EMULATED, TOL_EXACT, dequant_ref, emulate_int8_x, make_weights, rel_err,
-                                     require_layout)
+from tests.test_gguf_kernels import (L4_TYPES, TOL_EMULATED, TOL_EXACT, dequant_ref, emulate_int8_x, make_weights,
+                                     rel_err, require_layout)
 
 X8 = 1000
-K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS]
+K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS] + L4_TYPES  # (L4: the grid i-quants recoded)
 Q5 = [Q.Q5_0, Q.Q5_1]  # x8 per 32-value block: any K % 32 == 0
 X8_TYPES = K_QUANTS + Q5
 
