@@ -201,6 +201,8 @@ struct GridTables {
 // Rows of IQ2_XXS / IQ3_XXS / IQ3_S blocks -> the same rows as GGUF_L4 blocks (136 bytes per 256 values), the
 // values bit for bit; false for another type.
 bool gguf_grid_to_l4(const uint8_t* blocks, int type, int64_t N, int64_t K, uint8_t* out);
+// The same rows straight into the L4 type's x8 layout (N % 8 == 0; no whole-tensor L4 copy on the way).
+bool gguf_grid_to_l4_x8(const uint8_t* blocks, int type, int64_t N, int64_t K, uint8_t* x8);
 // Bytes of a row of K values of such a type (0: not one of them, or K % 256 != 0).
 int64_t gguf_grid_row_bytes(int type, int64_t K);
 // Rows of such blocks -> fp32 [N, K] (`out`; gguf.quants.dequantize's values) and / or Q8_0 blocks [N, K / 32 x 34

@@ -29,6 +29,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu_gguf.h"
 #include "half.h"
@@ -237,19 +238,39 @@ void block_to_l4(const uint8_t* src, const L4Codes& codes, uint8_t* dst) {
   std::memcpy(dst + 4, low, 4);
 }
 
+// rows' blocks [n0 * nb, n1 * nb) to L4, serially
+void rows_to_l4(const uint8_t* blocks, int type, int64_t n0, int64_t n1, int64_t nb, uint8_t* out) {
+  static const L4Codes iq2xxs(GGUF_L4_IQ2XXS), iq3xxs(GGUF_L4_IQ3XXS), iq3s(GGUF_L4_IQ3S);
+  const int64_t bytes = format_of(type).bytes;
+  for (int64_t i = n0 * nb; i < n1 * nb; ++i) {
+    const uint8_t* src = blocks + i * bytes;
+    uint8_t* dst = out + (i - n0 * nb) * 136;
+    if (type == IQ2_XXS) block_to_l4<IQ2_XXS>(src, iq2xxs, dst);
+    else if (type == IQ3_XXS) block_to_l4<IQ3_XXS>(src, iq3xxs, dst);
+    else block_to_l4<IQ3_S>(src, iq3s, dst);
+  }
+}
+
 }  // namespace
 
 bool gguf_grid_to_l4(const uint8_t* blocks, int type, int64_t N, int64_t K, uint8_t* out) {
   if (type != IQ2_XXS && type != IQ3_XXS && type != IQ3_S) return false;
-  const L4Codes codes(type == IQ2_XXS ? GGUF_L4_IQ2XXS : type == IQ3_XXS ? GGUF_L4_IQ3XXS : GGUF_L4_IQ3S);
-  const int64_t nb = K / 256, bytes = format_of(type).bytes;
+  const int64_t nb = K / 256;
   parallel_run(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
-    for (int64_t i = n0 * nb; i < n1 * nb; ++i) {
-      const uint8_t* src = blocks + i * bytes;
-      uint8_t* dst = out + i * 136;
-      if (type == IQ2_XXS) block_to_l4<IQ2_XXS>(src, codes, dst);
-      else if (type == IQ3_XXS) block_to_l4<IQ3_XXS>(src, codes, dst);
-      else block_to_l4<IQ3_S>(src, codes, dst);
+    rows_to_l4(blocks, type, n0, n1, nb, out + n0 * nb * 136);
+  });
+  return true;
+}
+
+bool gguf_grid_to_l4_x8(const uint8_t* blocks, int type, int64_t N, int64_t K, uint8_t* x8) {
+  if ((type != IQ2_XXS && type != IQ3_XXS && type != IQ3_S) || N % 8 || !gguf_x8_supported(type + GGUF_L4))
+    return false;
+  const int64_t nb = K / 256, group_bytes = 8 * gguf_row_bytes(type + GGUF_L4 + GGUF_X8, K);
+  parallel_run(0, N / 8, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<uint8_t> l4((size_t)(8 * nb * 136));  // one group's rows as L4 (not the whole tensor at once)
+    for (int64_t g = g0; g < g1; ++g) {
+      rows_to_l4(blocks, type, 8 * g, 8 * g + 8, nb, l4.data());
+      gguf_repack_x8(l4.data(), type + GGUF_L4, 8, K, x8 + g * group_bytes);
     }
   });
   return true;

@@ -251,13 +251,17 @@ def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int
     faster than its grid lookups); else its first rows // 8 * 8 rows in the x8 layout where there is one for its
     type, the others (Q5_0 / Q5_1) in the r8 layout, the rest as stored (with their out_index entries)."""
     index = p.out_index
-    if p.type in l4_types:  # the grid i-quants: IQ4_XS blocks over their levels (the same values), then as those
-        l4 = ext.gguf_to_l4(p.raw.contiguous(), p.type, p.rows, k)
-        if l4 is None:
-            return [p]
-        p = GGUFPart(l4, p.type + L4, p.rows, index)
-        if p.type not in x8_types or p.rows < 8:
-            return [p]
+    if p.type in l4_types:  # the grid i-quants: IQ4_XS blocks over their levels (the same values), rows 8 at a
+        # time straight into the x8 layout where the build has it, the rest as L4
+        n8 = p.rows // 8 * 8 if p.type + L4 in x8_types else 0
+        out = []
+        if n8:
+            out.append(GGUFPart(ext.gguf_to_l4(p.raw[:n8].contiguous(), p.type, n8, k, x8=True), p.type + L4 + X8,
+                                n8, None if index is None else index[:n8].contiguous()))
+        if n8 < p.rows:
+            out.append(GGUFPart(ext.gguf_to_l4(p.raw[n8:].contiguous(), p.type, p.rows - n8, k), p.type + L4,
+                                p.rows - n8, index if index is None or not n8 else index[n8:].contiguous()))
+        return out
     n8 = p.rows // 8 * 8 if p.type in x8_types and k % X8_UNITS[p.type][0] == 0 else 0
     out = []
     if n8:

@@ -96,3 +96,18 @@ def test_l4_recoding_keeps_every_value(ext, type_id):
     got = ext.gguf_dequantize(l4, type_id + 100, rows, k).numpy()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.array_equal(l4_dequant(l4.numpy(), L4(T(type_id))).view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("type_id", [16, 18, 21], ids=lambda t: gguf_grid.GRID_TYPES[t])
+def test_l4_straight_into_x8_is_l4_then_repacked(ext, type_id):
+    """gguf_to_l4(x8=True), which the loader uses so that no whole-tensor L4 copy is made on the way, writes what
+    recoding and then repacking 8 rows at a time write, byte for byte."""
+    if type_id + 100 not in ext.gguf_x8_types():
+        pytest.skip("this build has no x8 kernels (they need AVX2)")
+    rows, k = 24, 512
+    raw = torch.from_numpy(grid_blocks(gguf_grid.GRID_TYPES[type_id], rows, k, seed=type_id + 1))
+    direct = ext.gguf_to_l4(raw, type_id, rows, k, x8=True)
+    two_steps = ext.gguf_repack(ext.gguf_to_l4(raw, type_id, rows, k), type_id + 100, rows, k)
+    assert torch.equal(direct, two_steps)
+    with pytest.raises(RuntimeError, match="multiple of 8 rows"):
+        ext.gguf_to_l4(raw[:12].contiguous(), type_id, 12, k, x8=True)
