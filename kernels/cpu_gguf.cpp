@@ -1,5 +1,6 @@
 // GGUF blocks multiplied in place, bit for bit as stored: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL (blocks of 32 values)
-// and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS (super-blocks of 256), y = x @ W^T for small M (decode, verification), and W
+// and Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, IQ2_XXS, IQ3_XXS, IQ3_S (super-blocks of 256; the grid i-quants' layouts
+// in cpu_gguf.h, and their L4 recoding, which the loader uses on the CPU), y = x @ W^T for small M (decode, verification), and W
 // dequantized to fp32 exactly as gguf.quants.dequantize does (embedding rows, the big-prefill GEMM).
 //
 // Block layouts (ggml-common.h; gguf/quants.py has the numpy reference):

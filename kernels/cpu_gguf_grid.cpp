@@ -1,7 +1,8 @@
-// The GGUF types this build has no product kernel for (grid codebooks: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S,
-// IQ3_XXS, IQ3_S; ternary: TQ1_0, TQ2_0), dequantized to fp32, or requantized straight to Q8_0 blocks, which the
-// loader multiplies in their place (edgellm/loading.py `_as_q8_0`).  Portable C++, one pass per 256-value block; what
-// gguf.quants' numpy did at ~70 ns a weight (an 8B IQ3 file: minutes of load) takes a few ns.
+// The grid-codebook and ternary GGUF types (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; TQ1_0, TQ2_0)
+// dequantized to fp32 (`--weights fp`), or requantized straight to Q8_0 blocks for the types without a product
+// kernel, which the loader multiplies in their place (edgellm/loading.py `_as_q8_0`); and IQ2_XXS / IQ3_XXS / IQ3_S
+// recoded as L4 blocks (cpu_gguf.h GGUF_L4), the CPU loader's form of those.  Portable C++, one pass per 256-value
+// block; what gguf.quants' numpy did at ~70 ns a weight (an 8B IQ3 file: minutes of load) takes a few ns.
 //
 // Values: the fp32 operations of ggml's dequantize_row_* in their order, so the results are gguf.quants.dequantize's
 // bit for bit.  Q8_0: as gguf.quants.quantize (and ggml's quantize_row_q8_0_ref) per 32 values: d = amax / 127,

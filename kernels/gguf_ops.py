@@ -7,7 +7,8 @@ of M rows the int-dot row kernel re-decodes each weight row for every 4 activati
 ~2.5-3x an fp32 GEMM's rate where it is vectorized (`ext.gguf_prompt_gemm_fast()`: AVX2, AVX-512 VNNI). Elsewhere
 (the portable and NEON builds) dequantize + an fp32 GEMM takes the long prompts, past the row counts below.
 Parts repacked at load for the AVX2 / AVX-512 kernels carry their type id + X8 (K-quants, IQ4_XS, Q5_0, Q5_1: 8 rows
-interleaved) or + R8 (Q5_0 / Q5_1 rows left over from groups of 8: each row's runs of 8 blocks regrouped): see
+interleaved) or + R8 (Q5_0 / Q5_1 rows left over from groups of 8: each row's runs of 8 blocks regrouped); IQ2_XXS /
+IQ3_XXS / IQ3_S parts are recoded as L4 blocks (+ L4, and + L4 + X8 for their 8-row groups): see
 quant/gguf_linear.repack_for_cpu.
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The GGUF types edgellm has no product kernel for (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0,
-TQ2_0) through the C++ converter (kernels/cpu_gguf_grid.cpp): their blocks as fp32 or as Q8_0 blocks, with the
-codebooks taken from gguf.quants (the grids it decodes from llama.cpp's tables, the 128 sign bytes).
+"""The grid-codebook and ternary GGUF types (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0)
+through the C++ converter (kernels/cpu_gguf_grid.cpp): their blocks as fp32 (`--weights fp`) or as Q8_0 blocks (the
+types without a product kernel), with the codebooks taken from gguf.quants (the grids it decodes from llama.cpp's
+tables, the 128 sign bytes).
 
 `convert` returns None where the extension is not built (no compiler, disabled): the caller then uses gguf.quants'
 numpy, which gives the same values ~20x slower.

@@ -19,7 +19,7 @@ __all__ = ["NATIVE_TYPES", "dequantize_blocks"]
 
 
 # the quantized types edgellm multiplies as stored (the C++ kernels' list; this module dequantizes each of
-# them on other devices); others (the other IQ types, TQ*) are requantized to Q8_0 at load (loading.gguf_as_stored)
+# them on other devices); others (IQ2_XS, IQ2_S, IQ1_*, TQ*) are requantized to Q8_0 at load (loading.gguf_as_stored)
 NATIVE_TYPES = frozenset(GGUF_NATIVE_TYPES)
 assert NATIVE_TYPES == {t.name for t in GGUF_TYPES.values()}
 
