@@ -33,7 +33,7 @@ test-avx512: install
 		tests/test_quant_prompt_gemm.py tests/test_decode_step.py tests/test_pointwise.py tests/test_attention.py \
 		tests/test_int4_layout.py tests/test_quant_linear.py tests/test_kv_cache.py tests/test_kv_cache_classes.py \
 		tests/test_kv_calibration.py tests/test_gguf_as_stored.py tests/test_layers.py tests/test_model_reference.py \
-		tests/test_speculative_exact.py
+		tests/test_speculative_exact.py tests/test_gguf_grid.py
 
 bench: install
 	$(BIN)/edgellm bench
