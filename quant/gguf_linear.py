@@ -141,9 +141,9 @@ def _dequantize(p: GGUFPart, k: int, dtype: torch.dtype) -> torch.Tensor:
     ext = K.cpu_extension() if p.raw.device.type == "cpu" else None
     if ext is not None and hasattr(ext, "gguf_dequantize") and p.type in _native_types(ext):
         return ext.gguf_dequantize(p.raw, p.type, p.rows, k, None).to(dtype)
-    if p.type >= X8:
-        raise RuntimeError("these GGUF blocks were repacked for the CPU kernels (x8 / r8 layout), which are not loaded "
-                           "now: load the model again for this device or without the C++ kernels")
+    if stored_type(p.type) != p.type:
+        raise RuntimeError("these GGUF blocks were repacked for the CPU kernels (x8 / r8 / l4 layout), which are not "
+                           "loaded now: load the model again for this device or without the C++ kernels")
     return dequantize_blocks(p.raw, p.type, (p.rows, k), dtype)
 
 
