@@ -6,7 +6,8 @@ fresh process per variant and round, the variants alternating:
 
 `--variants q8_0,q8_0-numpy` (or q8_0-whole): the IQ / TQ types requantized by the C++ converter (quant/gguf_grid.py,
 the default) against gguf.quants' numpy in chunks of rows on threads (loading.REQUANTIZE_ROWS / _THREADS), or
-gguf.quants with each tensor whole on one thread (before either). Files of IQ types llama.cpp quantizes only with an importance
+gguf.quants with each tensor whole on one thread (before either).
+Files of IQ types llama.cpp quantizes only with an importance
 matrix: benchmarks/random_blocks_gguf.py.
 
 `--variants native,native-grid`: IQ2_XXS / IQ3_XXS / IQ3_S recoded at load as IQ4_XS blocks over their levels (l4,

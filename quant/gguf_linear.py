@@ -246,7 +246,8 @@ Q5_LAYOUT = "x8"
 GRID_LAYOUT = "l4"
 
 
-def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int], l4_types: set[int]) -> list[GGUFPart]:
+def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int],
+                 l4_types: set[int]) -> list[GGUFPart]:
     """One part as the CPU kernels multiply it fastest: a grid i-quant's rows recoded (l4: 4.25 bits a weight, ~3x
     faster than its grid lookups); else its first rows // 8 * 8 rows in the x8 layout where there is one for its
     type, the others (Q5_0 / Q5_1) in the r8 layout, the rest as stored (with their out_index entries)."""
