@@ -21,6 +21,9 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--type", required=True, help="the GGML type of the random blocks, e.g. IQ3_XXS")
     ap.add_argument("--replace", default="Q4_K", help="the source's tensors of this type are replaced")
+    ap.add_argument("--d", type=float, default=0.002, help="every block's fp16 d (bytes 0-1); pick it so the weights "
+                    "have a trained model's spread (~0.02): with 0.002 the IQ3 weights reach ~1 and the activations "
+                    "blow up, fine for speed, chaotic for KL")
     args = ap.parse_args()
     T = gguf.GGMLQuantizationType
     new, old = T[args.type], T[args.replace]
@@ -36,7 +39,7 @@ def main() -> None:
             k = int(t.shape[0])
             rows = int(t.n_elements) // k
             raw = rng.integers(0, 256, size=(rows, k // qv * qb), dtype=np.uint8)
-            raw.reshape(rows, -1, qb)[:, :, :2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
+            raw.reshape(rows, -1, qb)[:, :, :2] = np.frombuffer(np.float16(args.d).tobytes(), np.uint8)
             writer.add_tensor(t.name, raw, raw_dtype=new)
         else:
             float_type = t.tensor_type in (T.F32, T.F16)
