@@ -8,19 +8,15 @@
 // bit for bit.  Q8_0: as gguf.quants.quantize (and ggml's quantize_row_q8_0_ref) per 32 values: d = amax / 127,
 // q = roundf(x / d) as x * (1 / d), d stored as fp16.
 //
-// The grids (each grid entry: 8, or 4, small integers) and the 128 sign bytes are the caller's, from gguf.quants, so
-// no codebook is copied into this file.
+// The grids of the other grid types (each entry: 8 small integers) and the 128 sign bytes are the caller's, from
+// gguf.quants; IQ2_XXS, IQ3_XXS and IQ3_S decode as the kernels do, from gguf_grids.h (written from gguf.quants).
 //
 // Block layouts (ggml-common.h), d fp16 unless said:
-//   IQ2_XXS d, qs u32[16]: 32 values ib = the pair (a0, a1) = qs[2 ib ..]: grid index byte l of a0 (8 values each),
-//           signs ksigns[(a1 >> 7 l) & 127], db = d (0.5 + a1 >> 28) / 4
+//   IQ2_XXS, IQ3_XXS, IQ3_S: cpu_gguf.h (gguf_grid_sub, which the kernels share)
 //   IQ2_XS  d, qs u16[32], scales[8]: q = qs[i] (8 values): grid q & 511, signs ksigns[q >> 9]; scale per 16 values
 //           (nibbles, low first), db = d (0.5 + s) / 4
 //   IQ2_S   d, qs[32], signs[32], qh[8], scales[8]: grid qs[i] | ((qh[i/4] >> 2 (i%4)) & 3) << 8, signs[i] the sign
 //           bits, scales as IQ2_XS
-//   IQ3_XXS d, qs[64], aux u32[8]: grid qs[i] (4 values each), per 32 values aux: signs ksigns[(aux >> 7 l) & 127]
-//           for each 8, db = d (0.5 + aux >> 28) / 2
-//   IQ3_S   d, qs[64], qh[8], signs[32], scales[4]: grid qs[i] | ((qh[i/8] >> i%8) & 1) << 8, db = d (1 + 2 s) per 32
 //   IQ1_S   d, qs[32], qh u16[8]: per 32 values qh: grid qs[4 ib + l] | ((qh >> 3 l) & 7) << 8 (values -1, 0, 1),
 //           dl = d (2 ((qh >> 12) & 7) + 1), w = dl (g + delta), delta = -1/8 if qh bit 15 else 1/8
 //   IQ1_M   qs[32], qh[16], sc u16[4]: d = the top nibbles of sc; 3-bit scales per 16 values (dl = d (2 s + 1)); per
@@ -57,13 +53,15 @@ inline void signed8(const int8_t* g, float db, uint8_t signs, float* v) {
   }
 }
 
-void iq2_xxs(const uint8_t* b, const GridTables& t, float* v) {
+// IQ2_XXS, IQ3_XXS, IQ3_S: through the kernels' decoding (cpu_gguf.h gguf_grid_sub, codebooks from gguf_grids.h):
+// scale * (+-g) is gguf.quants' (db * g) * (+-1) exactly
+template <int TYPE>
+void grid_iquant(const uint8_t* b, const GridTables&, float* v) {
   const float d = f16(b);
-  for (int ib = 0; ib < 8; ++ib) {
-    const uint32_t a0 = u32(b + 2 + 8 * ib), a1 = u32(b + 6 + 8 * ib);
-    const float db = d * (0.5f + (float)(a1 >> 28)) * 0.25f;
-    for (int l = 0; l < 4; ++l)
-      signed8(t.grid + 8 * ((a0 >> 8 * l) & 255), db, t.ksigns[(a1 >> 7 * l) & 127], v + 32 * ib + 8 * l);
+  int8_t w[32];
+  for (int j = 0; j < 8; ++j) {
+    const float scale = gguf_grid_sub<TYPE>(b, j, d, w);
+    for (int l = 0; l < 32; ++l) v[32 * j + l] = scale * (float)w[l];
   }
 }
 
@@ -85,36 +83,6 @@ void iq2_s(const uint8_t* b, const GridTables& t, float* v) {
   for (int i = 0; i < 32; ++i) {
     const int q = qs[i] | ((qh[i / 4] >> 2 * (i % 4)) & 3) << 8;
     signed8(t.grid + 8 * q, iq2_scale(b + 74, d, i / 2), signs[i], v + 8 * i);
-  }
-}
-
-void iq3_xxs(const uint8_t* b, const GridTables& t, float* v) {
-  const float d = f16(b);
-  const uint8_t* qs = b + 2;
-  for (int ib = 0; ib < 8; ++ib) {
-    const uint32_t aux = u32(b + 66 + 4 * ib);
-    const float db = d * (0.5f + (float)(aux >> 28)) * 0.5f;
-    for (int l = 0; l < 4; ++l) {
-      int8_t g[8];  // two grid entries of 4
-      std::memcpy(g, t.grid + 4 * qs[8 * ib + 2 * l], 4);
-      std::memcpy(g + 4, t.grid + 4 * qs[8 * ib + 2 * l + 1], 4);
-      signed8(g, db, t.ksigns[(aux >> 7 * l) & 127], v + 32 * ib + 8 * l);
-    }
-  }
-}
-
-void iq3_s(const uint8_t* b, const GridTables& t, float* v) {
-  const float d = f16(b);
-  const uint8_t *qs = b + 2, *qh = b + 66, *signs = b + 74, *scales = b + 106;
-  for (int i = 0; i < 32; ++i) {  // 8 values: grid entries 2i, 2i + 1
-    const int ib = i / 4;
-    const float db = d * (float)(1 + 2 * ((scales[ib / 2] >> 4 * (ib % 2)) & 15));
-    int8_t g[8];
-    for (int h = 0; h < 2; ++h) {
-      const int e = 2 * i + h;
-      std::memcpy(g + 4 * h, t.grid + 4 * (qs[e] | ((qh[e / 8] >> (e % 8)) & 1) << 8), 4);
-    }
-    signed8(g, db, signs[i], v + 8 * i);
   }
 }
 
@@ -177,11 +145,11 @@ struct GridFormat {
 
 GridFormat format_of(int type) {
   switch (type) {
-    case IQ2_XXS: return {iq2_xxs, 66};
+    case IQ2_XXS: return {grid_iquant<IQ2_XXS>, 66};
     case IQ2_XS: return {iq2_xs, 74};
     case IQ2_S: return {iq2_s, 82};
-    case IQ3_XXS: return {iq3_xxs, 98};
-    case IQ3_S: return {iq3_s, 110};
+    case IQ3_XXS: return {grid_iquant<IQ3_XXS>, 98};
+    case IQ3_S: return {grid_iquant<IQ3_S>, 110};
     case IQ1_S: return {iq1_s, 50};
     case IQ1_M: return {iq1_m, 56};
     case TQ1_0: return {tq1_0, 54};
