@@ -452,11 +452,7 @@ inline __m256i nibbles32(const uint8_t* qs) {  // 16 bytes -> values 0..15 (low 
 
 // The first 4 bytes of 8 blocks (d, or d | m << 16) as one vector of dwords (dword loads inserted from memory:
 // fewer instructions than assembling fp16 in general registers, and no store-forwarding stall)
-inline int32_t ld32(const uint8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
+inline int32_t ld32(const uint8_t* p) { return (int32_t)gguf_ld32(p); }
 
 inline __m256i heads8(const uint8_t* p, int64_t stride) {
   __m128i a = _mm_cvtsi32_si128(ld32(p)), b = _mm_cvtsi32_si128(ld32(p + 4 * stride));
@@ -522,7 +518,7 @@ struct SignBytes {
 };
 inline constexpr SignBytes SIGN_BYTES{false}, KSIGN_BYTES{true};
 
-// One decoded super-block (or chunk of 8 blocks): codes// One decoded super-block (or chunk of 8 blocks): codes, per-sub-block scales and mins, Q6_K's int16 scales.
+// One decoded super-block (or chunk of 8 blocks): codes, per-sub-block scales and mins, Q6_K's int16 scales.
 struct Chunk {
   __m256i u[8];
   __m256 fs, fm;
@@ -612,7 +608,7 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     const __m256 d = _mm256_set1_ps(f16(b));
     ch.fm = _mm256_setzero_ps();
     if (TYPE == GGUF_IQ3_S) {  // scale d (1 + 2 s_j): s_j nibble j of bytes 106..109
-      const __m256i s = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)gguf_ld32(b + 106)),
+      const __m256i s = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(ld32(b + 106)),
                                                            _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
                                          _mm256_set1_epi32(15));
       ch.fs = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(s, 1), _mm256_set1_epi32(1))));
@@ -622,7 +618,7 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
         const __m256i idx = _mm256_or_si256(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + 2 + 8 * j))),
                                             _mm256_slli_epi32(hi, 8));
         ch.u[j] = _mm256_i32gather_epi32((const int*)GGUF_IQ3S_GRID, idx, 4);
-        ch.sc16[j] = _mm256_i32gather_epi64(SIGN_BYTES.bytes, _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)gguf_ld32(b + 74 + 4 * j))), 8);
+        ch.sc16[j] = _mm256_i32gather_epi64(SIGN_BYTES.bytes, _mm_cvtepu8_epi32(_mm_cvtsi32_si128(ld32(b + 74 + 4 * j))), 8);
       }
       return;
     }
@@ -635,7 +631,7 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     for (int j = 0; j < 8; ++j) {
       if (TYPE == GGUF_IQ2_XXS)
         ch.u[j] = _mm256_i32gather_epi64((const long long*)GGUF_IQ2XXS_GRID,
-                                         _mm_cvtepu8_epi32(_mm_cvtsi32_si128((int)gguf_ld32(b + 2 + 8 * j))), 8);
+                                         _mm_cvtepu8_epi32(_mm_cvtsi32_si128(ld32(b + 2 + 8 * j))), 8);
       else
         ch.u[j] = _mm256_i32gather_epi32((const int*)GGUF_IQ3XXS_GRID,
                                          _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + 2 + 8 * j))), 4);
@@ -695,6 +691,12 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     ch.u[4 * h + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4),
                                       _mm256_and_si256(_mm256_srli_epi16(qh, 2), m3));
   }
+}
+
+// Sub-block j's codes as the other paths take them (the grid i-quants' values with their signs applied).
+template <int TYPE>
+inline __m256i chunk_codes(const Chunk& ch, int j) {
+  return grid_iquant(TYPE) ? _mm256_sign_epi8(ch.u[j], ch.sc16[j]) : ch.u[j];
 }
 
 // The 8 sub-block integer sums of one chunk against activation row m (offsets taken off).
@@ -876,7 +878,7 @@ int64_t dequant_chunks(const uint8_t* row, int64_t K, float* out) {
     if (F::MIN) _mm256_store_ps(fm, TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K ? _mm256_xor_ps(ch.fm, _mm256_set1_ps(-0.0f)) : ch.fm);
     float* o = out + c * 256;
     for (int j = 0; j < 8; ++j) {
-      __m256i u = grid_iquant(TYPE) ? _mm256_sign_epi8(ch.u[j], ch.sc16[j]) : ch.u[j];
+      __m256i u = chunk_codes<TYPE>(ch, j);
       if (TYPE == GGUF_Q4_0 || TYPE == GGUF_Q4_1 || is_r8(TYPE)) {  // paired: u[2k] = values 0..15 of blocks 2k | 2k+1
         const __m256i a = ch.u[j & ~1], b = ch.u[j | 1];
         u = (j & 1) ? _mm256_permute2x128_si256(a, b, 0x31) : _mm256_permute2x128_si256(a, b, 0x20);
@@ -1254,9 +1256,7 @@ void build_panel(const uint8_t* blocks, int64_t rb, const int32_t* rows, int nva
         Chunk ch;
         const int64_t c = (k0 + u0) / 256;
         decode_chunk<TYPE>(row, c, ch);
-        for (int j = 0; j < 8; ++j)
-          _mm256_store_si256((__m256i*)(tmp[r] + 32 * j),
-                             grid_iquant(TYPE) ? _mm256_sign_epi8(ch.u[j], ch.sc16[j]) : ch.u[j]);
+        for (int j = 0; j < 8; ++j) _mm256_store_si256((__m256i*)(tmp[r] + 32 * j), chunk_codes<TYPE>(ch, j));
         if (per16(TYPE)) {
           const uint8_t* b = row + c * F::BYTES;
           const float d = per16_d<TYPE>(b);

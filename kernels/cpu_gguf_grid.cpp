@@ -38,7 +38,6 @@ enum GridType { IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ3_S = 21,
                 TQ1_0 = 34, TQ2_0 = 35 };
 
 inline uint16_t u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
-inline uint32_t u32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
 inline float f16(const uint8_t* p) { return half_to_float(u16(p)); }
 
 // 8 values g[j] * db with sign bit j of `signs` (gguf.quants: db * grid * (+-1), the sign exact), flipped as a bit:
@@ -194,8 +193,8 @@ void block_to_l4(const uint8_t* src, const L4Codes& codes, uint8_t* dst) {
   int8_t w[32];
   for (int j = 0; j < 8; ++j) {
     gguf_grid_sub<TYPE>(src, j, d, w);
-    const int m = TYPE == IQ2_XXS ? 2 * (int)(u32(src + 6 + 8 * j) >> 28) + 1
-                : TYPE == IQ3_XXS ? 2 * (int)(u32(src + 66 + 4 * j) >> 28) + 1
+    const int m = TYPE == IQ2_XXS ? 2 * (int)(gguf_ld32(src + 6 + 8 * j) >> 28) + 1
+                : TYPE == IQ3_XXS ? 2 * (int)(gguf_ld32(src + 66 + 4 * j) >> 28) + 1
                                   : 1 + 2 * ((src[106 + j / 2] >> 4 * (j & 1)) & 15);
     const int ls = m + 32;  // IQ4_XS's 6-bit scale, minus 32 when read
     low[j / 2] |= (uint8_t)((ls & 15) << 4 * (j & 1));

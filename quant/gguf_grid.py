@@ -14,6 +14,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from .gguf_tensor import grid_tables
+
 __all__ = ["GRID_TYPES", "convert"]
 
 # GGML type id -> gguf.quants class name
@@ -24,16 +26,13 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 @lru_cache(maxsize=None)
 def _tables(type_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grid int8 [entries, width] or empty, ksigns uint8 [128] or empty) of a type, from gguf.quants."""
-    import gguf.quants
-
-    cls = getattr(gguf.quants, GRID_TYPES[type_id])
-    if getattr(cls, "grid_hex", None) is None:  # the ternary types
+    """(grid int8 [entries, width] or empty, ksigns uint8 [128] or empty) of a type, from gguf.quants (the torch
+    dequantizer's tables, quant/gguf_tensor.grid_tables)."""
+    name = GRID_TYPES[type_id]
+    if name.startswith("TQ"):  # the ternary types: no codebook
         return _EMPTY, _EMPTY
-    cls.init_grid()
-    grid = torch.from_numpy(np.ascontiguousarray(cls.grid.reshape(cls.grid_shape)).astype(np.int8))
-    ksigns = torch.frombuffer(bytearray(gguf.quants.IQ2_XXS.ksigns), dtype=torch.uint8)
-    return grid, ksigns
+    grid, ksigns = grid_tables(name, torch.device("cpu"))
+    return grid.to(torch.int8).contiguous(), ksigns
 
 
 def convert(raw: np.ndarray | torch.Tensor, type_id: int, rows: int, k: int, q8_0: bool) -> torch.Tensor | None:

@@ -61,7 +61,7 @@ def _iq4_levels(device: torch.device) -> torch.Tensor:
 _GRIDS: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _grid(name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def grid_tables(name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     key = (name, str(device))
     if key not in _GRIDS:
         import gguf.quants
@@ -95,7 +95,7 @@ def _grid_iquant(name: str, blk: torch.Tensor) -> torch.Tensor:
     """IQ2_XXS / IQ3_XXS / IQ3_S super-blocks uint8 [nb, bytes] → float32 [nb, 8, 32] as gguf.quants: db * grid
     value, negated where its sign bit is set."""
     nb = blk.shape[0]
-    grid, ksigns = _grid(name, blk.device)
+    grid, ksigns = grid_tables(name, blk.device)
     d = _f16(blk[:, 0:2].unsqueeze(1)).reshape(nb, 1)
     if name == "IQ2_XXS":
         words = _u32(blk[:, 2:66]).reshape(nb, 8, 2)

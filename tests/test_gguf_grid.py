@@ -8,19 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from edgellm.kernels import matmul
 from edgellm.quant import gguf_grid
+from tests.test_cpu_kernels import ext  # noqa: F401  (the extension fixture, shared)
 from tests.fixtures.tiny import random_blocks
 
 T = gguf.GGMLQuantizationType
-
-
-@pytest.fixture(scope="module")
-def ext():
-    ext = matmul.cpu_extension()
-    if ext is None:
-        pytest.skip("the C++ extension is not built here (no compiler)")
-    return ext
 
 
 def grid_blocks(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
