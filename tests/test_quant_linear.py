@@ -279,3 +279,19 @@ def test_prefill_table_names_real_kernel_builds():
     for (isa, variant, gemm), rows in matmul.PREFILL_KERNEL_MAX_M.items():
         assert isa in ("avx512vnni", "avx2") and variant in variants and gemm in ("fp32", "bf16")
         assert rows >= matmul.CPU_KERNEL_MAX_M
+
+
+def test_native_bf16_gemm_follows_the_cpu_flags():
+    """The bf16 prefill GEMM is chosen where the CPU multiplies bf16 in hardware. On x86 that is the CPU's
+    avx512_bf16 / amx_bf16 flags (/proc/cpuinfo, the kernel's reading of CPUID), not oneDNN's "bf16 supported",
+    which is true on every AVX-512 CPU and sent an Ice Lake's prefills to an emulated GEMM 3.5x slower than fp32."""
+    import platform
+    from pathlib import Path
+
+    matmul.native_bf16_gemm.cache_clear()
+    got = matmul.native_bf16_gemm()
+    cpuinfo = Path("/proc/cpuinfo")
+    assert isinstance(got, bool)
+    if platform.machine() == "x86_64" and cpuinfo.exists():
+        flags = set(next(ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags")).split(":")[1].split())
+        assert got == bool({"avx512_bf16", "amx_bf16"} & flags)
