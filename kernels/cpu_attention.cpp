@@ -1,5 +1,6 @@
-// Causal attention of a prompt chunk over the keys before it and its own, fp32, AVX2 + FMA (for a quantized cache:
-// over its own keys, the diagonal part, the prefix's tiles going through torch's kernel).
+// Causal attention of a prompt chunk over the keys before it and its own, fp32, AVX2 + FMA, in AVX-512 builds 16 lanes
+// wide for head dims that are multiples of 32 (for a quantized cache: over its own keys, the diagonal part, the
+// prefix's tiles going through torch's kernel).
 //
 // torch's CPU flash kernel (what kernels/attention.py calls for the rest) splits keys into blocks of 512 and, with
 // is_causal, still computes a whole block for every query block: for a chunk of up to 512 rows it does the full
@@ -33,54 +34,103 @@ namespace {
 
 constexpr int BQ = 32, BK = 64;
 
-// e^x for x <= 0 (scores minus their running max); below -87, and -inf (the mask), exactly 0.
-inline __m256 exp_neg(__m256 x) {
-  return _mm256_and_ps(exp256(x), _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GT_OQ));
-}
+// The vector width the blocks below are written for: 8 floats (AVX2), or 16 in AVX-512 builds, which take head dims
+// that are multiples of 32 (two registers a row across D).  Same operations in the same order per lane.
+struct Avx2 {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_load_ps(p); }
+  static V loadu(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V a) { _mm256_store_ps(p, a); }
+  static void storeu(float* p, V a) { _mm256_storeu_ps(p, a); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V max(V a, V b) { return _mm256_max_ps(a, b); }
+  static float sum(V a) { return hsum(a); }
+  static float maximum(V a) { return hmax(a); }
+  // e^(x - m) for x - m <= 0 (scores minus their running max); below -87, and -inf (the mask), exactly 0.
+  static V exp_neg(V x, V m) {
+    const V d = _mm256_sub_ps(x, m);
+    return _mm256_and_ps(exp256(d), _mm256_cmp_ps(d, _mm256_set1_ps(-87.0f), _CMP_GT_OQ));
+  }
+};
+
+#if defined(__AVX512F__)
+struct Avx512 {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_load_ps(p); }
+  static V loadu(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V a) { _mm512_store_ps(p, a); }
+  static void storeu(float* p, V a) { _mm512_storeu_ps(p, a); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V bcast(const float* p) { return _mm512_set1_ps(*p); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V max(V a, V b) { return _mm512_max_ps(a, b); }
+  static float sum(V a) {
+    return hsum(_mm256_add_ps(_mm512_castps512_ps256(a), _mm512_castps512_ps256(_mm512_shuffle_f32x4(a, a, 0xEE))));
+  }
+  static float maximum(V a) { return _mm512_reduce_max_ps(a); }
+  static V exp_neg(V x, V m) {
+    const V d = _mm512_sub_ps(x, m);
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), exp512(d));
+  }
+};
+#endif
 
 // s[R][BK] = q rows [R][D] (row stride D) against one key block kt[D][BK].
-template <int R>
+template <class S, int R>
 void scores(const float* q, int64_t D, const float* kt, float* s) {
-  constexpr int64_t ldk = BK;
-  for (int j = 0; j < BK; j += 16) {
-    __m256 a[R][2];
-    for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = _mm256_setzero_ps();
+  using V = typename S::V;
+  constexpr int64_t ldk = BK, W = S::W;
+  for (int j = 0; j < BK; j += 2 * W) {
+    V a[R][2];
+    for (int i = 0; i < R; ++i) a[i][0] = a[i][1] = S::zero();
     const float* k = kt + j;
     for (int64_t d = 0; d < D; ++d) {
-      const __m256 k0 = _mm256_loadu_ps(k + d * ldk), k1 = _mm256_loadu_ps(k + d * ldk + 8);
+      const V k0 = S::loadu(k + d * ldk), k1 = S::loadu(k + d * ldk + W);
       for (int i = 0; i < R; ++i) {
-        const __m256 x = _mm256_broadcast_ss(q + i * D + d);
-        a[i][0] = _mm256_fmadd_ps(x, k0, a[i][0]);
-        a[i][1] = _mm256_fmadd_ps(x, k1, a[i][1]);
+        const V x = S::bcast(q + i * D + d);
+        a[i][0] = S::fmadd(x, k0, a[i][0]);
+        a[i][1] = S::fmadd(x, k1, a[i][1]);
       }
     }
     for (int i = 0; i < R; ++i) {
-      _mm256_store_ps(s + i * BK + j, a[i][0]);
-      _mm256_store_ps(s + i * BK + j + 8, a[i][1]);
+      S::store(s + i * BK + j, a[i][0]);
+      S::store(s + i * BK + j + W, a[i][1]);
     }
   }
 }
 
 // o[R][D] += p[R][0, nk) (row stride BK) times v rows [nk][D].
-template <int R>
+template <class S, int R>
 void accumulate(const float* p, int nk, const float* v, int64_t D, float* o) {
-  for (int64_t c = 0; c < D; c += 16) {
-    __m256 a[R][2];
+  using V = typename S::V;
+  constexpr int64_t W = S::W;
+  for (int64_t c = 0; c < D; c += 2 * W) {
+    V a[R][2];
     for (int i = 0; i < R; ++i) {
-      a[i][0] = _mm256_load_ps(o + i * D + c);
-      a[i][1] = _mm256_load_ps(o + i * D + c + 8);
+      a[i][0] = S::load(o + i * D + c);
+      a[i][1] = S::load(o + i * D + c + W);
     }
     for (int j = 0; j < nk; ++j) {
-      const __m256 v0 = _mm256_loadu_ps(v + j * D + c), v1 = _mm256_loadu_ps(v + j * D + c + 8);
+      const V v0 = S::loadu(v + j * D + c), v1 = S::loadu(v + j * D + c + W);
       for (int i = 0; i < R; ++i) {
-        const __m256 w = _mm256_broadcast_ss(p + i * BK + j);
-        a[i][0] = _mm256_fmadd_ps(w, v0, a[i][0]);
-        a[i][1] = _mm256_fmadd_ps(w, v1, a[i][1]);
+        const V w = S::bcast(p + i * BK + j);
+        a[i][0] = S::fmadd(w, v0, a[i][0]);
+        a[i][1] = S::fmadd(w, v1, a[i][1]);
       }
     }
     for (int i = 0; i < R; ++i) {
-      _mm256_store_ps(o + i * D + c, a[i][0]);
-      _mm256_store_ps(o + i * D + c + 8, a[i][1]);
+      S::store(o + i * D + c, a[i][0]);
+      S::store(o + i * D + c + W, a[i][1]);
     }
   }
 }
@@ -104,10 +154,13 @@ void in_tiles(int rows, F&& f) {
 
 // One query block: rows [r0, r0 + nr) of one head, row r at position pos0 + r, against keys [0, pos0 + r0 + nr):
 // kt the head's key blocks [.][D][BK], v its values [L][D].
+template <class S>
 void query_block(const float* q, const float* kt, const float* v, float* out, float* lse, int64_t pos0, int64_t r0,
                  int nr, int64_t D) {
-  alignas(32) float s[BQ * BK];
-  alignas(32) float o[BQ * 256];
+  using V = typename S::V;
+  constexpr int W = S::W;
+  alignas(64) float s[BQ * BK];
+  alignas(64) float o[BQ * 256];
   float m[BQ], l[BQ];
   std::fill(o, o + nr * D, 0.0f);
   std::fill(m, m + nr, -std::numeric_limits<float>::infinity());
@@ -115,35 +168,35 @@ void query_block(const float* q, const float* kt, const float* v, float* out, fl
   const int64_t end = pos0 + r0 + nr;
   for (int64_t c0 = 0; c0 < end; c0 += BK) {
     const int nk = (int)std::min<int64_t>(BK, end - c0);
-    in_tiles(nr, [&](auto R, int i) { scores<decltype(R)::value>(q + (r0 + i) * D, D, kt + c0 * D, s + i * BK); });
+    in_tiles(nr, [&](auto R, int i) { scores<S, decltype(R)::value>(q + (r0 + i) * D, D, kt + c0 * D, s + i * BK); });
     for (int i = 0; i < nr; ++i) {
       float* si = s + i * BK;
       const int64_t last = pos0 + r0 + i - c0;  // the row's last visible key in this block (causal)
       for (int j = (int)std::max<int64_t>(0, std::min<int64_t>(last + 1, BK)); j < BK; ++j)
         si[j] = -std::numeric_limits<float>::infinity();
-      __m256 mx = _mm256_load_ps(si);
-      for (int j = 8; j < BK; j += 8) mx = _mm256_max_ps(mx, _mm256_load_ps(si + j));
-      const float m_new = std::max(m[i], hmax(mx));  // finite: the first block holds key 0, visible to every row
-      const __m256 mv = _mm256_set1_ps(m_new);
-      __m256 sum = _mm256_setzero_ps();
-      for (int j = 0; j < BK; j += 8) {
-        const __m256 e = exp_neg(_mm256_sub_ps(_mm256_load_ps(si + j), mv));
-        _mm256_store_ps(si + j, e);
-        sum = _mm256_add_ps(sum, e);
+      V mx = S::load(si);
+      for (int j = W; j < BK; j += W) mx = S::max(mx, S::load(si + j));
+      const float m_new = std::max(m[i], S::maximum(mx));  // finite: the first block holds key 0, visible to every row
+      const V mv = S::set1(m_new);
+      V sum = S::zero();
+      for (int j = 0; j < BK; j += W) {
+        const V e = S::exp_neg(S::load(si + j), mv);
+        S::store(si + j, e);
+        sum = S::add(sum, e);
       }
       const float alpha = std::exp(m[i] - m_new);  // 0 on the first block (m = -inf)
-      l[i] = l[i] * alpha + hsum(sum);
+      l[i] = l[i] * alpha + S::sum(sum);
       m[i] = m_new;
       if (alpha != 1.0f) {
-        const __m256 av = _mm256_set1_ps(alpha);
-        for (int64_t c = 0; c < D; c += 8) _mm256_store_ps(o + i * D + c, _mm256_mul_ps(_mm256_load_ps(o + i * D + c), av));
+        const V av = S::set1(alpha);
+        for (int64_t c = 0; c < D; c += W) S::store(o + i * D + c, S::mul(S::load(o + i * D + c), av));
       }
     }
-    in_tiles(nr, [&](auto R, int i) { accumulate<decltype(R)::value>(s + i * BK, nk, v + c0 * D, D, o + i * D); });
+    in_tiles(nr, [&](auto R, int i) { accumulate<S, decltype(R)::value>(s + i * BK, nk, v + c0 * D, D, o + i * D); });
   }
   for (int i = 0; i < nr; ++i) {
-    const __m256 inv = _mm256_set1_ps(1.0f / l[i]);
-    for (int64_t c = 0; c < D; c += 8) _mm256_storeu_ps(out + (r0 + i) * D + c, _mm256_mul_ps(_mm256_load_ps(o + i * D + c), inv));
+    const V inv = S::set1(1.0f / l[i]);
+    for (int64_t c = 0; c < D; c += W) S::storeu(out + (r0 + i) * D + c, S::mul(S::load(o + i * D + c), inv));
     lse[r0 + i] = m[i] + std::log(l[i]);
   }
 }
@@ -184,8 +237,16 @@ void flash_causal(const float* q, const float* k, const float* v, int64_t kvs, f
       const int64_t h = item / nqb, u = item % nqb;
       const int64_t qb = u % 2 == 0 ? u / 2 : nqb - 1 - u / 2;  // both ends of the head in turn
       const int64_t r0 = qb * BQ, hk = h / g;
-      query_block(q + h * T * D, kt.get() + hk * hb, v + hk * kvs, out + h * T * D, lse + h * T, pos0, r0,
-                  (int)std::min<int64_t>(BQ, T - r0), D);
+      const int nr = (int)std::min<int64_t>(BQ, T - r0);
+#if defined(__AVX512F__)
+      if (D % 32 == 0) {
+        query_block<Avx512>(q + h * T * D, kt.get() + hk * hb, v + hk * kvs, out + h * T * D, lse + h * T, pos0, r0,
+                            nr, D);
+        continue;
+      }
+#endif
+      query_block<Avx2>(q + h * T * D, kt.get() + hk * hb, v + hk * kvs, out + h * T * D, lse + h * T, pos0, r0, nr,
+                        D);
     }
   });
 #else
