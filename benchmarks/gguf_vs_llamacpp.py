@@ -29,10 +29,13 @@ CTX = 2560
 THREADS = 2
 
 
-def child_edgellm(path: str, decode_only: bool = False) -> dict:
+def child_edgellm(path: str, mode: str = "full") -> dict:
     import time
 
     t0 = time.perf_counter()
+    from edgellm.prefetch import model_files, prefetch
+
+    prefetch(model_files(Path(path)))  # as the `edgellm` command does before it imports torch
     from edgellm.bench import run_once
     from edgellm.args import engine_from_args, load_from_args
     from edgellm.cli import build_parser
@@ -42,11 +45,13 @@ def child_edgellm(path: str, decode_only: bool = False) -> dict:
     engine = engine_from_args(args, loaded)
     tok = loaded.tokenizer
     load_s = time.perf_counter() - t0
+    if mode == "load":
+        return {"load_s": load_s}
     text_ids = tok.encode(open(TEXT).read())
     chat_ids = tok.encode_chat([{"role": "user", "content": CHAT}])
     run_once(engine, chat_ids, 8)  # warm-up: lazy kernel builds, first-touch of the weights
     decode = [run_once(engine, chat_ids, 128)[0].decode_tok_s for _ in range(3)]
-    if decode_only:
+    if mode == "decode":
         return {"load_s": load_s, "decode_tok_s": statistics.median(decode), "runs_as": loaded.runs_as_text()}
     ttft512 = [run_once(engine, text_ids[:512], 1)[0].ttft_s for _ in range(3)]
     ttft2048 = [run_once(engine, text_ids[:2048], 1)[0].ttft_s for _ in range(2)]
@@ -55,7 +60,7 @@ def child_edgellm(path: str, decode_only: bool = False) -> dict:
             "path": str(engine.decode_path)}
 
 
-def child_llamacpp(path: str, decode_only: bool = False) -> dict:
+def child_llamacpp(path: str, mode: str = "full") -> dict:
     import time
 
     t0 = time.perf_counter()
@@ -64,6 +69,8 @@ def child_llamacpp(path: str, decode_only: bool = False) -> dict:
     llm = Llama(model_path=path, n_threads=THREADS, n_threads_batch=THREADS, n_ctx=CTX, n_batch=512, verbose=False,
                 seed=0)
     load_s = time.perf_counter() - t0
+    if mode == "load":
+        return {"load_s": load_s}
     text_ids = llm.tokenize(open(TEXT).read().encode())
     chat_ids = llm.tokenize(f"<|im_start|>user\n{CHAT}<|im_end|>\n<|im_start|>assistant\n".encode(), special=True)
 
@@ -80,7 +87,7 @@ def child_llamacpp(path: str, decode_only: bool = False) -> dict:
 
     run(chat_ids, 8)
     decode = [run(chat_ids, 128)[1] for _ in range(3)]
-    if decode_only:
+    if mode == "decode":
         return {"load_s": load_s, "decode_tok_s": statistics.median(decode)}
     ttft512 = [run(text_ids[:512], 1)[0] for _ in range(3)]
     ttft2048 = [run(text_ids[:2048], 1)[0] for _ in range(2)]
@@ -97,9 +104,10 @@ def warm_bytecode(python: str) -> None:
                    env=CHILD_ENV, check=True)
 
 
-def measure(python: str, engine: str, path: str, decode_only: bool = False) -> dict:
-    """One engine on one file in a fresh process: its JSON line plus its own peak RSS (wait4's rusage)."""
-    code, out, err, peak = run_child([python, __file__, "--child", engine, path] + (["--decode-only"] if decode_only else []))
+def measure(python: str, engine: str, path: str, mode: str = "full", env: dict[str, str] | None = None) -> dict:
+    """One engine on one file in a fresh process (mode: full | decode | load): its JSON line plus its own peak RSS
+    (wait4's rusage)."""
+    code, out, err, peak = run_child([python, __file__, "--child", engine, path, "--mode", mode], env)
     if code != 0:
         return {"error": (err.strip().splitlines() or ["?"])[-1]}
     result = json.loads(out.strip().splitlines()[-1])
@@ -138,10 +146,11 @@ def main() -> None:
     ap.add_argument("--decode-only", action="store_true", help="load and decode only (no TTFT runs): quick "
                     "repeated rounds for the decode ratio")
     ap.add_argument("--child", nargs=2, metavar=("ENGINE", "FILE"), help=argparse.SUPPRESS)
+    ap.add_argument("--mode", default="full", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         fn = child_edgellm if args.child[0] == "edgellm" else child_llamacpp
-        print(json.dumps(fn(args.child[1], args.decode_only)))
+        print(json.dumps(fn(args.child[1], args.mode)))
         return
     warm_bytecode(sys.executable)
     rows = []
@@ -150,7 +159,7 @@ def main() -> None:
         for r in range(args.rounds):
             order = [("edgellm", sys.executable), ("llama.cpp", args.peer_python)]
             for engine, python in (order if r % 2 == 0 else order[::-1]):
-                runs[engine].append(measure(python, engine, f, args.decode_only))
+                runs[engine].append(measure(python, engine, f, "decode" if args.decode_only else "full"))
         ours, theirs = (_median_run(runs[e]) for e in ("edgellm", "llama.cpp"))
         row = {"file": Path(f).name, "file_bytes": Path(f).stat().st_size, "edgellm": ours, "llama.cpp": theirs,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
