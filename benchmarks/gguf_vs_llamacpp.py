@@ -35,7 +35,8 @@ def child_edgellm(path: str, mode: str = "full") -> dict:
     t0 = time.perf_counter()
     from edgellm.prefetch import model_files, prefetch
 
-    prefetch(model_files(Path(path)))  # as the `edgellm` command does before it imports torch
+    if os.environ.get("EDGELLM_PREFETCH") != "0":  # as the `edgellm` command does before it imports torch
+        prefetch(model_files(Path(path)))
     from edgellm.bench import run_once
     from edgellm.args import engine_from_args, load_from_args
     from edgellm.cli import build_parser

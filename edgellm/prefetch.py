@@ -88,7 +88,7 @@ def read_ahead(paths: list[Path]) -> None:
 def prefetch(paths: list[Path]) -> threading.Thread | None:
     """Start reading `paths` in a daemon thread (None where there is nothing to do, no posix_fadvise, or the files
     would not fit in half the available memory)."""
-    if not paths or not hasattr(os, "posix_fadvise") or os.environ.get("EDGELLM_PREFETCH") == "0":
+    if not paths or not hasattr(os, "posix_fadvise"):
         return None
     try:
         total = sum(p.stat().st_size for p in paths)

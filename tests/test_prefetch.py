@@ -73,9 +73,6 @@ def test_prefetch_skips_files_bigger_than_half_the_free_memory(tmp_path, monkeyp
     monkeypatch.setattr(pf, "available_bytes", lambda: 1 << 20)
     assert pf.prefetch([path]) is None
     monkeypatch.setattr(pf, "available_bytes", lambda: 4 << 20)
-    monkeypatch.setenv("EDGELLM_PREFETCH", "0")
-    assert pf.prefetch([path]) is None
-    monkeypatch.delenv("EDGELLM_PREFETCH")
     thread = pf.prefetch([path]) if hasattr(os, "posix_fadvise") else None
     assert thread is None or (thread.join(5) or not thread.is_alive())
 
@@ -119,3 +116,20 @@ def test_the_command_starts_the_prefetch_before_it_imports_torch():
             "print(sorted(m for m in ('torch', 'numpy', 'edgellm.cli') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_command_prefetches_what_it_names_unless_told_not_to(tmp_path, monkeypatch):
+    import edgellm.cli
+    from edgellm import entry
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    asked: list[list[Path]] = []
+    monkeypatch.setattr(entry, "prefetch", asked.append)
+    monkeypatch.setattr(edgellm.cli, "main", lambda: 7)
+    monkeypatch.setattr(sys, "argv", ["edgellm", "info", "-m", str(gguf)])
+    assert entry.main() == 7
+    assert asked == [[gguf]]
+    monkeypatch.setenv("EDGELLM_PREFETCH", "0")
+    assert entry.main() == 7
+    assert asked == [[gguf]]
