@@ -328,8 +328,12 @@ def test_info_says_what_each_tensor_runs_as(quant_files):
     assert out.returncode == 0, out.stderr
     import json
 
-    row = json.loads(out.stdout)["weights run as"]
+    info = json.loads(out.stdout)
+    row = info["weights run as"]
     assert "Q4_K×" in row and "Q6_K×" in row and "Q5_K×" in row and "--weights auto" in row
+    # the blocks' bytes (a float32 copy would be ~7x the file), and apart from them the dtype activations compute in
+    mib = float(info["weights in memory"].removesuffix(" MiB"))
+    assert mib * 2**20 < 2 * quant_files["kmix"].stat().st_size and info["compute dtype"] == "float32"
 
 
 @pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix"])
