@@ -1,10 +1,11 @@
 """Decode speed (and TTFT) of a GGUF model with its Q5_0 / Q5_1 tensors in each layout (quant/gguf_linear.Q5_LAYOUT:
 "stored", "r8" = each row's runs of 8 blocks regrouped, kernels/cpu_gguf.cpp, "x8" = 8 rows interleaved,
-kernels/cpu_gguf_x8.cpp, the default), the models loaded in one process, runs interleaved (robust to a loaded
-machine).
+kernels/cpu_gguf_x8.cpp, the default), or with --switch IQ4_NL_LAYOUT its IQ4_NL tensors (stored | x8), the models
+loaded in one process, runs interleaved (robust to a loaded machine).
 
     python benchmarks/gguf_decode_ab.py [-m /work/ggufs/SmolLM2-135M-Instruct.Q5_0.gguf] [--layouts r8 x8]
-                                        [--runs 6] [--threads 2] [--tokens 128] [--json FILE]
+                                        [--switch Q5_LAYOUT|IQ4_NL_LAYOUT] [--runs 6] [--threads 2] [--tokens 128]
+                                        [--json FILE]
 
 Decode: the chat prompt of benchmarks/gguf_vs_llamacpp.py, then --tokens tokens, tok/s per run; TTFT: 512 tokens of
 GPL-3 text. Ratios are against the first layout named.
@@ -31,6 +32,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default="/work/ggufs/SmolLM2-135M-Instruct.Q5_0.gguf")
     ap.add_argument("--layouts", nargs="+", default=["r8", "x8"], choices=["stored", "r8", "x8"])
+    ap.add_argument("--switch", default="Q5_LAYOUT", choices=["Q5_LAYOUT", "IQ4_NL_LAYOUT"],
+                    help="which of quant/gguf_linear's layout switches the layouts set (IQ4_NL: stored | x8)")
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=128)
@@ -42,13 +45,15 @@ def main() -> None:
     from edgellm.cli import build_parser
     from edgellm.quant import gguf_linear
 
-    engines, loaded, default = {}, None, gguf_linear.Q5_LAYOUT
+    if args.switch == "IQ4_NL_LAYOUT" and "r8" in args.layouts:
+        raise SystemExit("IQ4_NL has no r8 layout: --layouts stored x8")
+    engines, loaded, default = {}, None, getattr(gguf_linear, args.switch)
     for layout in args.layouts:
-        gguf_linear.Q5_LAYOUT = layout
+        setattr(gguf_linear, args.switch, layout)
         cli = build_parser().parse_args(["run", "x", "-m", args.model, "--ctx", "1024", "--threads", str(args.threads)])
         loaded = load_from_args(cli)
         engines[layout] = engine_from_args(cli, loaded)
-    gguf_linear.Q5_LAYOUT = default
+    setattr(gguf_linear, args.switch, default)
     tok = loaded.tokenizer
     chat = tok.encode_chat([{"role": "user", "content": CHAT}])
     text = tok.encode(Path(TEXT).read_text())[:512]
@@ -76,7 +81,7 @@ def main() -> None:
     if args.json:
         out = {"command": "python " + " ".join(sys.argv), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
                "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
-               "file": args.model, "runs_as": loaded.runs_as_text(), "ratios_vs_" + base: ratios, **result}
+               "file": args.model, "switch": args.switch, "runs_as": loaded.runs_as_text(), "ratios_vs_" + base: ratios, **result}
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
 
 

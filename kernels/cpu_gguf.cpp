@@ -1988,6 +1988,7 @@ void gguf_gemm_prompt(const GgufActs& acts, const uint8_t* blocks, int type, int
     else if (type - GGUF_X8 == GGUF_Q5_0) PromptX8Op<GGUF_Q5_0>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_Q5_1) PromptX8Op<GGUF_Q5_1>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_IQ4_XS) PromptX8Op<GGUF_IQ4_XS>::run(acts, blocks, N, y, ldy, out_index);
+    else if (type - GGUF_X8 == GGUF_IQ4_NL) PromptX8Op<GGUF_IQ4_NL>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_IQ2_XXS_L4) PromptX8Op<GGUF_IQ2_XXS_L4>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_IQ3_XXS_L4) PromptX8Op<GGUF_IQ3_XXS_L4>::run(acts, blocks, N, y, ldy, out_index);
     else if (type - GGUF_X8 == GGUF_IQ3_S_L4) PromptX8Op<GGUF_IQ3_S_L4>::run(acts, blocks, N, y, ldy, out_index);

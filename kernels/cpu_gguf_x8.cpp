@@ -23,11 +23,14 @@
 //        sub-block j and group g (0..3), 32 bytes: row r's qs[16 j + 4g + i] (low nibble: value 4g + i, high: 16 +
 //        4g + i), codes that index the 16 int8 levels; 16 bytes more than the 8 stored blocks (1.5%)
 // The unpacked Q4_K / Q5_K scales cost 32 bytes per 8 super-blocks (2.8%) and save the 6-bit unpacking per row.
-// The 32-value types with a fifth bit take the same idea per 32-value block ("x8 unit" = 32 values of 8 rows; their
-// tensors are the ones whose K is not a multiple of 256, e.g. most of a Qwen2.5-0.5B or SmolLM2 Q4_K_M):
+// The 32-value types (Q5_0 / Q5_1 with their fifth bits, IQ4_NL) take the same idea per 32-value block ("x8 unit" =
+// 32 values of 8 rows; their tensors are the ones whose K is not a multiple of 256, e.g. most of a Qwen2.5-0.5B or
+// SmolLM2 Q4_K_M / IQ4_XS):
 //   Q5_0 (176 bytes): d[r] fp16 | qh[r][i] (bit g: the fifth bit of row r's value 4g + i) | nib[j][r][i] = row r's
 //        qs[4j + i] (j = 0..3; low nibble: value 4j + i, high: 16 + 4j + i)
 //   Q5_1 (192): d[r] fp16 | m[r] fp16 | then as Q5_0
+//   IQ4_NL (144): d[r] fp16 | nib[g][r][i] = row r's qs[4g + i] (g = 0..3; low nibble: value 4g + i, high: 16 + 4g + i),
+//        codes that index the 16 int8 levels (IQ4_XS's per-sub-block layout, one sub-block a unit); the stored size
 // A code vector (value 4g + i of each row r at byte 4r + i) is then an and or a shift, a shift of qh, an and and an
 // or: against the stored blocks' broadcast, shuffle, compare and horizontal sums, 1.6-1.9x the rows a second.
 // Rows are taken in groups of 8: a tensor's first N / 8 * 8 rows (the loader keeps the rest as stored).
@@ -75,6 +78,7 @@ constexpr bool iq4xs_like(int type) {
 template <> struct Raw<GGUF_Q5_0> { static constexpr int64_t QV = 32, BYTES = 22, XB = 176, HOFF = 2, XH = 16; };
 template <> struct Raw<GGUF_Q5_1> { static constexpr int64_t QV = 32, BYTES = 24, XB = 192, HOFF = 4, XH = 32; };
 constexpr bool is_q5(int type) { return type == GGUF_Q5_0 || type == GGUF_Q5_1; }
+template <> struct Raw<GGUF_IQ4_NL> { static constexpr int64_t QV = 32, BYTES = 18, XB = 144; };
 
 // f(std::integral_constant<int, TYPE>()) for a base type with an x8 layout (nothing for the others).
 template <class F>
@@ -91,6 +95,7 @@ void on_x8_type(int base_type, F&& f) {
     case GGUF_IQ3_S_L4: f(std::integral_constant<int, GGUF_IQ3_S_L4>()); break;
     case GGUF_Q5_0: f(std::integral_constant<int, GGUF_Q5_0>()); break;
     case GGUF_Q5_1: f(std::integral_constant<int, GGUF_Q5_1>()); break;
+    case GGUF_IQ4_NL: f(std::integral_constant<int, GGUF_IQ4_NL>()); break;
     default: break;
   }
 }
@@ -129,6 +134,20 @@ void convert_q5(uint8_t* const raw[8], uint8_t* o) {
       for (int i = 0; i < 4; ++i) qh |= spread_fifth_bits(o[R::XH + 4 * r + i], i);
       std::memcpy(b + R::HOFF, &qh, 4);
       for (int j = 0; j < 4; ++j) std::memcpy(b + R::HOFF + 4 + 4 * j, o + R::XH + 32 + 32 * j + 4 * r, 4);
+    }
+  }
+}
+
+// One IQ4_NL unit of 8 rows, either way (TO_X8: raw -> x8): the d's, then each row's 16 code bytes as 4 groups.
+template <bool TO_X8>
+void convert_nl(uint8_t* const raw[8], uint8_t* o) {
+  for (int r = 0; r < 8; ++r) {
+    uint8_t* b = raw[r];
+    if (TO_X8) std::memcpy(o + 2 * r, b, 2);
+    else std::memcpy(b, o + 2 * r, 2);
+    for (int g = 0; g < 4; ++g) {
+      if (TO_X8) std::memcpy(o + 16 + 32 * g + 4 * r, b + 2 + 4 * g, 4);
+      else std::memcpy(b + 2 + 4 * g, o + 16 + 32 * g + 4 * r, 4);
     }
   }
 }
@@ -295,6 +314,7 @@ void convert(uint8_t* raw, uint8_t* x8, int64_t N, int64_t K) {
         uint8_t* rows[8];
         for (int r = 0; r < 8; ++r) rows[r] = raw + (grp * 8 + r) * rb + s * R::BYTES;
         if constexpr (is_q5(TYPE)) convert_q5<TYPE, TO_X8>(rows, x8 + (grp * nsb + s) * R::XB);
+        else if constexpr (TYPE == GGUF_IQ4_NL) convert_nl<TO_X8>(rows, x8 + (grp * nsb + s) * R::XB);
         else convert_sb<TYPE, TO_X8>(rows, x8 + (grp * nsb + s) * R::XB);
       }
   });
@@ -653,6 +673,42 @@ void group_q5(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
   for (int t = 0; t < T; ++t) out[t] = TYPE == GGUF_Q5_1 ? _mm256_add_ps(acc[t], accm[t]) : acc[t];
 }
 
+// IQ4_NL: the levels of group g of a unit (values 4g + i | 16 + 4g + i of row r at byte 4r + i), as int8.
+inline void levels_iq4nl(const uint8_t* o, int g, __m256i table, __m256i& lo, __m256i& hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i v = _mm256_loadu_si256((const __m256i*)(o + 16 + 32 * g));
+  lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, m4));
+  hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+}
+
+// As group_iq4xs per 32-value unit: each row's int dot (|w| against x with w's sign) in one int32 lane, then d d_x.
+template <int T>
+void group_iq4nl(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_IQ4_LEVELS));
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* o = w + b * Raw<GGUF_IQ4_NL>::XB;
+    prefetch_sb<Raw<GGUF_IQ4_NL>::XB>(o);
+    __m256i is[T];
+    for (int t = 0; t < T; ++t) is[t] = _mm256_setzero_si256();
+    for (int g = 0; g < 4; ++g) {
+      __m256i lo, hi;
+      levels_iq4nl(o, g, table, lo, hi);
+      const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
+      for (int t = 0; t < T; ++t) {
+        const int8_t* xq = a.q + (m0 + t) * a.K + b * 32 + 4 * g;
+        is[t] = dot4(is[t], alo, _mm256_sign_epi8(bcast4(xq), lo));
+        is[t] = dot4(is[t], ahi, _mm256_sign_epi8(bcast4(xq + 16), hi));
+      }
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
+    for (int t = 0; t < T; ++t)
+      acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[t]), _mm256_mul_ps(d, _mm256_set1_ps(a.d[(m0 + t) * a.nb + b])), acc[t]);
+  }
+  for (int t = 0; t < T; ++t) out[t] = acc[t];
+}
+
 template <int TYPE, int T>
 inline void group_rows(const GgufActs& a, int64_t m0, const uint8_t* w, float* y, int64_t ldy, const int32_t* cols,
                        int64_t n0) {
@@ -660,6 +716,7 @@ inline void group_rows(const GgufActs& a, int64_t m0, const uint8_t* w, float* y
   if constexpr (TYPE == GGUF_Q6_K) group_q6k<T>(a, m0, w, out);
   else if constexpr (TYPE == GGUF_Q3_K || TYPE == GGUF_Q2_K) group_low_k<TYPE, T>(a, m0, w, out);
   else if constexpr (is_q5(TYPE)) group_q5<TYPE, T>(a, m0, w, out);
+  else if constexpr (TYPE == GGUF_IQ4_NL) group_iq4nl<T>(a, m0, w, out);
   else if constexpr (iq4xs_like(TYPE)) group_iq4xs<TYPE, T>(a, m0, w, out);
   else group_k<TYPE, T>(a, m0, w, out);
   for (int t = 0; t < T; ++t) {
@@ -706,6 +763,19 @@ void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, floa
     for (int g = 0; g < 8; ++g) _mm256_storeu_si256((__m256i*)(codes + g * cstride), codes_q5<TYPE>(o, qh, g));
     _mm256_storeu_ps(ws, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o)));
     if (TYPE == GGUF_Q5_1) _mm256_storeu_ps(wm, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + 16))));
+    return;
+  }
+  if (TYPE == GGUF_IQ4_NL) {  // one 32-value unit: d, and the int8 levels (build_panel_x8 splits their signs)
+    (void)wm;
+    (void)wstride;
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_IQ4_LEVELS));
+    _mm256_storeu_ps(ws, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o)));
+    for (int g = 0; g < 4; ++g) {
+      __m256i lo, hi;
+      levels_iq4nl(o, g, table, lo, hi);
+      _mm256_storeu_si256((__m256i*)(codes + g * cstride), lo);
+      _mm256_storeu_si256((__m256i*)(codes + (4 + g) * cstride), hi);
+    }
     return;
   }
   if (iq4xs_like(TYPE)) {  // per sub-block: d sc (L4: times its power of two); the int8 levels (build_panel_x8 splits their signs)

@@ -42,7 +42,7 @@ __all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "raw_tensor", "install_ggu
 
 # the x8 layout's unit per base type: (values, bytes of 8 rows x those values)
 X8_UNITS = {10: (256, 672), 11: (256, 912), 12: (256, 1184), 13: (256, 1440), 14: (256, 1680),  # Q2_K .. Q6_K
-            23: (256, 1104), 6: (32, 176), 7: (32, 192),  # IQ4_XS, Q5_0, Q5_1
+            23: (256, 1104), 6: (32, 176), 7: (32, 192), 20: (32, 144),  # IQ4_XS, Q5_0, Q5_1, IQ4_NL
             L4 + 16: (256, 1104), L4 + 18: (256, 1104), L4 + 21: (256, 1104)}  # the L4 types (IQ4_XS's layout)
 
 
@@ -241,6 +241,8 @@ class GGUFEmbedding(_GGUFWeight):
 # How repack_for_cpu lays out Q5_0 / Q5_1 parts (benchmarks' A/B switch): "x8" (8 rows interleaved, the rows % 8
 # left over in r8), "r8" (each row's runs of 8 blocks regrouped), or "stored".
 Q5_LAYOUT = "x8"
+# How repack_for_cpu lays out IQ4_NL parts (A/B switch): "x8" or "stored".
+IQ4_NL_LAYOUT = "x8"
 # How repack_for_cpu lays out IQ2_XXS / IQ3_XXS / IQ3_S parts (A/B switch): "l4" (recoded as IQ4_XS blocks over the
 # type's levels) or "stored" (multiplied through the grids).
 GRID_LAYOUT = "l4"
@@ -291,6 +293,8 @@ def repack_for_cpu(parts: list[GGUFPart], k: int,
         x8_types -= {gguf_ops.GGUF_NATIVE_TYPES["Q5_0"], gguf_ops.GGUF_NATIVE_TYPES["Q5_1"]}
     if Q5_LAYOUT == "stored":
         r8_types = set()
+    if IQ4_NL_LAYOUT != "x8":
+        x8_types.discard(gguf_ops.GGUF_NATIVE_TYPES["IQ4_NL"])
     l4_types = set(getattr(ext, "gguf_l4_types", list)()) if ext is not None and GRID_LAYOUT == "l4" else set()
     out = []
     for p in parts:

@@ -404,8 +404,9 @@ def test_isa_builds_match_reference(isa_builds, isa):
         e_q = rel_err(y, ref)
         assert e_q <= TOL_EMULATED, (isa, t.name, m, n, k, e_q)
         assert np.array_equal(y.view(np.uint32), y1.view(np.uint32)), (isa, t.name, m, "rows differ from M = 1")
-        # the x8 layout: in the AVX2 / VNNI builds for the K-quants, Q5_0 and Q5_1 (cpu_gguf_x8.cpp), nowhere else
-        x8_types = X8_K_QUANTS | {Q.Q5_0, Q.Q5_1}
+        # the x8 layout: in the AVX2 / VNNI builds for the K-quants, Q5_0, Q5_1 and IQ4_NL (cpu_gguf_x8.cpp), nowhere
+        # else
+        x8_types = X8_K_QUANTS | {Q.Q5_0, Q.Q5_1, Q.IQ4_NL}
         assert y8.shape[1] == (n // 8 * 8 if isa in ("avx2", "avx512vnni") and t in x8_types else 0), (isa, t.name)
         if y8.shape[1]:
             assert rel_err(y8, ref[:, :y8.shape[1]]) <= TOL_EMULATED, (isa, t.name, m, n, k, "x8")

@@ -1,4 +1,4 @@
-"""K-quant, Q5_0 and Q5_1 rows repacked 8 at a time (kernels/cpu_gguf_x8.cpp) against gguf.quants.
+"""K-quant, Q5_0, Q5_1 and IQ4_NL rows repacked 8 at a time (kernels/cpu_gguf_x8.cpp) against gguf.quants.
 
 - gguf_repack / gguf_unrepack: the x8 layout holds the stored blocks bit for bit (the round trip is the identity,
   and the repacked tensor dequantizes to gguf.quants.dequantize's floats exactly).
@@ -19,8 +19,8 @@ from tests.test_gguf_kernels import (L4_TYPES, TOL_EMULATED, TOL_EXACT, dequant_
 
 X8 = 1000
 K_QUANTS = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS] + L4_TYPES  # (L4: the grid i-quants recoded)
-Q5 = [Q.Q5_0, Q.Q5_1]  # x8 per 32-value block: any K % 32 == 0
-X8_TYPES = K_QUANTS + Q5
+BLOCK32 = [Q.Q5_0, Q.Q5_1, Q.IQ4_NL]  # x8 per 32-value block: any K % 32 == 0
+X8_TYPES = K_QUANTS + BLOCK32
 
 
 @pytest.fixture
@@ -30,8 +30,8 @@ def x8_ext(ext):  # noqa: F811
 
 
 def k_for(qtype, k: int) -> int:
-    """K-quants take k (a multiple of 256); Q5_0 / Q5_1 k + 96 too (not a multiple of 256, as where files use them)."""
-    return k + 96 if qtype in Q5 else k
+    """K-quants take k (a multiple of 256); the 32-value types k + 96 too (not a multiple of 256, as where files use them)."""
+    return k + 96 if qtype in BLOCK32 else k
 
 
 def repacked(ext, qtype, n, k, seed):
