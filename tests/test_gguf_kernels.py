@@ -43,6 +43,8 @@ TYPES = GGUF_TYPES + L4_TYPES
 K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS} | GRID_IQUANTS | set(L4_TYPES)
 # the 256-value types with an x8 layout (cpu_gguf_x8.cpp)
 X8_K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS} | set(L4_TYPES)
+# every type with an x8 layout (cpu_gguf_x8.cpp) in the AVX2 / AVX-512 VNNI builds, and in no other
+X8_ANY = X8_K_QUANTS | {Q.Q5_0, Q.Q5_1, Q.IQ4_NL}
 TOL_EMULATED = 1e-5
 TOL_EXACT = 1e-2
 
@@ -404,10 +406,7 @@ def test_isa_builds_match_reference(isa_builds, isa):
         e_q = rel_err(y, ref)
         assert e_q <= TOL_EMULATED, (isa, t.name, m, n, k, e_q)
         assert np.array_equal(y.view(np.uint32), y1.view(np.uint32)), (isa, t.name, m, "rows differ from M = 1")
-        # the x8 layout: in the AVX2 / VNNI builds for the K-quants, Q5_0, Q5_1 and IQ4_NL (cpu_gguf_x8.cpp), nowhere
-        # else
-        x8_types = X8_K_QUANTS | {Q.Q5_0, Q.Q5_1, Q.IQ4_NL}
-        assert y8.shape[1] == (n // 8 * 8 if isa in ("avx2", "avx512vnni") and t in x8_types else 0), (isa, t.name)
+        assert y8.shape[1] == (n // 8 * 8 if isa in ("avx2", "avx512vnni") and t in X8_ANY else 0), (isa, t.name)
         if y8.shape[1]:
             assert rel_err(y8, ref[:, :y8.shape[1]]) <= TOL_EMULATED, (isa, t.name, m, n, k, "x8")
 

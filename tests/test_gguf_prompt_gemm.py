@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 
 from edgellm.kernels import gguf_ops, matmul
 from tests.test_cpu_kernels import ext, start_builds, stop_builds  # noqa: F401  (ext: the extension fixture)
-from tests.test_gguf_kernels import (GRID_IQUANTS, K_QUANTS, KERNELS, L4_TYPES, TYPES, X8_K_QUANTS, dequant_ref,
+from tests.test_gguf_kernels import (GRID_IQUANTS, K_QUANTS, KERNELS, L4_TYPES, TYPES, X8_ANY, dequant_ref,
                                      make_weights)
 
 ROW_TOL = 1e-5
@@ -350,9 +350,8 @@ def test_isa_builds_prompt_gemm_match_reference(prompt_builds, isa):
         assert_rows_close(y, ref, (isa, t.name, m, n, k, idx is not None))
         n8, pos = int(data[pos]), pos + 1
         y8, pos = data[pos:pos + m * n].reshape(m, n), pos + m * n
-        # the x8 layout (cpu_gguf_x8.cpp): the AVX2 / VNNI builds' K-quants, Q5_0 and Q5_1, their panels built from
-        # 8-row groups
-        assert n8 == (n // 8 * 8 if isa in ("avx2", "avx512vnni") and t in X8_K_QUANTS | {Q.Q5_0, Q.Q5_1} else 0)
+        # the x8 layout's panels, built from 8-row groups
+        assert n8 == (n // 8 * 8 if isa in ("avx2", "avx512vnni") and t in X8_ANY else 0)
         if n8:
             cols = (idx if idx is not None else np.arange(n))[:n8]
             assert_rows_close(y8[:, cols], ref[:, cols], (isa, t.name, m, n, k, "x8"))

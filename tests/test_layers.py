@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Bottom to top. A module may import modules of its own layer and of the layers below it, never above.
 # Every module must be named here (a new module is placed on purpose, not by a catch-all).
 LAYERS: list[tuple[str, list[str]]] = [
-    ("foundation", ["edgellm.errors", "edgellm.atomic", "edgellm.rss", "edgellm.device"]),
+    ("foundation", ["edgellm.errors", "edgellm.atomic", "edgellm.rss", "edgellm.device",
+                    "edgellm.prefetch"]),  # (prefetch: the standard library only, imported before torch)
     ("kernels", ["edgellm.kernels.*"]),  # the hot loops: import nothing of ours above the foundation
     ("options", ["edgellm.options"]),  # the frozen run options: the kernels' option types, composed
     ("config", ["edgellm.config"]),  # ModelConfig: what a model is, from HF config.json or GGUF metadata
@@ -33,6 +34,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("apps", ["edgellm.bench", "edgellm.llama_cpp_peer", "edgellm.quantize", "edgellm.perplexity", "edgellm.serve", "edgellm.serve_worker",
               "edgellm.openai_schema", "edgellm.serve_cli", "edgellm.tui.*"]),
     ("cli", ["edgellm.cli"]),
+    ("entry", ["edgellm.entry"]),  # the console script: the prefetch, then the CLI
 ]
 
 # ------------------------------------------------------------------------------------------------
