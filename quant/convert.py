@@ -3,7 +3,7 @@
 - `QuantSettings.format_for(name)` decides per parameter: the layer linears get the requested int8/int4
   format; the embedding / LM head (a fifth of SmolLM2) gets `embeddings` (int8 default); norms and biases
   stay float.
-- GGUF Q8_0 / Q4_0 / Q4_1 tensors become our codes by a byte reshuffle (`groups.from_gguf`), never a
+- GGUF Q8_0 / Q4_0 / Q4_1 tensors become our codes by a byte reshuffle (`groups.gguf_into`), never a
   dequantize/requantize round trip, when the requested bit width matches (`try_exact_gguf`); other types
   are dequantized by `gguf.quants` and requantized (`quantize_tensor`).
 - `install_quantized` swaps QuantLinear / QuantEmbedding modules into a model built on the meta device.
@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from ..errors import ModelFormatError, QuantizationError
-from ..gguf_file import GGML_BLOCKS, unpermute_rope_rows
-from .groups import GGUF_EXACT, QuantizedTensor, from_gguf, quantize
+from ..gguf_file import GGML_BLOCKS
+from .groups import GGUF_EXACT, QuantizedTensor, empty_gguf_exact, gguf_into, quantize
 from .linear import QuantEmbedding, QuantLinear
 
 LINEAR_SUFFIXES = ("attention.wqkv.weight", "attention.wo.weight", "feed_forward.w13.weight", "feed_forward.w2.weight")
@@ -89,37 +89,20 @@ def try_exact_gguf(parts: list[tuple[Any, Any, tuple[int, int]]], fmt: tuple[int
     bits, sym = GGUF_EXACT[next(iter(names))]
     if bits > fmt[0]:
         return None  # asked for fewer bits than stored: requantize
-    # stored with fewer (or as many) bits as asked: requantizing could only add error, so keep them
-    pieces = []
+    # stored with fewer (or as many) bits as asked: requantizing could only add error, so keep them, each part
+    # copied once, straight into its rows of the fused tensor
+    out = empty_gguf_exact(parts[0][1], sum(int(p[2][0]) for p in parts), int(parts[0][2][1]))
+    row0 = 0
     for (raw, ggml_type, shape), heads in zip(parts, permute):
-        qt = from_gguf(raw, ggml_type, shape)
-        if heads:
-            qt = permute_rows(qt, heads)
-        pieces.append(qt)
-    return concat_rows(pieces)
+        gguf_into(raw, ggml_type, shape, out, row0, heads)
+        row0 += int(shape[0])
+    return out
 
 
 def row_op(qt: QuantizedTensor, fn: Callable[[torch.Tensor], torch.Tensor], rows: int) -> QuantizedTensor:
     """`fn` applied to the codes, scales and mins alike (each row of them is one row of the weight)."""
     return QuantizedTensor(qt.bits, qt.group_size, qt.symmetric, (rows, qt.shape[1]), fn(qt.codes),
                            fn(qt.scales), None if qt.mins is None else fn(qt.mins))
-
-
-def permute_rows(qt: QuantizedTensor, n_heads: int) -> QuantizedTensor:
-    """Undo llama.cpp's Q/K row permutation on packed rows (rows are independent)."""
-    return row_op(qt, lambda t: unpermute_rope_rows(t, n_heads).contiguous(), qt.shape[0])
-
-
-def concat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
-    if len(parts) == 1:
-        return parts[0]
-    first = parts[0]
-    if any((p.bits, p.group_size, p.symmetric) != (first.bits, first.group_size, first.symmetric) for p in parts):
-        raise QuantizationError("cannot fuse tensors quantized differently")
-    rows = sum(p.shape[0] for p in parts)
-    mins = None if first.mins is None else torch.cat([p.mins for p in parts])
-    return QuantizedTensor(first.bits, first.group_size, first.symmetric, (rows, first.shape[1]),
-                           torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]), mins)
 
 
 def split_rows(qt: QuantizedTensor, sizes: list[int]) -> list[QuantizedTensor]:

@@ -137,3 +137,21 @@ def test_bad_inputs():
         to_gguf(quantize(torch.randn(4, 128), 4, 64))
     with pytest.raises(QuantizationError, match="group size 32"):
         to_gguf(quantize(torch.randn(4, 128), 8, 128))
+
+
+@pytest.mark.parametrize("ggml_type", list(EXACT), ids=lambda t: t.name)
+def test_fused_parts_map_into_one_tensor_with_rope_rows_undone(ggml_type):
+    """q (llama.cpp's interleaved RoPE rows, 4 heads), k (2 heads) and v as one fused tensor, each part copied
+    straight into its rows: gguf.quants' floats, the q / k rows put back in rotate-half order by the float
+    permutation, then stacked."""
+    from edgellm.gguf_file import unpermute_rope_rows
+    from edgellm.quant.convert import try_exact_gguf
+
+    rng = np.random.default_rng(3)
+    shapes, heads = [(64, 96), (32, 96), (32, 96)], [4, 2, None]
+    raws = [gguf.quants.quantize((rng.standard_normal(s) * 0.05).astype(np.float32), ggml_type) for s in shapes]
+    bits, _ = EXACT[ggml_type]
+    qt = try_exact_gguf([(r, int(ggml_type), s) for r, s in zip(raws, shapes)], (bits, 32, True), heads)
+    want = torch.cat([unpermute_rope_rows(reference(r, ggml_type, s), h) if h else reference(r, ggml_type, s)
+                      for r, s, h in zip(raws, shapes, heads)])
+    assert qt.shape == (128, 96) and torch.equal(qt.dequantize(), want)
