@@ -25,16 +25,35 @@ def model_files(path: Path) -> list[Path]:
         path = path.expanduser()
         if path.suffix == ".gguf" and path.is_file():
             return [path]
-        if path.is_dir():
-            return sorted(path.glob("*.safetensors")) + sorted(path.glob("*.gguf"))
+        if path.is_dir():  # an HF or edgellm folder (a folder's GGUFs are other files: not loaded from it)
+            return sorted(path.glob("*.safetensors"))
     except (OSError, ValueError, RuntimeError):  # a prompt is no file name (too long, a NUL, ~nobody)
         pass
     return []
 
 
+def hub_cache_files(repo: str) -> list[Path]:
+    """The weight files of a hub id ("org/name" or "org/name/file.gguf") already in the local Hugging Face cache
+    (its documented layout: models--org--name/refs/main names the snapshot folder), without the network."""
+    parts = repo.split("/")
+    if len(parts) not in (2, 3) or not all(parts) or repo.startswith((".", "~")):
+        return []
+    try:
+        from huggingface_hub import constants  # (~5 ms: not the package's heavy modules)
+    except ImportError:
+        return []
+    root = Path(constants.HF_HUB_CACHE) / f"models--{parts[0]}--{parts[1]}"
+    try:
+        snapshot = root / "snapshots" / (root / "refs" / "main").read_text().strip()
+    except (OSError, ValueError):
+        return []
+    return model_files(snapshot / parts[2] if len(parts) == 3 else snapshot)
+
+
 def files_named_in(argv: list[str]) -> list[Path]:
     """The model files a command line names: every argument (or comma-list item) that is a .gguf file or a folder
-    of safetensors, except an output (-o); with none and no -m, the bundled model for the commands that load it."""
+    of safetensors here, or a hub id in the local cache, except an output (-o); with none and no -m, the bundled
+    model for the commands that load it."""
     found: list[Path] = []
     after_output = False
     for arg in argv:
@@ -42,7 +61,7 @@ def files_named_in(argv: list[str]) -> list[Path]:
             after_output = arg in ("-o", "--output")  # the next argument is the output's value
             continue
         for item in filter(None, arg.split("=", 1)[-1].split(",")):
-            found += [f for f in model_files(Path(item)) if f not in found]
+            found += [f for f in model_files(Path(item)) or hub_cache_files(item) if f not in found]
     names_model = any(a in ("-m", "--model") or a.startswith("--model=") or
                       (a.startswith("-m") and not a.startswith("--")) for a in argv)
     if not found and not names_model and argv and argv[0] in DEFAULT_MODEL_COMMANDS:

@@ -95,8 +95,8 @@ def test_files_named_in_a_command_line(tmp_path):
     assert pf.files_named_in(["bench", "-m", f"{gguf},{folder}"]) == [gguf] + shards
     assert pf.files_named_in(["quantize", str(folder), "-o", str(out)]) == shards  # not the output it replaces
     assert pf.files_named_in(["quantize", str(gguf), f"--output={out}"]) == [gguf]
-    # a hub id or a missing file: nothing here to read (and not the bundled model either: -m was given)
-    assert pf.files_named_in(["run", "hi", "-m", "org/name"]) == []
+    # a hub id not in the cache or a missing file: nothing here to read (and not the bundled model: -m was given)
+    assert pf.files_named_in(["run", "hi", "-m", "nobody-here/nothing"]) == []
     assert pf.files_named_in(["run", "x" * 5000, "-m", str(tmp_path / "missing.gguf")]) == []  # no OSError
     assert pf.files_named_in(["run", "a\0b", "-m", "~nobody-here/m.gguf"]) == []
 
@@ -133,3 +133,25 @@ def test_the_command_prefetches_what_it_names_unless_told_not_to(tmp_path, monke
     monkeypatch.setenv("EDGELLM_PREFETCH", "0")
     assert entry.main() == 7
     assert asked == [[gguf]]
+
+
+def test_hub_ids_in_the_local_cache(tmp_path, monkeypatch):
+    """The hub cache's layout (models--org--name, refs/main naming a snapshot of links to blobs): a snapshot's
+    safetensors, or one GGUF of it; nothing for an id the cache lacks."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--org--name"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("abc123\n")
+    snap = repo / "snapshots" / "abc123"
+    (repo / "blobs").mkdir()
+    snap.mkdir(parents=True)
+    for name in ("model.safetensors", "m.Q4_K_M.gguf"):
+        (repo / "blobs" / name).write_bytes(b"x" * 64)
+        (snap / name).symlink_to(repo / "blobs" / name)
+    assert pf.files_named_in(["chat", "-m", "org/name"]) == [snap / "model.safetensors"]  # (not the GGUFs beside)
+    assert pf.files_named_in(["run", "hi", "-m", "org/name/m.Q4_K_M.gguf"]) == [snap / "m.Q4_K_M.gguf"]
+    assert pf.files_named_in(["run", "hi", "-m", "org/other"]) == []
+    thread = pf.prefetch(pf.files_named_in(["chat", "-m", "org/name/m.Q4_K_M.gguf"]))
+    assert thread is not None and (thread.join(5) or not thread.is_alive())  # the link opened, read, closed
