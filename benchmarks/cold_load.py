@@ -14,12 +14,11 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 from pathlib import Path
 
-from gguf_vs_llamacpp import CHILD_ENV, cpu_flags, measure, warm_bytecode  # benchmarks/, this script's folder
+from gguf_vs_llamacpp import CHILD_ENV, measure, warm_bytecode, write_doc  # benchmarks/, this script's folder
 
 VARIANTS = {  # name → (engine, extra environment)
     "edgellm": ("edgellm", {}),
@@ -67,14 +66,8 @@ def main() -> None:
                "load_average": [round(v, 2) for v in os.getloadavg()]}
         rows.append(row)
         print(json.dumps({k: row[k] for k in ("file", "load_s", "ratio_to_llama.cpp")}), flush=True)
-    doc = {"command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                       "flags": cpu_flags()}, "rows": rows}
     if args.json:
-        tmp = Path(args.json).with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        tmp.replace(args.json)
+        write_doc(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -134,6 +134,18 @@ def cpu_flags() -> list[str]:
     return sorted(x for x in flags if x.startswith(("avx", "fma", "f16c", "amx")))
 
 
+def write_doc(path: str, rows: list[dict], **fields) -> None:
+    """{command, date, machine (cpu, cores, SIMD flags: no torch import in this parent), **fields, rows}, written
+    atomically."""
+    doc = {"command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                       "flags": cpu_flags()}, **fields, "rows": rows}
+    tmp = Path(path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(path)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("files", nargs="*")
@@ -182,15 +194,8 @@ def main() -> None:
     if args.json and args.merge and Path(args.json).exists():
         done = {r["file"] for r in rows}
         rows = [r for r in json.loads(Path(args.json).read_text())["rows"] if r["file"] not in done] + rows
-    doc = {"command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
-           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                       "flags": cpu_flags()},
-           "threads": THREADS, "ctx": CTX, "rows": rows}
     if args.json:
-        tmp = Path(args.json).with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n")
-        tmp.replace(args.json)
+        write_doc(args.json, rows, threads=THREADS, ctx=CTX)
 
 
 if __name__ == "__main__":

@@ -568,12 +568,17 @@ void group_low_k(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T])
   for (int t = 0; t < T; ++t) out[t] = acc[t];
 }
 
-// IQ4_XS: the levels of group g of sub-block j (values 4g + i | 16 + 4g + i of row r at byte 4r + i), as int8.
-inline void levels_iq4xs(const uint8_t* o, int j, int g, __m256i table, __m256i& lo, __m256i& hi) {
+// The int8 levels of one group of 4-bit codes (32 bytes: values 4g + i | 16 + 4g + i of row r at byte 4r + i).
+inline void levels4(const uint8_t* p, __m256i table, __m256i& lo, __m256i& hi) {
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const __m256i v = _mm256_loadu_si256((const __m256i*)(o + 80 + 128 * j + 32 * g));
+  const __m256i v = _mm256_loadu_si256((const __m256i*)p);
   lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, m4));
   hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+}
+
+// IQ4_XS: the levels of group g of sub-block j, as int8.
+inline void levels_iq4xs(const uint8_t* o, int j, int g, __m256i table, __m256i& lo, __m256i& hi) {
+  levels4(o + 80 + 128 * j + 32 * g, table, lo, hi);
 }
 
 // IQ4_XS: per sub-block, each row's int dot in one int32 lane (signed levels: |w| against x with w's sign, as the
@@ -673,14 +678,6 @@ void group_q5(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
   for (int t = 0; t < T; ++t) out[t] = TYPE == GGUF_Q5_1 ? _mm256_add_ps(acc[t], accm[t]) : acc[t];
 }
 
-// IQ4_NL: the levels of group g of a unit (values 4g + i | 16 + 4g + i of row r at byte 4r + i), as int8.
-inline void levels_iq4nl(const uint8_t* o, int g, __m256i table, __m256i& lo, __m256i& hi) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const __m256i v = _mm256_loadu_si256((const __m256i*)(o + 16 + 32 * g));
-  lo = _mm256_shuffle_epi8(table, _mm256_and_si256(v, m4));
-  hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
-}
-
 // As group_iq4xs per 32-value unit: each row's int dot (|w| against x with w's sign) in one int32 lane, then d d_x.
 template <int T>
 void group_iq4nl(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
@@ -694,7 +691,7 @@ void group_iq4nl(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T])
     for (int t = 0; t < T; ++t) is[t] = _mm256_setzero_si256();
     for (int g = 0; g < 4; ++g) {
       __m256i lo, hi;
-      levels_iq4nl(o, g, table, lo, hi);
+      levels4(o + 16 + 32 * g, table, lo, hi);  // (IQ4_NL: group g of the unit)
       const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
       for (int t = 0; t < T; ++t) {
         const int8_t* xq = a.q + (m0 + t) * a.K + b * 32 + 4 * g;
@@ -772,7 +769,7 @@ void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, floa
     _mm256_storeu_ps(ws, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o)));
     for (int g = 0; g < 4; ++g) {
       __m256i lo, hi;
-      levels_iq4nl(o, g, table, lo, hi);
+      levels4(o + 16 + 32 * g, table, lo, hi);  // (IQ4_NL: group g of the unit)
       _mm256_storeu_si256((__m256i*)(codes + g * cstride), lo);
       _mm256_storeu_si256((__m256i*)(codes + (4 + g) * cstride), hi);
     }
