@@ -159,9 +159,13 @@ class _Reader:
             raise self.fail(f"{what} is not valid UTF-8 (byte {start + e.start})") from None
 
     def strings(self, count: int, what: str) -> list[str]:
-        # Vocabularies are arrays of 50k-300k strings: a loop with no check per item (a length past the end shows
+        # Vocabularies are arrays of 50k-300k strings (Llama 3: 128k tokens and 280k merges): read with numpy
+        # where the array has the usual shape, else a loop with no check per item (a length past the end shows
         # as the position past it, or as unpack_from's error one item later); any doubt, and the checked loop
         # reads it again to say which item is bad.
+        out = self._strings_vectorized(count)
+        if out is not None:
+            return out
         buf, pos, out = self.buf, self.pos, []
         unpack, append = struct.Struct("<Q").unpack_from, out.append
         try:
@@ -175,6 +179,46 @@ class _Reader:
             return self._strings_checked(count, what)
         self.pos = pos
         return out
+
+    def _strings_vectorized(self, count: int) -> list[str] | None:
+        """The array read without a Python step per item, or None where it has a shape this does not take (an
+        item of 0 or 256+ bytes, a NUL inside an item, bad UTF-8): the loops read those. An item is its length as
+        8 little-endian bytes, then its bytes; with lengths of 1-255 the 8 bytes at an item's start read as a
+        number from 1 to 255. The starts so found must chain exactly (each the previous start + 8 + its length),
+        which no run of zeros inside an item survives."""
+        if count == 0:
+            return []
+        left = self.size - self.pos
+        span = min(left, count * 40)
+        while True:
+            is_start = np.zeros(span, dtype=bool)
+            for a in range(8):  # the 8 bytes at every offset, one alignment at a time
+                k = (span - a) // 8
+                u64 = np.frombuffer(self.buf, dtype="<u8", count=k, offset=self.pos + a)
+                is_start[a:a + 8 * k:8] = u64 - 1 < 255  # 1..255 (0 wraps around)
+            starts = np.flatnonzero(is_start)[:count]
+            if len(starts) == 0 or starts[0] != 0:
+                return None
+            w = np.frombuffer(self.buf, dtype=np.uint8, count=span, offset=self.pos)
+            lengths = w[starts].astype(np.int64)
+            if not np.array_equal(starts[1:], starts[:-1] + 8 + lengths[:-1]):
+                return None
+            end = int(starts[-1] + 8 + lengths[-1])
+            if len(starts) == count and end <= span:
+                break
+            if span == left:
+                return None  # runs past the end of the file: the loops say where
+            span = min(left, span * 2)
+        joined = w[:end].copy()
+        joined[starts] = 0  # each length now 8 zero bytes: the separator before its item
+        if np.count_nonzero(joined == 0) != 8 * count:
+            return None  # a NUL inside an item
+        try:
+            items = joined.tobytes().decode("utf-8").split("\0" * 8)
+        except UnicodeDecodeError:
+            return None
+        self.pos += end
+        return items[1:]
 
     def _strings_checked(self, count: int, what: str) -> list[str]:
         # each length bounded before it is read; the messages built only on the way out

@@ -35,6 +35,7 @@ class Tokenizer:
     eos_token: str = ""
     meta: dict[str, str] = field(default_factory=dict)  # GGUF tokenizer model and pre-tokenizer names
     source: str = ""  # the file the chat template came from, named in its errors
+    dense_ids: bool = False  # the ids are 0 .. vocab_size - 1 without a gap (a GGUF vocabulary: list positions)
 
     @property
     def vocab_size(self) -> int:
@@ -257,7 +258,8 @@ def tokenizer_from_gguf(src: Any) -> Tokenizer:
     tok = Tokenizer(backend, bos_id, eos_ids, bool(kind == "llama" if add_bos is None else add_bos),
                     field("tokenizer.chat_template"),
                     tokens[bos_id] if bos_id is not None else "", tokens[eos_id] if eos_id is not None else "",
-                    meta={"model": kind, "pre": field("tokenizer.ggml.pre") or "default"}, source=str(src.path))
+                    meta={"model": kind, "pre": field("tokenizer.ggml.pre") or "default"}, source=str(src.path),
+                    dense_ids=True)
     _add_end_of_turn_tokens(tok)
     return tok
 

@@ -70,6 +70,64 @@ def test_lying_lengths_are_refused_before_any_loop(tiny_llama, tmp_path):
         assert str(f) in str(e.value)
 
 
+def test_string_arrays_of_every_shape_read_as_gguf_reader_reads(tiny_llama, tmp_path, monkeypatch):
+    """Vocabularies are read without a Python step per item where every item is 1-255 bytes with no NUL; arrays
+    with an empty item, a 256+ byte one, NULs or bad UTF-8 go through the loops. Either way the values are
+    gguf-py's (GGUFReader), and bad UTF-8 is refused naming the item."""
+    import gguf
+
+    from edgellm.gguf_file import GGUFFile, _Reader
+    from tests.fuzz_cases import ARRAY, STRING, enc_kv, rebuilt
+
+    arrays = {"plain": [f"tok{i}" for i in range(3000)] + ["Ġthe", "éè", "中文", "x" * 255],
+              "one": ["a"], "empty-item": ["a", "", "b"], "long-item": ["a", "y" * 256, "b"],
+              "nul-run": ["a", "b" + "\0" * 9 + "c", "d"], "nul": ["a", "\0", "d"]}
+    data = tiny_llama[1].read_bytes()
+    m = gguf_map(tiny_llama[1])
+    extra = b"".join(enc_kv(f"test.{k}", ARRAY, v, STRING) for k, v in arrays.items())
+    f = tmp_path / "arrays.gguf"
+    f.write_bytes(rebuilt(data, m, extra_kv=extra, n_kv_delta=len(arrays)))
+    fast = {}
+    vectorized = _Reader._strings_vectorized
+
+    def spy(self, count):
+        out = vectorized(self, count)
+        fast[count] = out is not None
+        return out
+
+    monkeypatch.setattr(_Reader, "_strings_vectorized", spy)
+    ours, ref = GGUFFile(f).fields, gguf.GGUFReader(str(f)).fields
+    for k, v in arrays.items():
+        assert ours[f"test.{k}"] == ref[f"test.{k}"].contents() == v, k
+    assert fast[len(arrays["plain"])] and fast[1] and not fast[3]  # the 3-item arrays all take the loops
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(rebuilt(data, m, extra_kv=enc_kv("test.bad", ARRAY, ["a", b"\xc3", "d"], STRING), n_kv_delta=1))
+    with pytest.raises(ModelFormatError, match=r"test.bad\[1\] is not valid UTF-8"):
+        GGUFFile(bad)
+
+
+def test_a_vocabulary_past_the_embedding_is_refused(tiny_llama, tmp_path):
+    """A GGUF token list longer than the embedding table would send ids past its rows into the lookup: refused at
+    load, naming the first token past the table."""
+    from edgellm.gguf_file import GGUFFile
+    from edgellm.loading import load_model
+    from tests.fuzz_cases import ARRAY, STRING, enc_kv, rebuilt
+
+    data = tiny_llama[1].read_bytes()
+    m = gguf_map(tiny_llama[1])
+    src = GGUFFile(tiny_llama[1])
+    tokens, types = src.fields["tokenizer.ggml.tokens"], src.fields["tokenizer.ggml.token_type"]
+    rows = src.tensors["token_embd.weight"].shape[0]
+    grown = tokens + [f"zz{i}" for i in range(rows - len(tokens) + 1)]
+    at = {kv.key: i for i, kv in enumerate(m.kvs)}
+    f = tmp_path / "grown.gguf"
+    f.write_bytes(rebuilt(data, m, kv_bytes={
+        at["tokenizer.ggml.tokens"]: enc_kv("tokenizer.ggml.tokens", ARRAY, grown, STRING),
+        at["tokenizer.ggml.token_type"]: enc_kv("tokenizer.ggml.token_type", ARRAY, types + [1] * (len(grown) - len(types)), 5)}))
+    with pytest.raises(ModelFormatError, match=f"'{grown[-1]}' with id {rows}, past the model's {rows} embeddings"):
+        load_model(f)
+
+
 def test_tensor_checks_name_the_problem(tiny_llama, tmp_path):
     data = tiny_llama[1].read_bytes()
     m = gguf_map(tiny_llama[1])
