@@ -158,6 +158,8 @@ def main() -> None:
                          "each metric's median and the runs (a shared machine's memory bandwidth drifts)")
     ap.add_argument("--decode-only", action="store_true", help="load and decode only (no TTFT runs): quick "
                     "repeated rounds for the decode ratio")
+    ap.add_argument("--load-only", action="store_true", help="file -> ready only (process start to a loaded "
+                    "model and tokenizer): quick repeated rounds for the load ratio")
     ap.add_argument("--child", nargs=2, metavar=("ENGINE", "FILE"), help=argparse.SUPPRESS)
     ap.add_argument("--mode", default="full", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -172,14 +174,17 @@ def main() -> None:
         for r in range(args.rounds):
             order = [("edgellm", sys.executable), ("llama.cpp", args.peer_python)]
             for engine, python in (order if r % 2 == 0 else order[::-1]):
-                runs[engine].append(measure(python, engine, f, "decode" if args.decode_only else "full"))
+                mode = "load" if args.load_only else "decode" if args.decode_only else "full"
+                runs[engine].append(measure(python, engine, f, mode))
         ours, theirs = (_median_run(runs[e]) for e in ("edgellm", "llama.cpp"))
         row = {"file": Path(f).name, "file_bytes": Path(f).stat().st_size, "edgellm": ours, "llama.cpp": theirs,
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                "load_average": [round(v, 2) for v in os.getloadavg()]}
         if args.rounds > 1:
             row["runs"] = runs
-        if args.decode_only and "error" not in ours and "error" not in theirs:
+        if args.load_only and "error" not in ours and "error" not in theirs:
+            row["ratio"] = {"load": ours["load_s"] / theirs["load_s"]}
+        elif args.decode_only and "error" not in ours and "error" not in theirs:
             row["ratio"] = {"decode": ours["decode_tok_s"] / theirs["decode_tok_s"],
                             "rss": ours["peak_rss_bytes"] / theirs["peak_rss_bytes"],
                             "load": ours["load_s"] / theirs["load_s"]}
