@@ -292,16 +292,11 @@ def _gguf_spm(tokens: list[str], scores: list[float], types: list[int], add_spac
     of the merged piece, which is how sentencepiece picks the next merge."""
     from tokenizers import Tokenizer as Backend, decoders, models, normalizers
 
+    from .spm_merges import spm_merges
+
     vocab = {t: i for i, t in enumerate(tokens)}
-    merges = []
-    for piece, score in zip(tokens, scores):
-        for cut in range(1, len(piece)):
-            left, right = piece[:cut], piece[cut:]
-            if left in vocab and right in vocab:
-                merges.append((score, vocab[piece], left, right))
-    merges.sort(key=lambda m: (-m[0], m[1]))
     unk = next((t for t, ty in zip(tokens, types) if ty == 2), None)
-    backend = Backend(models.BPE(vocab=vocab, merges=[(a, b) for _, _, a, b in merges], unk_token=unk,
+    backend = Backend(models.BPE(vocab=vocab, merges=spm_merges(tokens, scores, vocab), unk_token=unk,
                                  fuse_unk=True, byte_fallback=True))
     steps = [normalizers.Replace(" ", "\u2581")]
     if add_space_prefix:

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, list[str]]] = [
                  "edgellm.file_checks"]),  # safetensors header checks; a file's config/tensors/tokenizer checked
     ("quant", ["edgellm.quant.*"]),  # quantization math and the quantized modules (no whole model)
     ("model", ["edgellm.model", "edgellm.cache", "edgellm.kv_calibration", "edgellm.decode_step",
-               "edgellm.sampling", "edgellm.tokenizer", "edgellm.chat_template"]),
+               "edgellm.sampling", "edgellm.tokenizer", "edgellm.spm_merges", "edgellm.chat_template"]),
     ("loading", ["edgellm.loading", "edgellm.quantized_format", "edgellm.gguf_export",
                  "edgellm.weight_calibration"]),  # whole models from files, and back to files
     ("generate", ["edgellm.generate", "edgellm.speculative"]),
