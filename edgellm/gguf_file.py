@@ -182,43 +182,71 @@ class _Reader:
 
     def _strings_vectorized(self, count: int) -> list[str] | None:
         """The array read without a Python step per item, or None where it has a shape this does not take (an
-        item of 0 or 256+ bytes, a NUL inside an item, bad UTF-8): the loops read those. An item is its length as
-        8 little-endian bytes, then its bytes; with lengths of 1-255 the 8 bytes at an item's start read as a
-        number from 1 to 255. The starts so found must chain exactly (each the previous start + 8 + its length),
-        which no run of zeros inside an item survives."""
+        item of 64 KiB or more, a NUL inside an item, bad UTF-8, a length past the end): the loops read those."""
         if count == 0:
             return []
         left = self.size - self.pos
         span = min(left, count * 40)
-        while True:
-            is_start = np.zeros(span, dtype=bool)
-            for a in range(8):  # the 8 bytes at every offset, one alignment at a time
-                k = (span - a) // 8
-                u64 = np.frombuffer(self.buf, dtype="<u8", count=k, offset=self.pos + a)
-                is_start[a:a + 8 * k:8] = u64 - 1 < 255  # 1..255 (0 wraps around)
-            starts = np.flatnonzero(is_start)[:count]
-            if len(starts) == 0 or starts[0] != 0:
-                return None
-            w = np.frombuffer(self.buf, dtype=np.uint8, count=span, offset=self.pos)
-            lengths = w[starts].astype(np.int64)
-            if not np.array_equal(starts[1:], starts[:-1] + 8 + lengths[:-1]):
-                return None
-            end = int(starts[-1] + 8 + lengths[-1])
-            if len(starts) == count and end <= span:
-                break
-            if span == left:
-                return None  # runs past the end of the file: the loops say where
+        while (found := self._item_starts(count, span)) == "more" and span < left:
             span = min(left, span * 2)
-        joined = w[:end].copy()
-        joined[starts] = 0  # each length now 8 zero bytes: the separator before its item
+        if not isinstance(found, tuple):
+            return None
+        starts, lengths = found
+        end = int(starts[-1] + 8 + lengths[-1])
+        joined = np.frombuffer(self.buf, dtype=np.uint8, count=end, offset=self.pos).copy()
+        joined[starts] = joined[starts + 1] = 0  # each length now 8 zero bytes: the separator before its item
         if np.count_nonzero(joined == 0) != 8 * count:
             return None  # a NUL inside an item
         try:
             items = joined.tobytes().decode("utf-8").split("\0" * 8)
         except UnicodeDecodeError:
             return None
+        if len(items) != count + 1:
+            return None
         self.pos += end
         return items[1:]
+
+    def _item_starts(self, count: int, span: int) -> tuple[np.ndarray, np.ndarray] | str | None:
+        """(starts, lengths) of the array's items, relative to self.pos; "more" where the first `span` bytes do not
+        hold them all; None for a length of 64 KiB or more, or past the end.
+
+        An item is its length as 8 little-endian bytes, then its bytes. With a length of 1-255 those 8 bytes read
+        as a number from 1 to 255: such offsets are found at once, and runs of them that chain exactly (each the
+        previous one + 8 + its length) are items; no run of zeros inside an item survives that, since a run is
+        only entered at the end of the item before. The rare other items (empty, or 256+ bytes: Llama 3's longest
+        token and 43 of its merges) are read one by one between the runs."""
+        is_short = np.zeros(span, dtype=bool)
+        for a in range(8):  # the 8 bytes at every offset, one alignment at a time
+            k = (span - a) // 8
+            u64 = np.frombuffer(self.buf, dtype="<u8", count=k, offset=self.pos + a)
+            is_short[a:a + 8 * k:8] = u64 - 1 < 255  # 1..255 (0 wraps around)
+        cand = np.flatnonzero(is_short)
+        length = np.frombuffer(self.buf, dtype=np.uint8, count=span, offset=self.pos)[cand].astype(np.int64)
+        after = cand + 8 + length
+        run_ends = np.flatnonzero(after[:-1] != cand[1:])  # a run of candidates ends where the next is not its item
+        starts, lengths, got, pos, left = [], [], 0, 0, self.size - self.pos
+        while got < count:
+            j = int(np.searchsorted(cand, pos))
+            if j < len(cand) and cand[j] == pos:
+                e = run_ends[np.searchsorted(run_ends, j)] if len(run_ends) and run_ends[-1] >= j else len(cand) - 1
+                take = min(int(e) - j + 1, count - got)
+                starts.append(cand[j:j + take])
+                lengths.append(length[j:j + take])
+                pos = int(after[j + take - 1])
+                got += take
+            elif pos + 8 > span - 7:
+                return "more" if span < left else None
+            else:
+                n = int(np.frombuffer(self.buf, dtype="<u8", count=1, offset=self.pos + pos)[0])
+                if n >= 1 << 16 or n > left - pos - 8:
+                    return None
+                starts.append(np.array([pos]))
+                lengths.append(np.array([n]))
+                pos += 8 + n
+                got += 1
+            if pos > left:
+                return None
+        return np.concatenate(starts), np.concatenate(lengths)
 
     def _strings_checked(self, count: int, what: str) -> list[str]:
         # each length bounded before it is read; the messages built only on the way out

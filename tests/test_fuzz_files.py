@@ -71,35 +71,38 @@ def test_lying_lengths_are_refused_before_any_loop(tiny_llama, tmp_path):
 
 
 def test_string_arrays_of_every_shape_read_as_gguf_reader_reads(tiny_llama, tmp_path, monkeypatch):
-    """Vocabularies are read without a Python step per item where every item is 1-255 bytes with no NUL; arrays
-    with an empty item, a 256+ byte one, NULs or bad UTF-8 go through the loops. Either way the values are
-    gguf-py's (GGUFReader), and bad UTF-8 is refused naming the item."""
+    """Vocabularies are read without a Python step per item (empty and 256+ byte items among them, as Llama 3's
+    has); arrays with a NUL inside an item or bad UTF-8 go through the loops. Either way the values are gguf-py's
+    (GGUFReader), and bad UTF-8 is refused naming the item."""
     import gguf
 
     from edgellm.gguf_file import GGUFFile, _Reader
     from tests.fuzz_cases import ARRAY, STRING, enc_kv, rebuilt
 
     arrays = {"plain": [f"tok{i}" for i in range(3000)] + ["Ġthe", "éè", "中文", "x" * 255],
-              "one": ["a"], "empty-item": ["a", "", "b"], "long-item": ["a", "y" * 256, "b"],
+              "one": ["a"], "empty-item": ["a", "", "b", ""], "long-items": [f"t{i}" for i in range(500)] +
+              ["y" * 256, "z" * 300 + "\u00e9", "w" * 65535, "", "v"] + [f"u{i}" for i in range(500)] + ["q" * 256],
+              "huge-item": ["a", "w" * 65536, "b"],
               "nul-run": ["a", "b" + "\0" * 9 + "c", "d"], "nul": ["a", "\0", "d"]}
     data = tiny_llama[1].read_bytes()
     m = gguf_map(tiny_llama[1])
     extra = b"".join(enc_kv(f"test.{k}", ARRAY, v, STRING) for k, v in arrays.items())
     f = tmp_path / "arrays.gguf"
     f.write_bytes(rebuilt(data, m, extra_kv=extra, n_kv_delta=len(arrays)))
-    fast = {}
+    fast = []
     vectorized = _Reader._strings_vectorized
 
     def spy(self, count):
         out = vectorized(self, count)
-        fast[count] = out is not None
+        fast.append(out is not None)
         return out
 
     monkeypatch.setattr(_Reader, "_strings_vectorized", spy)
     ours, ref = GGUFFile(f).fields, gguf.GGUFReader(str(f)).fields
     for k, v in arrays.items():
         assert ours[f"test.{k}"] == ref[f"test.{k}"].contents() == v, k
-    assert fast[len(arrays["plain"])] and fast[1] and not fast[3]  # the 3-item arrays all take the loops
+    # the arrays in the file's order; an item of 64 KiB or more and a NUL send theirs to the loops
+    assert fast[-len(arrays):] == [True, True, True, True, False, False, False]
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(rebuilt(data, m, extra_kv=enc_kv("test.bad", ARRAY, ["a", b"\xc3", "d"], STRING), n_kv_delta=1))
     with pytest.raises(ModelFormatError, match=r"test.bad\[1\] is not valid UTF-8"):
