@@ -269,7 +269,10 @@ def _gguf_bpe(tokens: list[str], merges: list[str], pre: str) -> Any:
 
     vocab = {t: i for i, t in enumerate(tokens)}
     pairs = [tuple(m.split(" ", 1)) for m in merges]
-    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    # Llama 3's vocabulary (tiktoken's) holds words its merges cannot reach: a pre-token that is a token is that
+    # token, as llama.cpp (ignore_merges for these names) and HF's tokenizer.json ("ignore_merges": true) do
+    whole_words = pre in ("llama3", "llama-bpe", "llama-v3")
+    backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=whole_words))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     if pre in ("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe"):
         split = [pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"), byte_level]

@@ -65,3 +65,18 @@ def test_spm_vocab_from_gguf_metadata():
     emoji = tok.encode("hi😀", add_special_tokens=False)
     assert "<0xF0>" in emoji.tokens  # unknown characters fall back to bytes
     assert tok.decode(emoji.ids) == "hi😀"
+
+
+def test_llama3_vocabulary_takes_a_word_that_is_a_token_whole():
+    """Llama 3's vocabulary (tiktoken's) has tokens no merge builds; llama.cpp (ignore_merges for the llama-bpe
+    pre-tokenizers) and HF's tokenizer.json take a pre-token that is a token as that token. Its vocab test
+    "Cửa Việt" → [34, 91163, 101798] came out as 5 tokens before (benchmarks/tokenizer_vs_llamacpp.py runs them
+    all). Other vocabularies keep their merges."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from edgellm.tokenizer import _gguf_bpe
+
+    tokens = sorted(ByteLevel.alphabet()) + ["Ġw", "or", "Ġwor", "Ġworld"]  # no merge makes "Ġworld"
+    merges = ["Ġ w", "o r", "Ġw or"]
+    for pre, expected in (("llama-bpe", ["Ġworld"]), ("llama3", ["Ġworld"]), ("qwen2", ["Ġwor", "l", "d"])):
+        assert _gguf_bpe(tokens, merges, pre).encode(" world").tokens == expected, pre
