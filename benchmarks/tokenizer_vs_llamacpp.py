@@ -8,6 +8,10 @@ the ids llama.cpp's test-tokenizer-0 expects (.out). The files come in llama-cpp
 
 Per vocabulary: strings encoded to llama.cpp's ids, the first that is not, and the time to read the header and
 build the tokenizer. Vocabularies of a tokenizer model or pre-tokenizer edgellm does not know are listed as such.
+
+With `--peer-python` (an interpreter with llama-cpp-python), the pre-tokenizers no test file covers are checked
+against llama.cpp itself: Llama 3's vocabulary relabelled with each name of PRE_NAMES, the test strings and some
+mixed-case / digit / contraction ones tokenized by both (llama.cpp loads the vocabulary alone).
 """
 from __future__ import annotations
 
@@ -25,6 +29,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 SEPARATOR = "\n__ggml_vocab_test__\n"  # llama.cpp's tests/test-tokenizer-0 splits the .inp file on this
+PRE_NAMES = ["tekken", "gpt-4o", "llama4", "dbrx", "smaug-bpe", "deepseek-r1-qwen", "smollm", "codeshell"]
+EXTRA = ["HelloWorld ABCdef aBC \u00c9COLE \u00c9cole", "I'M HERE, you're THEY'LL", "1234567 12 3.14159",
+         "x/y/z\r\n/path", "na\u00efve caf\u00e9 Vi\u1ec7t Nam", "MixedCASEWords andCamelCase"]
+PEER = """import json, sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], vocab_only=True, verbose=False)
+print(json.dumps([llm.tokenize(t.encode(), add_bos=False, special=False) for t in json.load(sys.stdin)]))"""
 
 
 class VocabOnly:
@@ -64,19 +75,67 @@ def check(vocab: Path) -> dict:
     return row
 
 
+def relabelled(vocab: Path, pre: str, out: Path) -> None:
+    """A copy of a vocabulary-only GGUF with another tokenizer.ggml.pre."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(vocab))
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for key, f in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            writer.add_key_value(key, pre if key == "tokenizer.ggml.pre" else f.contents(), f.types[0],
+                                 f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def check_live(vocab: Path, pre: str, peer_python: str, work: Path) -> dict:
+    """`vocab` relabelled as `pre`: edgellm's ids against llama.cpp's (run by `peer_python`) on the test strings."""
+    import subprocess
+
+    from edgellm.tokenizer import tokenizer_from_gguf
+
+    out = work / f"vocab-{pre}.gguf"
+    relabelled(vocab, pre, out)
+    texts = Path(f"{vocab}.inp").read_text(encoding="utf-8").split(SEPARATOR) + EXTRA
+    proc = subprocess.run([peer_python, "-c", PEER, str(out)], input=json.dumps(texts), capture_output=True,
+                          text=True, check=True)
+    want = json.loads(proc.stdout)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tok = tokenizer_from_gguf(VocabOnly(out))
+    wrong = [(t, w, tok.encode(t, add_bos=False)) for t, w in zip(texts, want) if tok.encode(t, add_bos=False) != w]
+    row = {"vocab": f"{vocab.name} as {pre!r}", "pre": pre, "strings": len(texts), "equal": len(texts) - len(wrong),
+           "warnings": [str(w.message) for w in caught]}
+    if wrong:
+        row["first_difference"] = {"text": wrong[0][0], "llama.cpp": wrong[0][1], "edgellm": wrong[0][2]}
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", type=Path, help="llama.cpp's models/ folder (ggml-vocab-*.gguf with .inp / .out)")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--peer-python", default=None, help="an interpreter with llama-cpp-python: also check PRE_NAMES")
     args = ap.parse_args()
     rows = []
-    for vocab in sorted(args.models.glob("ggml-vocab-*.gguf")):
-        if Path(f"{vocab}.inp").exists() and Path(f"{vocab}.out").exists():
-            rows.append(check(vocab))
-            r = rows[-1]
-            print(f"{r['vocab']:34} " + (f"refused: {r['refused'][:80]}" if "refused" in r else
-                  f"{r['equal']}/{r['strings']} equal, pre {r['pre']!r}, {r['load_s']:.3f} s"
-                  + (" (unknown pre-tokenizer)" if r["warnings"] else "")), flush=True)
+    jobs = [lambda v=v: check(v) for v in sorted(args.models.glob("ggml-vocab-*.gguf"))
+            if Path(f"{v}.inp").exists() and Path(f"{v}.out").exists()]
+    if args.peer_python:
+        import tempfile
+
+        work = Path(tempfile.mkdtemp())
+        jobs += [lambda p=p: check_live(args.models / "ggml-vocab-llama-bpe.gguf", p, args.peer_python, work)
+                 for p in PRE_NAMES]
+    for job in jobs:
+        r = job()
+        rows.append(r)
+        took = f", {r['load_s']:.3f} s" if "load_s" in r else ""
+        print(f"{r['vocab']:40} " + (f"refused: {r['refused'][:80]}" if "refused" in r else
+              f"{r['equal']}/{r['strings']} equal, pre {r['pre']!r}{took}"
+              + (" (unknown pre-tokenizer)" if r["warnings"] else "")), flush=True)
     if args.json:
         doc = {"command": " ".join([Path(sys.argv[0]).as_posix()] + sys.argv[1:]),
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

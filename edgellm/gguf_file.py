@@ -460,10 +460,6 @@ GENERAL_KEYS = {
 TOKEN_ID_KEYS = ("bos", "eos", "eot", "unknown", "padding")
 
 
-def _type_ok(vtype: int, want: str) -> bool:
-    return {INT: vtype in INT_TYPES, FLOAT: vtype in FLOAT_TYPES | INT_TYPES, STR: vtype == STRING,
-            BOOL: vtype == 7}[want]
-
 def _type_ok(vtype: int | None, want: str) -> bool:
     return {INT: vtype in INT_TYPES, FLOAT: vtype in FLOAT_TYPES | INT_TYPES, STR: vtype == STRING,
             BOOL: vtype == 7}[want]

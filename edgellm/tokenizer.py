@@ -21,6 +21,16 @@ LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{
                   r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 QWEN2_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                  r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Words split by case, as tokenizer.json writes them (llama.cpp spells the same classes with lookaheads): Mistral
+# Nemo's / Small 3's tekken splits digits one by one, GPT-4o's o200k (Phi-4-mini, Llama 4) keeps up to 3 and
+# lets a word take a contraction.
+_UPPER, _LOWER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]", r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]"
+TEKKEN_PATTERN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*|\p{{N}}"
+                  r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CONTRACTION = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+GPT4O_PATTERN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPER}*{_LOWER}+{_CONTRACTION}"
+                 rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPER}+{_LOWER}*{_CONTRACTION}|\p{{N}}{{1,3}}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
 
 
@@ -271,11 +281,15 @@ def _gguf_bpe(tokens: list[str], merges: list[str], pre: str) -> Any:
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     # Llama 3's vocabulary (tiktoken's) holds words its merges cannot reach: a pre-token that is a token is that
     # token, as llama.cpp (ignore_merges for these names) and HF's tokenizer.json ("ignore_merges": true) do
-    whole_words = pre in ("llama3", "llama-bpe", "llama-v3")
+    whole_words = pre in ("llama3", "llama-bpe", "llama-v3", "tekken")
     backend = Backend(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=whole_words))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     if pre in ("llama3", "llama-bpe", "llama-v3", "dbrx", "smaug-bpe"):
         split = [pre_tokenizers.Split(Regex(LLAMA3_PATTERN), behavior="isolated"), byte_level]
+    elif pre == "tekken":
+        split = [pre_tokenizers.Split(Regex(TEKKEN_PATTERN), behavior="isolated"), byte_level]
+    elif pre in ("gpt-4o", "llama4"):
+        split = [pre_tokenizers.Split(Regex(GPT4O_PATTERN), behavior="isolated"), byte_level]
     elif pre in ("qwen2", "deepseek-r1-qwen"):
         split = [pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"), byte_level]
     elif pre in ("smollm", "starcoder", "refact", "codeshell"):  # digits one by one, then gpt2

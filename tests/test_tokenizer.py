@@ -80,3 +80,23 @@ def test_llama3_vocabulary_takes_a_word_that_is_a_token_whole():
     merges = ["Ġ w", "o r", "Ġw or"]
     for pre, expected in (("llama-bpe", ["Ġworld"]), ("llama3", ["Ġworld"]), ("qwen2", ["Ġwor", "l", "d"])):
         assert _gguf_bpe(tokens, merges, pre).encode(" world").tokens == expected, pre
+
+
+@pytest.mark.parametrize("pre, pieces", [
+    ("tekken", ["Hello", "World", " I", "'M", " ", "1", "2", "3", "4", "5", " x", "/y", "\n"]),
+    ("gpt-4o", ["Hello", "World", " I'M", " ", "123", "45", " x", "/y", "\n"]),
+    ("llama-bpe", ["HelloWorld", " I", "'M", " ", "123", "45", " x", "/y", "\n"]),
+])
+def test_pre_tokenizers_split_words_as_llama_cpp(pre, pieces):
+    """The GGUF pre-tokenizer names of Mistral Nemo / Small 3 (tekken), Phi-4-mini / Llama 4 (gpt-4o, llama4) and
+    Llama 3 split text as llama.cpp does: case changes, digit groups, contractions. (These splits gave llama.cpp's
+    own ids on its test strings with Llama 3's vocabulary relabelled: benchmarks/tokenizer_vs_llamacpp.py
+    --peer-python.)"""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from edgellm.tokenizer import _gguf_bpe
+
+    backend = _gguf_bpe(sorted(ByteLevel.alphabet()), [], pre)
+    split = backend.pre_tokenizer.pre_tokenize_str("HelloWorld I'M 12345 x/y\n")
+    byte_level = ByteLevel(add_prefix_space=False, use_regex=False)
+    assert [p for p, _ in split] == ["".join(q for q, _ in byte_level.pre_tokenize_str(p)) for p in pieces]
