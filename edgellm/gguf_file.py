@@ -123,6 +123,9 @@ class GGUFTensorInfo:
         return tuple(reversed(self.dims))
 
 
+MAX_STEPS = 4096  # runs of short strings plus other strings one vectorized array read takes (Llama 3's: ~90)
+
+
 class _Reader:
     """A little-endian cursor over the mapped file that refuses to step past its end."""
 
@@ -214,7 +217,8 @@ class _Reader:
         as a number from 1 to 255: such offsets are found at once, and runs of them that chain exactly (each the
         previous one + 8 + its length) are items; no run of zeros inside an item survives that, since a run is
         only entered at the end of the item before. The rare other items (empty, or 256+ bytes: Llama 3's longest
-        token and 43 of its merges) are read one by one between the runs."""
+        token and 43 of its merges) are read one by one between the runs; past MAX_STEPS runs and such items (an
+        array built to be slow here) the loops take the array, at their usual pace."""
         is_short = np.zeros(span, dtype=bool)
         for a in range(8):  # the 8 bytes at every offset, one alignment at a time
             k = (span - a) // 8
@@ -225,7 +229,9 @@ class _Reader:
         after = cand + 8 + length
         run_ends = np.flatnonzero(after[:-1] != cand[1:])  # a run of candidates ends where the next is not its item
         starts, lengths, got, pos, left = [], [], 0, 0, self.size - self.pos
-        while got < count:
+        for _ in range(MAX_STEPS):
+            if got == count:
+                return np.concatenate(starts), np.concatenate(lengths)
             j = int(np.searchsorted(cand, pos))
             if j < len(cand) and cand[j] == pos:
                 e = run_ends[np.searchsorted(run_ends, j)] if len(run_ends) and run_ends[-1] >= j else len(cand) - 1
@@ -246,7 +252,7 @@ class _Reader:
                 got += 1
             if pos > left:
                 return None
-        return np.concatenate(starts), np.concatenate(lengths)
+        return None
 
     def _strings_checked(self, count: int, what: str) -> list[str]:
         # each length bounded before it is read; the messages built only on the way out

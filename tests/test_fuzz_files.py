@@ -82,7 +82,7 @@ def test_string_arrays_of_every_shape_read_as_gguf_reader_reads(tiny_llama, tmp_
     arrays = {"plain": [f"tok{i}" for i in range(3000)] + ["Ġthe", "éè", "中文", "x" * 255],
               "one": ["a"], "empty-item": ["a", "", "b", ""], "long-items": [f"t{i}" for i in range(500)] +
               ["y" * 256, "z" * 300 + "\u00e9", "w" * 65535, "", "v"] + [f"u{i}" for i in range(500)] + ["q" * 256],
-              "huge-item": ["a", "w" * 65536, "b"],
+              "huge-item": ["a", "w" * 65536, "b"], "all-empty": [""] * 5000,
               "nul-run": ["a", "b" + "\0" * 9 + "c", "d"], "nul": ["a", "\0", "d"]}
     data = tiny_llama[1].read_bytes()
     m = gguf_map(tiny_llama[1])
@@ -101,8 +101,9 @@ def test_string_arrays_of_every_shape_read_as_gguf_reader_reads(tiny_llama, tmp_
     ours, ref = GGUFFile(f).fields, gguf.GGUFReader(str(f)).fields
     for k, v in arrays.items():
         assert ours[f"test.{k}"] == ref[f"test.{k}"].contents() == v, k
-    # the arrays in the file's order; an item of 64 KiB or more and a NUL send theirs to the loops
-    assert fast[-len(arrays):] == [True, True, True, True, False, False, False]
+    # the arrays in the file's order; an item of 64 KiB or more, more odd items than MAX_STEPS, and a NUL send
+    # theirs to the loops
+    assert fast[-len(arrays):] == [True, True, True, True, False, False, False, False]
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(rebuilt(data, m, extra_kv=enc_kv("test.bad", ARRAY, ["a", b"\xc3", "d"], STRING), n_kv_delta=1))
     with pytest.raises(ModelFormatError, match=r"test.bad\[1\] is not valid UTF-8"):
