@@ -124,6 +124,7 @@ class GGUFTensorInfo:
 
 
 MAX_STEPS = 4096  # runs of short strings plus other strings one vectorized array read takes (Llama 3's: ~90)
+MAX_SPAN = 32 << 20  # bytes one vectorized array read looks at (Gemma's 515k merges: ~10 MB); larger: the loops
 
 
 class _Reader:
@@ -188,9 +189,9 @@ class _Reader:
         item of 64 KiB or more, a NUL inside an item, bad UTF-8, a length past the end): the loops read those."""
         if count == 0:
             return []
-        left = self.size - self.pos
+        left = min(self.size - self.pos, MAX_SPAN)  # a lying count never makes numpy arrays past this
         span = min(left, count * 40)
-        while (found := self._item_starts(count, span)) == "more" and span < left:
+        while (found := self._item_starts(count, span, left)) == "more" and span < left:
             span = min(left, span * 2)
         if not isinstance(found, tuple):
             return None
@@ -209,9 +210,9 @@ class _Reader:
         self.pos += end
         return items[1:]
 
-    def _item_starts(self, count: int, span: int) -> tuple[np.ndarray, np.ndarray] | str | None:
+    def _item_starts(self, count: int, span: int, left: int) -> tuple[np.ndarray, np.ndarray] | str | None:
         """(starts, lengths) of the array's items, relative to self.pos; "more" where the first `span` bytes do not
-        hold them all; None for a length of 64 KiB or more, or past the end.
+        hold them all; None for a length of 64 KiB or more, or one past the first `left` bytes.
 
         An item is its length as 8 little-endian bytes, then its bytes. With a length of 1-255 those 8 bytes read
         as a number from 1 to 255: such offsets are found at once, and runs of them that chain exactly (each the
@@ -228,7 +229,7 @@ class _Reader:
         length = np.frombuffer(self.buf, dtype=np.uint8, count=span, offset=self.pos)[cand].astype(np.int64)
         after = cand + 8 + length
         run_ends = np.flatnonzero(after[:-1] != cand[1:])  # a run of candidates ends where the next is not its item
-        starts, lengths, got, pos, left = [], [], 0, 0, self.size - self.pos
+        starts, lengths, got, pos = [], [], 0, 0
         for _ in range(MAX_STEPS):
             if got == count:
                 return np.concatenate(starts), np.concatenate(lengths)
