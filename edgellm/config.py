@@ -8,7 +8,9 @@ from typing import Any
 
 import torch
 
-from .errors import UnsupportedModelError
+from .errors import ModelFormatError, UnsupportedModelError
+
+MAX_LAYERS = 1 << 16  # far past any model; checked before a per-layer list is built from a file's count
 
 # HF architecture name -> our family flag. Mistral and Llama share one graph; Qwen2 adds q/k/v biases, Qwen3 q/k
 # norms; Gemma 2/3 add norms after attention and MLP, GeGLU, (1 + w) norms, soft-capping and sliding-window layers;
@@ -129,7 +131,7 @@ class ModelConfig:
         if hf.get("use_bidirectional_attention"):
             raise UnsupportedModelError(f"{source}: bidirectional attention (an embedding model) is not supported")
         n_heads = hf["num_attention_heads"]
-        n_layers = hf["num_hidden_layers"]
+        n_layers = layer_count(hf["num_hidden_layers"])
         head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
         sliding = hf.get("sliding_window") if hf.get("use_sliding_window", arch == "mistral") else None
         rope = _hf_rope(hf, arch)
@@ -169,6 +171,13 @@ class ModelConfig:
             rotary_dim=int(head_dim * rope["partial"]) // 2 * 2,
             **family,
         )
+
+
+def layer_count(value: Any) -> int:
+    """A file's layer count, refused before anything is sized by it."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_LAYERS:
+        raise ModelFormatError(f"model n_layers = {value!r} is out of range (1 to {MAX_LAYERS})")
+    return value
 
 
 def _hf_layer_windows(hf: dict[str, Any], arch: str, n_layers: int) -> list[int]:

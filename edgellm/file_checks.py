@@ -146,6 +146,7 @@ HF_TYPES: dict[str, tuple[type, ...]] = {
     "vocab_size": (int,), "hidden_size": (int,), "num_hidden_layers": (int,), "num_attention_heads": (int,),
     "intermediate_size": (int,), "num_key_value_heads": (int, type(None)), "head_dim": (int, type(None)),
     "max_position_embeddings": (int,), "sliding_window": (int, type(None)), "rms_norm_eps": (int, float),
+    "partial_rotary_factor": (int, float, type(None)), "query_pre_attn_scalar": (int, float, type(None)),
     "rope_theta": (int, float, type(None)), "rope_scaling": (dict, type(None)), "rope_parameters": (dict, type(None)),
     "tie_word_embeddings": (bool, type(None)), "attention_bias": (bool, type(None)),
     "use_sliding_window": (bool, type(None)),
@@ -221,7 +222,20 @@ def check_config(cfg: Any, path: Path) -> None:
         raise bad(f"norm epsilon {cfg.norm_eps!r} is not a non-negative number")
     if not _finite(cfg.rope_theta) or cfg.rope_theta <= 1:
         raise bad(f"rope theta {cfg.rope_theta!r} is not a number above 1")
+    if not _is_int(cfg.rotary_dim) or not 2 <= cfg.rotary_dim <= cfg.head_dim or cfg.rotary_dim % 2:
+        raise bad(f"rotary dims {cfg.rotary_dim!r} are not an even number from 2 to the head size {cfg.head_dim}")
+    if not all(_is_int(w) and 0 <= w <= MAX_CONTEXT for w in cfg.layer_windows):
+        raise bad(f"a layer's sliding window is out of range (0 to {MAX_CONTEXT})")
+    if not _finite(cfg.query_scale) or cfg.query_scale < 0:
+        raise bad(f"query scale {cfg.query_scale!r} is not a non-negative number")
     _check_rope_scaling(cfg.rope_scaling, bad)
+    sc = cfg.rope_scaling or {}
+    if sc.get("rope_type") == "longrope":  # one factor per rotary frequency, each a positive number
+        for key in ("short_factor", "long_factor"):
+            factors = sc.get(key)
+            if not isinstance(factors, list) or len(factors) != cfg.rotary_dim // 2 or \
+                    not all(_finite(f) and f > 0 for f in factors):
+                raise bad(f"LongRoPE {key} needs {cfg.rotary_dim // 2} positive numbers (one per rotary frequency)")
     freqs = (cfg.extra or {}).get("rope_freqs")
     if freqs is not None and (len(freqs) != cfg.head_dim // 2 or not all(_finite(f) and f > 0 for f in freqs)):
         raise bad(f"rope_freqs needs {cfg.head_dim // 2} positive factors")

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .config import GEMMA, GGUF_ARCHITECTURES, SLIDING_PATTERN, ModelConfig
+from .config import GEMMA, GGUF_ARCHITECTURES, SLIDING_PATTERN, ModelConfig, layer_count
 from .errors import EdgeLLMError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .file_checks import (FileLayout, check_safetensors_file, check_tensor_shapes, check_tokenizer,
                           checked_config, hf_config)
@@ -219,7 +219,7 @@ def gguf_config(src: GGUFSource) -> ModelConfig:
     try:
         dim = int(key("embedding_length"))
         n_heads = int(key("attention.head_count"))
-        n_layers = int(key("block_count"))
+        n_layers = layer_count(key("block_count"))
         ffn = int(key("feed_forward_length"))
     except TypeError as e:
         raise ModelFormatError(f"{src.path}: GGUF metadata lacks the model dimensions") from e

@@ -589,8 +589,11 @@ def worker_main(argv: list[str]) -> int:
 
     sources = {k: (Path(a), Path(b)) for k, (a, b) in spec["sources"].items()}
     bundled = Path(spec["bundled"]) if spec.get("bundled") else None
-    cases = sample(all_cases(sources, spec["seed"], spec["n_random"], bundled, spec.get("bundled_count", 300)),
-                   spec.get("sample"), spec["seed"])
+    cases = all_cases(sources, spec["seed"], spec["n_random"], bundled, spec.get("bundled_count", 300))
+    if spec.get("names"):  # the cases of these names only (every source's), else a seeded sample
+        cases = [c for c in cases if c.name in set(spec["names"])]
+    else:
+        cases = sample(cases, spec.get("sample"), spec["seed"])
     if spec.get("memory_limit"):
         set_memory_limit(spec["memory_limit"])
     work = Path(spec["work"])

@@ -40,6 +40,33 @@ def test_fuzzed_files_fail_cleanly(tiny_models, tmp_path):
     assert sum(o.result == "refused" for o in outcomes) > 200  # most cases are real damage, refused
 
 
+# Cases the whole corpus (benchmarks/fuzz.py) once found unclean: per-layer lists sized by a lying layer count
+# before it was checked (MemoryError, a 30 s hang), negative windows and scales reaching the attention, a rotary
+# fraction of true / below zero, LongRoPE factors of the wrong count (refused without the file's name, or loaded).
+ESCAPED = ["gguf:gemma2.gguf:kv[gemma2.block_count]=u64-huge", "gguf:gemma2.gguf:kv[gemma2.block_count]=2147483647",
+           "gguf:gemma2.gguf:kv[gemma2.attention.sliding_window]=int32=-1",
+           "gguf:gemma3.gguf:kv[gemma3.attention.sliding_window]=int32=-1",
+           "config.json:query_pre_attn_scalar=negative", "config.json:sliding_window=negative",
+           "config.json:num_hidden_layers=huge", "config.json:partial_rotary_factor=bool",
+           "config.json:partial_rotary_factor=negative",
+           "gguf:phi4_partial.gguf:kv[phi3.rope.dimension_count].removed",
+           "gguf:phi4_partial.gguf:kv[phi3.block_count]=4294967295",
+           "gguf:phi4_partial.gguf:kv[phi3.rope.dimension_count]=16",
+           "gguf:phi4_partial.gguf:t[rope_factors_long.weight].dim0=8",
+           "gguf:phi4_partial.gguf:t[rope_factors_short.weight].dim0=8"]
+
+
+def test_cases_the_whole_corpus_found_stay_clean(tiny_models, tmp_path):
+    spec = {"sources": sources(tiny_models), "seed": SEED, "n_random": 20, "work": str(tmp_path / "work"),
+            "memory_limit": 2 << 30, "timeout_s": 20, "names": ESCAPED}
+    outcomes, proc = run_worker(spec, tmp_path / "out.json", timeout_s=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {o.name for o in outcomes} == set(ESCAPED)
+    assert_all_clean(outcomes, len(outcomes))
+    # each GGUF case is one file's damage; a config.json case runs on every model, benign for some (loaded)
+    assert all(o.result == "refused" for o in outcomes if o.name.startswith("gguf:"))
+
+
 @pytest.mark.slow
 def test_fuzzed_bundled_header_fails_cleanly(bundled_path, tmp_path):
     """The bundled 98 MB GGUF (a real llama.cpp file, 49k-token vocab): lying counts, lengths, types and
