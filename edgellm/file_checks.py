@@ -302,8 +302,8 @@ def check_tensor_shapes(layout: FileLayout, cfg: Any, names: dict[str, str]) -> 
 def check_tokenizer(tok: Any, cfg: Any, path: Path) -> None:
     """Every id the tokenizer can produce indexes the model's embedding: a vocabulary larger than the
     embedding would send an out-of-range id into the lookup (in the C++ kernels, a read past the table)."""
-    if tok.dense_ids:  # the top id without the whole vocabulary as a dict (0.1 s for Llama 3's)
-        top = tok.vocab_size - 1
+    if tok.id_count is not None:  # the top id without the whole vocabulary as a dict (0.1 s for Llama 3's)
+        top = tok.id_count - 1
         token = tok.id_to_token(top)
     else:
         vocab = tok.backend.get_vocab(with_added_tokens=True)

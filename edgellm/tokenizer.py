@@ -45,7 +45,7 @@ class Tokenizer:
     eos_token: str = ""
     meta: dict[str, str] = field(default_factory=dict)  # GGUF tokenizer model and pre-tokenizer names
     source: str = ""  # the file the chat template came from, named in its errors
-    dense_ids: bool = False  # the ids are 0 .. vocab_size - 1 without a gap (a GGUF vocabulary: list positions)
+    id_count: int | None = None  # a GGUF vocabulary's ids are its list's positions: 0 .. id_count - 1
 
     @property
     def vocab_size(self) -> int:
@@ -269,7 +269,7 @@ def tokenizer_from_gguf(src: Any) -> Tokenizer:
                     field("tokenizer.chat_template"),
                     tokens[bos_id] if bos_id is not None else "", tokens[eos_id] if eos_id is not None else "",
                     meta={"model": kind, "pre": field("tokenizer.ggml.pre") or "default"}, source=str(src.path),
-                    dense_ids=True)
+                    id_count=len(tokens))
     _add_end_of_turn_tokens(tok)
     return tok
 

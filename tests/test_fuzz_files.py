@@ -149,14 +149,17 @@ def test_a_vocabulary_past_the_embedding_is_refused(tiny_llama, tmp_path):
     src = GGUFFile(tiny_llama[1])
     tokens, types = src.fields["tokenizer.ggml.tokens"], src.fields["tokenizer.ggml.token_type"]
     rows = src.tensors["token_embd.weight"].shape[0]
-    grown = tokens + [f"zz{i}" for i in range(rows - len(tokens) + 1)]
     at = {kv.key: i for i, kv in enumerate(m.kvs)}
-    f = tmp_path / "grown.gguf"
-    f.write_bytes(rebuilt(data, m, kv_bytes={
-        at["tokenizer.ggml.tokens"]: enc_kv("tokenizer.ggml.tokens", ARRAY, grown, STRING),
-        at["tokenizer.ggml.token_type"]: enc_kv("tokenizer.ggml.token_type", ARRAY, types + [1] * (len(grown) - len(types)), 5)}))
-    with pytest.raises(ModelFormatError, match=f"'{grown[-1]}' with id {rows}, past the model's {rows} embeddings"):
-        load_model(f)
+    extra = rows - len(tokens) + 1
+    # new tokens, or copies of one already there (the vocabulary's size then stays; its top id does not)
+    for grown in (tokens + [f"zz{i}" for i in range(extra)], tokens + [tokens[5]] * extra):
+        f = tmp_path / "grown.gguf"
+        f.write_bytes(rebuilt(data, m, kv_bytes={
+            at["tokenizer.ggml.tokens"]: enc_kv("tokenizer.ggml.tokens", ARRAY, grown, STRING),
+            at["tokenizer.ggml.token_type"]: enc_kv("tokenizer.ggml.token_type", ARRAY,
+                                                    types + [1] * (len(grown) - len(types)), 5)}))
+        with pytest.raises(ModelFormatError, match=f"'{grown[-1]}' with id {rows}, past the model's {rows} embeddings"):
+            load_model(f)
 
 
 def test_tensor_checks_name_the_problem(tiny_llama, tmp_path):
