@@ -27,6 +27,9 @@ TEXT = "/usr/share/common-licenses/GPL-3"
 CHAT = "Tell me a random fun fact about the Roman Empire"
 CTX = 2560
 THREADS = 2
+# ratio name → the metric of both engines' results it divides (edgellm's by llama.cpp's)
+RATIOS = {"decode": "decode_tok_s", "ttft_512": "ttft_512_s", "ttft_2048": "ttft_2048_s", "rss": "peak_rss_bytes",
+          "load": "load_s"}
 
 
 def child_edgellm(path: str, mode: str = "full") -> dict:
@@ -182,18 +185,9 @@ def main() -> None:
                "load_average": [round(v, 2) for v in os.getloadavg()]}
         if args.rounds > 1:
             row["runs"] = runs
-        if args.load_only and "error" not in ours and "error" not in theirs:
-            row["ratio"] = {"load": ours["load_s"] / theirs["load_s"]}
-        elif args.decode_only and "error" not in ours and "error" not in theirs:
-            row["ratio"] = {"decode": ours["decode_tok_s"] / theirs["decode_tok_s"],
-                            "rss": ours["peak_rss_bytes"] / theirs["peak_rss_bytes"],
-                            "load": ours["load_s"] / theirs["load_s"]}
-        elif "error" not in ours and "error" not in theirs:
-            row["ratio"] = {"decode": ours["decode_tok_s"] / theirs["decode_tok_s"],
-                            "ttft_512": ours["ttft_512_s"] / theirs["ttft_512_s"],
-                            "ttft_2048": ours["ttft_2048_s"] / theirs["ttft_2048_s"],
-                            "rss": ours["peak_rss_bytes"] / theirs["peak_rss_bytes"],
-                            "load": ours["load_s"] / theirs["load_s"]}
+        if "error" not in ours and "error" not in theirs:
+            measured = ("load",) if args.load_only else ("decode", "rss", "load") if args.decode_only else RATIOS
+            row["ratio"] = {name: ours[key] / theirs[key] for name, key in RATIOS.items() if name in measured}
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json and args.merge and Path(args.json).exists():

@@ -14,6 +14,8 @@ import argparse
 import gguf
 import numpy as np
 
+from gguf_copy import random_blocks, write_copy  # benchmarks/, this script's folder
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -27,27 +29,15 @@ def main() -> None:
     args = ap.parse_args()
     T = gguf.GGMLQuantizationType
     new, old = T[args.type], T[args.replace]
-    qv, qb = gguf.GGML_QUANT_SIZES[new]
-    reader = gguf.GGUFReader(args.source)
-    writer = gguf.GGUFWriter(args.out, reader.fields["general.architecture"].contents())
-    for key, f in reader.fields.items():
-        if not key.startswith("GGUF.") and key != "general.architecture":
-            writer.add_key_value(key, f.contents(), f.types[0], f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
     rng = np.random.default_rng(0)
-    for t in reader.tensors:
-        if t.tensor_type == old:
-            k = int(t.shape[0])
-            rows = int(t.n_elements) // k
-            raw = rng.integers(0, 256, size=(rows, k // qv * qb), dtype=np.uint8)
-            raw.reshape(rows, -1, qb)[:, :, :2] = np.frombuffer(np.float16(args.d).tobytes(), np.uint8)
-            writer.add_tensor(t.name, raw, raw_dtype=new)
-        else:
-            float_type = t.tensor_type in (T.F32, T.F16)
-            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=None if float_type else t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def replace(t):
+        if t.tensor_type != old:
+            return None
+        k = int(t.shape[0])
+        return random_blocks(new, int(t.n_elements) // k, k, rng, args.d), new
+
+    write_copy(gguf.GGUFReader(args.source), args.out, replace=replace)
     print(args.out)
 
 

@@ -17,7 +17,8 @@ import random
 import gguf
 import numpy as np
 
-SCALE_OFFSET = {"Q6_K": 208}  # byte offset of a block's fp16 d where it is not the first two bytes
+from gguf_copy import FLOAT_TYPES, random_blocks, write_copy  # benchmarks/, this script's folder
+
 VOCAB_TENSORS = ("token_embd.weight", "output.weight")
 
 
@@ -36,14 +37,6 @@ def extend_vocab(tokens: list[str], merges: list[str], size: int, seed: int = 0)
     return tokens, merges
 
 
-def random_rows(tensor_type: gguf.GGMLQuantizationType, rows: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    qv, qb = gguf.GGML_QUANT_SIZES[tensor_type]
-    raw = rng.integers(0, 256, size=(rows, k // qv * qb), dtype=np.uint8)
-    at = SCALE_OFFSET.get(tensor_type.name, 0)
-    raw.reshape(rows, -1, qb)[:, :, at:at + 2] = np.frombuffer(np.float16(0.002).tobytes(), np.uint8)
-    return raw
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("source")
@@ -57,32 +50,19 @@ def main() -> None:
     tokens, merges = extend_vocab(tokens, reader.fields["tokenizer.ggml.merges"].contents(), args.vocab)
     types = reader.fields["tokenizer.ggml.token_type"].contents()
     types = types + [1] * (len(tokens) - len(types))
-    new = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges, "tokenizer.ggml.token_type": types}
-    writer = gguf.GGUFWriter(args.out, reader.fields["general.architecture"].contents())
-    for key, f in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        value = new.get(key, f.contents())
-        if key.endswith(".vocab_size"):
-            value = len(tokens)
-        writer.add_key_value(key, value, f.types[0], f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    values = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.merges": merges, "tokenizer.ggml.token_type": types}
+    values |= {key: len(tokens) for key in reader.fields if key.endswith(".vocab_size")}
     rng = np.random.default_rng(0)
-    float_types = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
-    for t in reader.tensors:
-        if t.name in VOCAB_TENSORS:
-            k = int(t.shape[0])
-            if t.tensor_type in float_types:
-                data = (rng.standard_normal((len(tokens), k)) * 0.02).astype(np.asarray(t.data).dtype)
-                writer.add_tensor(t.name, data)
-            else:
-                writer.add_tensor(t.name, random_rows(t.tensor_type, len(tokens), k, rng), raw_dtype=t.tensor_type)
-        else:
-            writer.add_tensor(t.name, np.asarray(t.data),
-                              raw_dtype=None if t.tensor_type in float_types else t.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def replace(t):
+        if t.name not in VOCAB_TENSORS:
+            return None
+        k = int(t.shape[0])
+        if t.tensor_type in FLOAT_TYPES:
+            return (rng.standard_normal((len(tokens), k)) * 0.02).astype(np.asarray(t.data).dtype), None
+        return random_blocks(t.tensor_type, len(tokens), k, rng), t.tensor_type
+
+    write_copy(reader, args.out, values, replace)
     print(f"{args.out}: {len(tokens)} tokens, {len(merges)} merges")
 
 

@@ -66,29 +66,19 @@ def check(vocab: Path) -> dict:
     load_s = time.perf_counter() - t0
     row = {"vocab": vocab.name, "model": tok.meta.get("model"), "pre": tok.meta.get("pre"),
            "tokens": tok.vocab_size, "load_s": round(load_s, 3), "warnings": [str(w.message) for w in caught]}
-    pairs = list(zip(texts, expected))  # the .inp ends with a separator: one text more than lines
-    wrong = [(t, e, tok.encode(t, add_bos=False)) for t, e in pairs if tok.encode(t, add_bos=False) != e]
-    row |= {"strings": len(pairs), "equal": len(pairs) - len(wrong)}
+    return row | compared(tok, texts, expected)  # the .inp ends with a separator: one text more than lines
+
+
+def compared(tok, texts: list[str], want: list[list[int]]) -> dict:
+    """How many of `texts` (as many as `want` has ids for) `tok` encodes to llama.cpp's ids, and the first it does
+    not."""
+    pairs = list(zip(texts, want))
+    wrong = [(t, w, got) for t, w in pairs if (got := tok.encode(t, add_bos=False)) != w]
+    row = {"strings": len(pairs), "equal": len(pairs) - len(wrong)}
     if wrong:
-        text, want, got = wrong[0]
-        row["first_difference"] = {"text": text, "llama.cpp": want, "edgellm": got}
+        text, ids, got = wrong[0]
+        row["first_difference"] = {"text": text, "llama.cpp": ids, "edgellm": got}
     return row
-
-
-def relabelled(vocab: Path, pre: str, out: Path) -> None:
-    """A copy of a vocabulary-only GGUF with another tokenizer.ggml.pre."""
-    import gguf
-
-    reader = gguf.GGUFReader(str(vocab))
-    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
-    for key, f in reader.fields.items():
-        if not key.startswith("GGUF.") and key != "general.architecture":
-            writer.add_key_value(key, pre if key == "tokenizer.ggml.pre" else f.contents(), f.types[0],
-                                 f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
 
 
 def check_live(vocab: Path, pre: str, peer_python: str, work: Path) -> dict:
@@ -97,8 +87,12 @@ def check_live(vocab: Path, pre: str, peer_python: str, work: Path) -> dict:
 
     from edgellm.tokenizer import tokenizer_from_gguf
 
+    import gguf
+
+    from gguf_copy import write_copy  # benchmarks/, this script's folder
+
     out = work / f"vocab-{pre}.gguf"
-    relabelled(vocab, pre, out)
+    write_copy(gguf.GGUFReader(str(vocab)), out, {"tokenizer.ggml.pre": pre})  # the vocabulary, relabelled
     texts = Path(f"{vocab}.inp").read_text(encoding="utf-8").split(SEPARATOR) + EXTRA
     proc = subprocess.run([peer_python, "-c", PEER, str(out)], input=json.dumps(texts), capture_output=True,
                           text=True, check=True)
@@ -106,12 +100,8 @@ def check_live(vocab: Path, pre: str, peer_python: str, work: Path) -> dict:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         tok = tokenizer_from_gguf(VocabOnly(out))
-    wrong = [(t, w, tok.encode(t, add_bos=False)) for t, w in zip(texts, want) if tok.encode(t, add_bos=False) != w]
-    row = {"vocab": f"{vocab.name} as {pre!r}", "pre": pre, "strings": len(texts), "equal": len(texts) - len(wrong),
-           "warnings": [str(w.message) for w in caught]}
-    if wrong:
-        row["first_difference"] = {"text": wrong[0][0], "llama.cpp": wrong[0][1], "edgellm": wrong[0][2]}
-    return row
+    return {"vocab": f"{vocab.name} as {pre!r}", "pre": pre, "warnings": [str(w.message) for w in caught]} | \
+        compared(tok, texts, want)
 
 
 def main() -> None:

@@ -1,0 +1,46 @@
+"""A GGUF rewritten from another, for test files: random_blocks_gguf.py, real_vocab_gguf.py and
+tokenizer_vs_llamacpp.py copy one through here (metadata values and tensors replaced where they say)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import gguf
+import numpy as np
+
+SCALE_OFFSET = {"Q6_K": 208}  # byte offset of a block's fp16 d where it is not the first two bytes
+FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
+
+# a tensor of the source → (data, raw_dtype) to write instead, or None to copy it as stored
+Replace = Callable[[Any], "tuple[np.ndarray, gguf.GGMLQuantizationType | None] | None"]
+
+
+def random_blocks(tensor_type: gguf.GGMLQuantizationType, rows: int, k: int, rng: np.random.Generator,
+                  d: float = 0.002) -> np.ndarray:
+    """rows x k values of random blocks of `tensor_type`, every block's fp16 d set to `d` (finite weights)."""
+    qv, qb = gguf.GGML_QUANT_SIZES[tensor_type]
+    raw = rng.integers(0, 256, size=(rows, k // qv * qb), dtype=np.uint8)
+    at = SCALE_OFFSET.get(tensor_type.name, 0)
+    raw.reshape(rows, -1, qb)[:, :, at:at + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+    return raw
+
+
+def write_copy(reader: gguf.GGUFReader, out: str | Path, values: dict[str, Any] | None = None,
+               replace: Replace | None = None) -> None:
+    """`reader`'s file written to `out`: its metadata with `values` in place of theirs, its tensors as `replace`
+    gives them."""
+    values = values or {}
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for key, f in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            writer.add_key_value(key, values.get(key, f.contents()), f.types[0],
+                                 f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        new = replace(t) if replace is not None else None
+        if new is None:
+            new = np.asarray(t.data), None if t.tensor_type in FLOAT_TYPES else t.tensor_type
+        writer.add_tensor(t.name, new[0], raw_dtype=new[1])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
