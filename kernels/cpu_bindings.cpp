@@ -243,6 +243,36 @@ at::Tensor gguf_product(const at::Tensor& x_, const py::list& parts_, int64_t N_
   return out;
 }
 
+// The same product on AMX tiles in bf16 (gguf_gemm_amx): x rounded to bf16 once for all parts, as rows of a
+// buffer whose row count is a multiple of 16.
+at::Tensor gguf_linear_amx(const at::Tensor& x_, const py::list& parts_, int64_t N_total) {
+  const char* what = "edgellm gguf_linear_amx";
+  TORCH_CHECK(edgellm::gguf_amx_available(), what, ": no AMX here (", edgellm::isa_name(), " build; see gguf_amx_available)");
+  TORCH_CHECK(x_.dim() == 2 && x_.device().is_cpu() && (x_.scalar_type() == at::kFloat || x_.scalar_type() == at::kBFloat16),
+              what, ": x must be an fp32 or bf16 CPU tensor [M, K], got ", x_.scalar_type(), " ", x_.sizes());
+  const int64_t M = x_.size(0), K = x_.size(1);
+  TORCH_CHECK(K % 32 == 0, what, ": K=", K, " must be a multiple of 32");
+  std::vector<GgufPartView> parts;
+  for (const py::handle& item : parts_) parts.push_back(gguf_part(item, K, what));
+  check_gguf_columns(parts, N_total, what);
+  const int64_t Mp = (M + 15) / 16 * 16;
+  at::Tensor xb = at::empty({Mp, K}, x_.options().dtype(at::kBFloat16));
+  xb.narrow(0, 0, M).copy_(x_);  // torch's rounding to nearest even
+  if (Mp > M) xb.narrow(0, M, Mp - M).zero_();
+  at::Tensor out = at::empty({M, N_total}, x_.options().dtype(at::kFloat));
+  float* y = out.data_ptr<float>();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
+  {
+    py::gil_scoped_release nogil;
+    int64_t offset = 0;
+    for (const auto& p : parts) {
+      edgellm::gguf_gemm_amx(xp, M, K, p.data, p.type, p.N, p.out_index ? y : y + offset, N_total, p.out_index);
+      offset += p.N;
+    }
+  }
+  return out;
+}
+
 at::Tensor gguf_linear(const at::Tensor& x, const py::list& parts, int64_t N_total) {
   return gguf_product(x, parts, N_total, false);
 }
@@ -345,17 +375,18 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t N, int64
   at::Tensor out;
   if (out_.has_value()) {
     out = *out_;
-    TORCH_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.device().is_cpu() && out.numel() == N * K,
-                "edgellm gguf_dequantize: out must be a contiguous fp32 CPU tensor of ", N, " x ", K, " elements");
+    TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) && out.is_contiguous() &&
+                    out.device().is_cpu() && out.numel() == N * K,
+                "edgellm gguf_dequantize: out must be a contiguous fp32 or bf16 CPU tensor of ", N, " x ", K, " elements");
     out = out.view({N, K});
   } else {
     out = at::empty({N, K}, at::TensorOptions().dtype(at::kFloat));
   }
-  float* o = out.data_ptr<float>();
-  {
-    py::gil_scoped_release nogil;
-    edgellm::gguf_dequantize_rows(p.data, p.type, N, K, o);
-  }
+  py::gil_scoped_release nogil;
+  if (out.scalar_type() == at::kBFloat16)
+    edgellm::gguf_dequantize_rows_bf16(p.data, p.type, N, K, reinterpret_cast<uint16_t*>(out.data_ptr()));
+  else
+    edgellm::gguf_dequantize_rows(p.data, p.type, N, K, out.data_ptr<float>());
   return out;
 }
 
@@ -733,10 +764,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_linear_prompt", &quant_linear_prompt, py::arg("x"), py::arg("codes"), py::arg("scales"),
         py::arg("mins"), py::arg("group_size"), py::arg("bits"),
         "x fp32 [M, K] @ W^T for int8 / int4 codes (quant/groups.py) through the int8 prompt GEMM -> fp32 [M, N]");
+  m.def("gguf_linear_amx", &gguf_linear_amx, py::arg("x"), py::arg("parts"), py::arg("n_total"),
+        "gguf_linear for prompt chunks on AMX tiles: x and the weights rounded to bf16, fp32 sums");
+  m.def("gguf_amx_available", &edgellm::gguf_amx_available,
+        "True where gguf_linear_amx runs (AVX-512 VNNI build, AMX-BF16 CPU, tile state granted by Linux)");
   m.def("gguf_prompt_gemm_fast", &edgellm::gguf_prompt_gemm_fast,
         "True where gguf_linear_prompt is vectorized (AVX2 / AVX-512 VNNI), False for the portable version");
   m.def("gguf_dequantize", &gguf_dequantize, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
-        py::arg("out") = py::none(), "GGUF blocks -> fp32 [n, k], bit-identical to gguf.quants.dequantize");
+        py::arg("out") = py::none(), "GGUF blocks -> fp32 [n, k], bit-identical to gguf.quants.dequantize (out bf16: "
+        "those values rounded as torch's .to(bfloat16))");
   m.def("gguf_types", [] { return gguf_types_where(edgellm::gguf_supported); }, "the GGML type ids this build multiplies natively");
   m.def("gguf_grid_convert", &gguf_grid_convert, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
         py::arg("grid"), py::arg("ksigns"), py::arg("q8_0"),

@@ -45,6 +45,7 @@
 #include "cpu_gguf.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -57,6 +58,11 @@
 #if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || (defined(__FMA__) && defined(__F16C__)))
 #define EDGELLM_G_AVX2 1
 #include <immintrin.h>
+#if defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define EDGELLM_G_VNNI 1
 #endif
@@ -980,6 +986,26 @@ void dispatch(int type, Args&&... args) {
   }
 }
 
+// The same for the types with an x8 layout (base_type: the type the x8 part was repacked from).
+template <template <int> class Op, class... Args>
+void dispatch_x8(int base_type, Args&&... args) {
+  switch (base_type) {
+    case GGUF_Q4_K: Op<GGUF_Q4_K>::run(args...); break;
+    case GGUF_Q5_K: Op<GGUF_Q5_K>::run(args...); break;
+    case GGUF_Q6_K: Op<GGUF_Q6_K>::run(args...); break;
+    case GGUF_Q3_K: Op<GGUF_Q3_K>::run(args...); break;
+    case GGUF_Q2_K: Op<GGUF_Q2_K>::run(args...); break;
+    case GGUF_Q5_0: Op<GGUF_Q5_0>::run(args...); break;
+    case GGUF_Q5_1: Op<GGUF_Q5_1>::run(args...); break;
+    case GGUF_IQ4_XS: Op<GGUF_IQ4_XS>::run(args...); break;
+    case GGUF_IQ4_NL: Op<GGUF_IQ4_NL>::run(args...); break;
+    case GGUF_IQ2_XXS_L4: Op<GGUF_IQ2_XXS_L4>::run(args...); break;
+    case GGUF_IQ3_XXS_L4: Op<GGUF_IQ3_XXS_L4>::run(args...); break;
+    case GGUF_IQ3_S_L4: Op<GGUF_IQ3_S_L4>::run(args...); break;
+    default: break;
+  }
+}
+
 template <int TYPE> struct GemmOp {
   static void run(const GgufActs& a, const uint8_t* blocks, int64_t N, float* y, int64_t ldy, const int32_t* idx) {
     // each thread's share above ~32K weights x activation rows: below that, waking threads costs more
@@ -993,6 +1019,34 @@ template <int TYPE> struct DequantOp {
     const int64_t rb = K / Fmt<TYPE>::QV * Fmt<TYPE>::BYTES;
     parallel_run(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
       for (int64_t n = n0; n < n1; ++n) dequant_row<TYPE>(blocks + n * rb, K, out + n * K);
+    });
+  }
+};
+
+// The same rows rounded to bf16 (round to nearest even), through an fp32 row that stays in cache: half the bytes
+// written of an fp32 dequantization and no second pass to convert it.
+// x8 parts (x8_row_bytes: the x8 layout's bytes per row, else 0): each group of 8 rows back to its stored blocks in a
+// thread's buffer first.
+template <int TYPE> struct DequantBf16Op {
+  static void run(const uint8_t* blocks, int64_t N, int64_t K, uint16_t* out, int64_t x8_row_bytes) {
+    const int64_t rb = K / Fmt<TYPE>::QV * Fmt<TYPE>::BYTES;
+    const bool x8 = x8_row_bytes > 0;
+    const int64_t unit = x8 ? 8 : 1, stride = x8 ? 8 * x8_row_bytes : rb;
+    parallel_run(0, N / unit, std::max<int64_t>(1, 65536 / unit / std::max<int64_t>(K, 1)), [&](int64_t u0, int64_t u1) {
+      std::vector<float> row((size_t)K);
+      std::vector<uint8_t> stored(x8 ? (size_t)(8 * rb) : 0);
+      for (int64_t u = u0; u < u1; ++u) {
+        const uint8_t* src = blocks + u * stride;
+        if (x8) {
+          gguf_unrepack_x8_group(src, TYPE, K, stored.data());
+          src = stored.data();
+        }
+        for (int64_t r = 0; r < unit; ++r) {
+          dequant_row<TYPE>(src + r * rb, K, row.data());
+          uint16_t* o = out + (u * unit + r) * K;
+          for (int64_t k = 0; k < K; ++k) o[k] = float_to_bf16(row[k]);
+        }
+      }
     });
   }
 };
@@ -1732,8 +1786,171 @@ void prompt_gemm(const GgufActs& a, const Rows& src, int64_t N, const int32_t* c
   }
 }
 
-template <int TYPE, bool X8 = false> struct PromptOp {
-  static void run(const GgufActs& a, const uint8_t* blocks, int64_t N, float* y, int64_t ldy, const int32_t* idx) {
+// ================================================================================================ AMX prefill
+// The same product on AMX tiles (Intel Xeon since Sapphire Rapids), in bf16: per panel of 16 weight rows the panel
+// unpacked as above (codes, scales, mins) is turned into bf16 weights d * sc * (q - off) + min in the layout
+// TDPBF16PS takes for B ([k / 2][16 columns][2 values], 64 bytes a row: one 16-row tile per 32 values of K), kept in
+// L1/L2, and multiplied against x as bf16 rows (A tiles of 16 rows x 32 values, read in place), up to 4 C tiles of
+// 16 x 16 fp32 sums at a time (64 activation rows).  Each weight is dequantized once per call and never written to
+// memory; the sums stay fp32 across K.  x and W are rounded to bf16 (relative 2^-9 each), an error of the size of the
+// prompt GEMM's int8 rounding of x (up to 1/254 of a block's largest value).
+#if defined(EDGELLM_P_ZMM) && !defined(EDGELLM_SIMDE_AVX512) && defined(__linux__) && defined(__x86_64__) && \
+    (defined(__GNUC__) || defined(__clang__))
+#define EDGELLM_P_AMX 1
+#ifndef EDGELLM_AMX_KC_BYTES
+#define EDGELLM_AMX_KC_BYTES (1 << 21)
+#endif
+#define AMX_TARGET __attribute__((target("avx512bf16,amx-tile,amx-bf16")))
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+AMX_TARGET inline void amx_configure() {
+  AmxTileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // every tile 16 rows x 64 bytes
+  _tile_loadconfig(&cfg);
+}
+
+// Two rows of fp32 values (k, k + 1 for the 16 columns) as one B-tile row: per column [bf16(a), bf16(b)].
+AMX_TARGET inline __m512i bf16_pairs(__m512 a, __m512 b) {
+  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
+  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+// The panel P (kc values of K) as bf16 B tiles at bt: [kc / 32][16 rows][64 bytes].
+template <int TYPE>
+AMX_TARGET void panel_to_bf16(const Panel& P, int64_t kc, uint8_t* bt) {
+  using F = Fmt<TYPE>;
+  constexpr int OFF = prompt_off<TYPE>();
+  const __m512i lowbyte = _mm512_set1_epi32(0xff);
+  const __m512 off = _mm512_set1_ps((float)OFF);
+  for (int64_t sb = 0; sb < kc / 32; ++sb)
+    for (int g = 0; g < 8; ++g) {  // values 4g .. 4g + 3 of the sub-block
+      const __m512i c = _mm512_load_si512((const void*)(P.codes + (sb * 8 + g) * 64));
+      const int64_t si = per16(TYPE) ? 2 * sb + g / 4 : sb, mi = min16(TYPE) ? 2 * sb + g / 4 : sb;
+      const __m512 ws = _mm512_load_ps(P.ws + si * 16);
+      const bool mins = per16(TYPE) ? min16(TYPE) : F::MIN;
+      const __m512 wm = mins ? _mm512_load_ps(P.wm + mi * 16) : _mm512_setzero_ps();
+      __m512 w[4];
+      for (int j = 0; j < 4; ++j) {
+        __m512 v = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(c, 8 * j), lowbyte));
+        if (OFF) v = _mm512_sub_ps(v, off);
+        w[j] = _mm512_fmadd_ps(v, ws, wm);
+      }
+      _mm512_store_si512((void*)(bt + (sb * 16 + 2 * g) * 64), bf16_pairs(w[0], w[1]));
+      _mm512_store_si512((void*)(bt + (sb * 16 + 2 * g + 1) * 64), bf16_pairs(w[2], w[3]));
+    }
+}
+
+// c[16 TM][16 TN] (row stride 16 TN) = x rows [0, 16 TM) at xb (stride ldx values) against the TN panels' B tiles at
+// bt[0], bt[1], over nsteps x 32 values of K.  Tiles: C 0-3 (C[i][j] = tile 2 i + j), A 4-5, B 6-7.
+template <int TM, int TN>
+AMX_TARGET void amx_micro(const uint16_t* xb, int64_t ldx, const uint8_t* const* bt, int64_t nsteps, float* c) {
+  _tile_zero(0);
+  if (TN > 1) _tile_zero(1);
+  if (TM > 1) _tile_zero(2);
+  if (TM > 1 && TN > 1) _tile_zero(3);
+  const int64_t stride = ldx * 2;
+  const uint16_t* x1 = xb + 16 * ldx;
+  for (int64_t s = 0; s < nsteps; ++s) {
+    _tile_loadd(6, bt[0] + s * 1024, 64);
+    if (TN > 1) _tile_loadd(7, bt[1] + s * 1024, 64);
+    _tile_loadd(4, xb + s * 32, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (TN > 1) _tile_dpbf16ps(1, 4, 7);
+    if (TM > 1) {
+      _tile_loadd(5, x1 + s * 32, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (TN > 1) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t ldc = 64 * TN;  // bytes
+  _tile_stored(0, c, ldc);
+  if (TN > 1) _tile_stored(1, c + 16, ldc);
+  if (TM > 1) _tile_stored(2, c + 16 * 16 * TN, ldc);
+  if (TM > 1 && TN > 1) _tile_stored(3, c + 16 * 16 * TN + 16, ldc);
+}
+
+// Panels [p0, p1) of 16 columns, two at a time, against x's rows; xb: the K block's bf16 rows [Mp, ldx].
+template <int TYPE, class Rows>
+AMX_TARGET void amx_range(const uint16_t* xb, int64_t ldx, int64_t M, int64_t Mp, const Rows& src, int64_t N,
+                          const int32_t* cols, int64_t p0, int64_t p1, int64_t k0, int64_t kn, float* y, int64_t ldy) {
+  constexpr int NR = P_NR;
+  static_assert(NR == 16, "a B tile holds 16 columns");
+  const Panel P = panel_buffer(kn);
+  static thread_local std::vector<uint8_t> bbuf;
+  const size_t bbytes = (size_t)(kn * 32);  // one panel's B tiles: kn / 32 tiles of 1 KiB
+  if (bbuf.size() < 2 * bbytes + 64) bbuf.resize(2 * bbytes + 64);
+  uint8_t* base = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(bbuf.data()) + 63) & ~uintptr_t(63));
+  uint8_t* const bt[2] = {base, base + bbytes};
+  alignas(64) float c[32 * 32];
+  alignas(64) float out[P_MR * NR];
+  amx_configure();
+  for (int64_t p = p0; p < p1; p += 2) {
+    const int np = (int)std::min<int64_t>(2, p1 - p);
+    int nvalid[2] = {0, 0};
+    bool contiguous[2] = {false, false};
+    for (int j = 0; j < np; ++j) {
+      const int64_t n0 = (p + j) * NR;
+      nvalid[j] = (int)std::min<int64_t>(NR, N - n0);
+      src.build(n0, nvalid[j], k0, kn, P);
+      panel_to_bf16<TYPE>(P, kn, bt[j]);
+      contiguous[j] = nvalid[j] == NR;
+      for (int i = 1; contiguous[j] && i < NR; ++i) contiguous[j] = cols[n0 + i] == cols[n0] + i;
+    }
+    if (p + 2 < p1) src.prefetch_next((p + 2) * NR, N, k0);
+    for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+      const bool two_m = Mp - m0 >= 32;
+      const uint16_t* xm = xb + m0 * ldx;
+      if (two_m && np == 2) amx_micro<2, 2>(xm, ldx, bt, kn / 32, c);
+      else if (two_m) amx_micro<2, 1>(xm, ldx, bt, kn / 32, c);
+      else if (np == 2) amx_micro<1, 2>(xm, ldx, bt, kn / 32, c);
+      else amx_micro<1, 1>(xm, ldx, bt, kn / 32, c);
+      const int64_t ldc = 16 * np;
+      for (int j = 0; j < np; ++j)
+        for (int64_t r = 0; r < (two_m ? 32 : 16) && m0 + r < M; r += P_MR) {
+          for (int i = 0; i < P_MR; ++i) std::memcpy(out + i * NR, c + 16 * j + (r + i) * ldc, NR * 4);
+          prompt_write(out, y, ldy, m0 + r, M, cols + (p + j) * NR, nvalid[j], contiguous[j], k0 == 0);
+        }
+    }
+  }
+  _tile_release();
+}
+
+// y[:, cols[n]] = x @ row n^T, x as bf16 rows [Mp, K] (Mp: M rounded up to 16, the rows past M zeros).  Per block of
+// K (kc values, x's block within ~EDGELLM_AMX_KC_BYTES, whole super-blocks) x's block is copied into rows of kc + 32
+// values (a row stride off the powers of two, which would map a tile's 16 rows onto the same cache sets).
+template <int TYPE, class Rows>
+void amx_gemm(const uint16_t* xb, int64_t M, int64_t K, const Rows& src, int64_t N, const int32_t* cols, float* y,
+              int64_t ldy) {
+  const int64_t Mp = (M + 15) / 16 * 16;
+  const int64_t kc = std::min<int64_t>(K, std::max<int64_t>(256, ((int64_t)EDGELLM_AMX_KC_BYTES / 2 / Mp) / 256 * 256));
+  const int64_t npanel = (N + P_NR - 1) / P_NR, ldx = kc + 32;
+  std::vector<uint16_t> blk((size_t)(Mp * ldx + 32));
+  uint16_t* xk = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(blk.data()) + 63) & ~uintptr_t(63));
+  for (int64_t k0 = 0; k0 < K; k0 += kc) {
+    const int64_t kn = std::min(kc, K - k0);
+    parallel_run(0, Mp, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) std::memcpy(xk + r * ldx, xb + r * K + k0, (size_t)kn * 2);
+    });
+    // runs of an even number of panels, so that pairs stay pairs
+    const int64_t npair = (npanel + 1) / 2;
+    parallel_runs(npair, [&](int64_t q0, int64_t q1) {
+      amx_range<TYPE>(xk, ldx, M, Mp, src, N, cols, 2 * q0, std::min(npanel, 2 * q1), k0, kn, y, ldy);
+    });
+  }
+}
+#endif
+
+// The rows of a GGUF part in the order of their output columns, handed to `gemm(rows builder, N, cols)`: the prompt
+// GEMM, or (AMX builds) its bf16 AMX version.
+template <int TYPE, bool X8 = false> struct PartRows {
+  template <class Gemm>
+  static void run(const uint8_t* blocks, int64_t K, int64_t N, const int32_t* idx, const Gemm& gemm) {
     // the stored rows in the order of their output columns (ascending), so panels write runs of columns (x8 parts:
     // in stored order, their groups being the panels' rows)
     std::vector<int32_t> rows((size_t)N), cols((size_t)N);
@@ -1750,17 +1967,25 @@ template <int TYPE, bool X8 = false> struct PromptOp {
     } else {
       for (int64_t n = 0; n < N; ++n) rows[(size_t)n] = cols[(size_t)n] = (int32_t)n;
     }
-    const int64_t rb = a.K / Fmt<TYPE>::QV * Fmt<TYPE>::BYTES;
+    const int64_t rb = K / Fmt<TYPE>::QV * Fmt<TYPE>::BYTES;
 #ifdef EDGELLM_G_AVX2
     if constexpr (is_r8(TYPE)) {
-      prompt_gemm<stored_of(TYPE)>(a, R8Rows<stored_of(TYPE)>{{blocks, rb, rows.data()}}, N, cols.data(), y, ldy);
+      gemm(std::integral_constant<int, stored_of(TYPE)>{}, R8Rows<stored_of(TYPE)>{{blocks, rb, rows.data()}}, cols.data());
       return;
     } else if (X8) {
-      prompt_gemm<TYPE>(a, X8Rows<TYPE>{blocks, a.K}, N, cols.data(), y, ldy);
+      gemm(std::integral_constant<int, TYPE>{}, X8Rows<TYPE>{blocks, K}, cols.data());
       return;
     }
 #endif
-    if constexpr (!is_r8(TYPE)) prompt_gemm<TYPE>(a, StoredRows<TYPE>{blocks, rb, rows.data()}, N, cols.data(), y, ldy);
+    if constexpr (!is_r8(TYPE)) gemm(std::integral_constant<int, TYPE>{}, StoredRows<TYPE>{blocks, rb, rows.data()}, cols.data());
+  }
+};
+
+template <int TYPE, bool X8 = false> struct PromptOp {
+  static void run(const GgufActs& a, const uint8_t* blocks, int64_t N, float* y, int64_t ldy, const int32_t* idx) {
+    PartRows<TYPE, X8>::run(blocks, a.K, N, idx, [&](auto t, const auto& src, const int32_t* cols) {
+      prompt_gemm<decltype(t)::value>(a, src, N, cols, y, ldy);
+    });
   }
 };
 
@@ -1769,6 +1994,24 @@ template <int TYPE> struct PromptX8Op {
     PromptOp<TYPE, true>::run(a, x8, N, y, ldy, idx);
   }
 };
+
+#ifdef EDGELLM_P_AMX
+template <int TYPE, bool X8 = false> struct AmxOp {
+  static void run(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* blocks, int64_t N, float* y, int64_t ldy,
+                  const int32_t* idx) {
+    PartRows<TYPE, X8>::run(blocks, K, N, idx, [&](auto t, const auto& src, const int32_t* cols) {
+      amx_gemm<decltype(t)::value>(xb, M, K, src, N, cols, y, ldy);
+    });
+  }
+};
+
+template <int TYPE> struct AmxX8Op {
+  static void run(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* x8, int64_t N, float* y, int64_t ldy,
+                  const int32_t* idx) {
+    AmxOp<TYPE, true>::run(xb, M, K, x8, N, y, ldy, idx);
+  }
+};
+#endif
 
 template <int TYPE>
 void prompt_quant(const GgufActs& a, const QuantWeights& w, int64_t N, float* y, int64_t ldy) {
@@ -1972,6 +2215,15 @@ void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K,
   dispatch<DequantOp>(type, blocks, N, K, out);
 }
 
+void gguf_dequantize_rows_bf16(const uint8_t* blocks, int type, int64_t N, int64_t K, uint16_t* out) {
+  if (N <= 0 || !gguf_supported(type) || K % gguf_block_values(type) != 0) return;
+  if (gguf_is_x8(type)) {
+    if (N % 8 == 0) dispatch<DequantBf16Op>(type - GGUF_X8, blocks, N, K, out, gguf_row_bytes(type, K));
+    return;
+  }
+  dispatch<DequantBf16Op>(type, blocks, N, K, out, (int64_t)0);
+}
+
 // ------------------------------------------------------------------------------------------------ prompt GEMM
 void gguf_gemm_prompt(const GgufActs& acts, const uint8_t* blocks, int type, int64_t N, int64_t K, float* y,
                       int64_t ldy, const int32_t* out_index) {
@@ -1980,21 +2232,42 @@ void gguf_gemm_prompt(const GgufActs& acts, const uint8_t* blocks, int type, int
     if (N % 8 != 0) return;
     // x8 parts: panels built from the x8 groups (at M = 17 .. 512 as fast as from the stored blocks, and 1-2x the
     // x8 row kernel: Q4_K 230-280 GOP/s against 160-230, Q6_K 100-230 against 90-110, one thread)
-    if (type - GGUF_X8 == GGUF_Q4_K) PromptX8Op<GGUF_Q4_K>::run(acts, blocks, N, y, ldy, out_index);
-    else if (type - GGUF_X8 == GGUF_Q5_K) PromptX8Op<GGUF_Q5_K>::run(acts, blocks, N, y, ldy, out_index);
-    else if (type - GGUF_X8 == GGUF_Q6_K) PromptX8Op<GGUF_Q6_K>::run(acts, blocks, N, y, ldy, out_index);
-    else if (type - GGUF_X8 == GGUF_Q3_K) PromptX8Op<GGUF_Q3_K>::run(acts, blocks, N, y, ldy, out_index);
-    else if (type - GGUF_X8 == GGUF_Q2_K) PromptX8Op<GGUF_Q2_K>::run(acts, blocks, N, y, ldy, out_index);
-    else if (type - GGUF_X8 == GGUF_Q5_0) PromptX8Op<GGUF_Q5_0>::run(acts, blocks, N, y, ldy, out_index);
-    else if (type - GGUF_X8 == GGUF_Q5_1) PromptX8Op<GGUF_Q5_1>::run(acts, blocks, N, y, ldy, out_index);
-    else if (type - GGUF_X8 == GGUF_IQ4_XS) PromptX8Op<GGUF_IQ4_XS>::run(acts, blocks, N, y, ldy, out_index);
-    else if (type - GGUF_X8 == GGUF_IQ4_NL) PromptX8Op<GGUF_IQ4_NL>::run(acts, blocks, N, y, ldy, out_index);
-    else if (type - GGUF_X8 == GGUF_IQ2_XXS_L4) PromptX8Op<GGUF_IQ2_XXS_L4>::run(acts, blocks, N, y, ldy, out_index);
-    else if (type - GGUF_X8 == GGUF_IQ3_XXS_L4) PromptX8Op<GGUF_IQ3_XXS_L4>::run(acts, blocks, N, y, ldy, out_index);
-    else if (type - GGUF_X8 == GGUF_IQ3_S_L4) PromptX8Op<GGUF_IQ3_S_L4>::run(acts, blocks, N, y, ldy, out_index);
+    dispatch_x8<PromptX8Op>(type - GGUF_X8, acts, blocks, N, y, ldy, out_index);
     return;
   }
   dispatch<PromptOp>(type, acts, blocks, N, y, ldy, out_index);
+}
+
+bool gguf_amx_available() {
+#ifdef EDGELLM_P_AMX
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;  // AMX-BF16, AMX-TILE
+    unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+    if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) || !(a1 & (1u << 5))) return false;  // AVX512_BF16
+    // Linux hands out the tile data state on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); 0 = granted
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+void gguf_gemm_amx(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* blocks, int type, int64_t N, float* y,
+                   int64_t ldy, const int32_t* out_index) {
+#ifdef EDGELLM_P_AMX
+  if (N <= 0 || M <= 0 || !gguf_amx_available() || !gguf_supported(type) || K % gguf_block_values(type) != 0) return;
+  if (gguf_is_x8(type)) {
+    if (N % 8 != 0) return;
+    dispatch_x8<AmxX8Op>(type - GGUF_X8, xb, M, K, blocks, N, y, ldy, out_index);
+    return;
+  }
+  dispatch<AmxOp>(type, xb, M, K, blocks, N, y, ldy, out_index);
+#else
+  (void)xb, (void)M, (void)K, (void)blocks, (void)type, (void)N, (void)y, (void)ldy, (void)out_index;
+#endif
 }
 
 void quant_gemm_prompt(const GgufActs& acts, const QuantWeights& w, int64_t N, float* y, int64_t ldy) {

@@ -187,9 +187,18 @@ struct QuantWeights {
 void quant_gemm_prompt(const GgufActs& acts, const QuantWeights& w, int64_t N, float* y, int64_t ldy);
 // True where the prompt GEMM is vectorized (AVX2, AVX-512 VNNI); elsewhere it is a portable reference version.
 bool gguf_prompt_gemm_fast();
+// True where gguf_gemm_amx runs: an AVX-512 VNNI build on Linux x86-64, a CPU with AMX-BF16 and AVX512-BF16, and the
+// kernel granting this process the tile state.
+bool gguf_amx_available();
+// The prompt GEMM's product in bf16 on AMX tiles: y[m * ldy + col(n)] = x @ W^T with x given as bf16 rows xb [Mp, K]
+// (Mp: M rounded up to 16, rows past M zeros); fp32 sums.  Does nothing where not available.
+void gguf_gemm_amx(const uint16_t* xb, int64_t M, int64_t K, const uint8_t* blocks, int type, int64_t N, float* y,
+                   int64_t ldy, const int32_t* out_index);
 
 // W [N, K] fp32, bit-identical to gguf.quants.dequantize.
 void gguf_dequantize_rows(const uint8_t* blocks, int type, int64_t N, int64_t K, float* out);
+// The same values rounded to bf16 (round to nearest even, as torch's .to(bfloat16)): out uint16 [N, K].
+void gguf_dequantize_rows_bf16(const uint8_t* blocks, int type, int64_t N, int64_t K, uint16_t* out);
 
 // The grid-codebook and ternary types without a product kernel (cpu_gguf_grid.cpp: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS,
 // IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0). `grid`: gguf.quants' grid of the type as int8 [entries, 8 or 4] (none for
@@ -218,6 +227,8 @@ bool gguf_x8_supported(int base_type);
 int64_t gguf_x8_bytes(int base_type);
 void gguf_repack_x8(const uint8_t* raw, int base_type, int64_t N, int64_t K, uint8_t* x8);
 void gguf_unrepack_x8(const uint8_t* x8, int base_type, int64_t N, int64_t K, uint8_t* raw);
+// One group of 8 x8 rows back to their stored blocks, on the calling thread (raw: 8 stored rows).
+void gguf_unrepack_x8_group(const uint8_t* x8, int base_type, int64_t K, uint8_t* raw);
 void gguf_gemm_x8(const GgufActs& acts, const uint8_t* x8, int base_type, int64_t N, float* y, int64_t ldy,
                   const int32_t* out_index);
 // The r8 layout: whether this build multiplies it for a base type (Q5_0, Q5_1 with the AVX2 kernels), and the

@@ -304,20 +304,24 @@ void convert_sb(uint8_t* const raw[8], uint8_t* o) {
   if (TYPE == GGUF_Q5_K) groups8<TO_X8>(o + 1184, raw, 16);
 }
 
+// Groups [g0, g1) of 8 rows, either way, on the calling thread.
 template <int TYPE, bool TO_X8>
-void convert(uint8_t* raw, uint8_t* x8, int64_t N, int64_t K) {
+void convert_groups(uint8_t* raw, uint8_t* x8, int64_t g0, int64_t g1, int64_t K) {
   using R = Raw<TYPE>;
   const int64_t nsb = K / R::QV, rb = nsb * R::BYTES;
-  parallel_run(0, N / 8, 16, [&](int64_t g0, int64_t g1) {
-    for (int64_t grp = g0; grp < g1; ++grp)
-      for (int64_t s = 0; s < nsb; ++s) {
-        uint8_t* rows[8];
-        for (int r = 0; r < 8; ++r) rows[r] = raw + (grp * 8 + r) * rb + s * R::BYTES;
-        if constexpr (is_q5(TYPE)) convert_q5<TYPE, TO_X8>(rows, x8 + (grp * nsb + s) * R::XB);
-        else if constexpr (TYPE == GGUF_IQ4_NL) convert_nl<TO_X8>(rows, x8 + (grp * nsb + s) * R::XB);
-        else convert_sb<TYPE, TO_X8>(rows, x8 + (grp * nsb + s) * R::XB);
-      }
-  });
+  for (int64_t grp = g0; grp < g1; ++grp)
+    for (int64_t s = 0; s < nsb; ++s) {
+      uint8_t* rows[8];
+      for (int r = 0; r < 8; ++r) rows[r] = raw + (grp * 8 + r) * rb + s * R::BYTES;
+      if constexpr (is_q5(TYPE)) convert_q5<TYPE, TO_X8>(rows, x8 + (grp * nsb + s) * R::XB);
+      else if constexpr (TYPE == GGUF_IQ4_NL) convert_nl<TO_X8>(rows, x8 + (grp * nsb + s) * R::XB);
+      else convert_sb<TYPE, TO_X8>(rows, x8 + (grp * nsb + s) * R::XB);
+    }
+}
+
+template <int TYPE, bool TO_X8>
+void convert(uint8_t* raw, uint8_t* x8, int64_t N, int64_t K) {
+  parallel_run(0, N / 8, 16, [&](int64_t g0, int64_t g1) { convert_groups<TYPE, TO_X8>(raw, x8, g0, g1, K); });
 }
 
 #ifdef EDGELLM_X8
@@ -892,6 +896,11 @@ void gguf_repack_x8(const uint8_t* raw, int base_type, int64_t N, int64_t K, uin
 void gguf_unrepack_x8(const uint8_t* x8, int base_type, int64_t N, int64_t K, uint8_t* raw) {
   uint8_t* o = const_cast<uint8_t*>(x8);  // only read (convert<..., false> writes raw)
   on_x8_type(base_type, [&](auto t) { convert<decltype(t)::value, false>(raw, o, N, K); });
+}
+
+void gguf_unrepack_x8_group(const uint8_t* x8, int base_type, int64_t K, uint8_t* raw) {
+  uint8_t* o = const_cast<uint8_t*>(x8);  // only read
+  on_x8_type(base_type, [&](auto t) { convert_groups<decltype(t)::value, false>(raw, o, 0, 1, K); });
 }
 
 void gguf_gemm_x8(const GgufActs& acts, const uint8_t* x8, int base_type, int64_t N, float* y, int64_t ldy,

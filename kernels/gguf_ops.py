@@ -37,10 +37,22 @@ PROMPT_GEMM_MIN_ROWS = 17
 PROMPT_GEMM = True
 
 
-def method(qtypes: list[int], rows: int, prompt_gemm_fast: bool) -> str:
+# Where the extension has the AMX kernel (`ext.gguf_amx_available()`: Intel Xeon since Sapphire Rapids), prefills of
+# at least this many rows run on AMX tiles in bf16 (`ext.gguf_linear_amx`, cpu_gguf.cpp "AMX prefill"): 1.1-1.8x the
+# prompt GEMM at 64-512 rows of Llama-3.2-1B's shapes, 0.8-0.9x below (benchmarks/gguf_amx_gemm.py,
+# results/gguf-amx-gemm.json). Its bf16 rounding of x and W costs about what the prompt GEMM's int8 x does (KL to
+# the fp model: tests/test_gguf_prompt_gemm.py, benchmarks/results/gguf-amx-kl.json).
+# AMX_GEMM = False keeps the prompt GEMM (A/B runs).
+AMX_MIN_ROWS = 64
+AMX_GEMM = True
+
+
+def method(qtypes: list[int], rows: int, prompt_gemm_fast: bool, amx: bool = False) -> str:
     """How to multiply `rows` activation rows by a linear whose parts have GGML types `qtypes` on the CPU with the
-    extension: "rows" (the row kernel, gguf_linear), "prompt" (the panel GEMM, gguf_linear_prompt) or
-    "dequantize" (dequantize + float GEMM)."""
+    extension: "rows" (the row kernel, gguf_linear), "prompt" (the panel GEMM, gguf_linear_prompt), "amx" (the AMX
+    kernel, gguf_linear_amx, where the extension has it: `amx`) or "dequantize" (dequantize + float GEMM)."""
+    if AMX_GEMM and amx and rows >= AMX_MIN_ROWS:
+        return "amx"
     if PROMPT_GEMM and prompt_gemm_fast:
         return "rows" if rows < PROMPT_GEMM_MIN_ROWS else "prompt"
     return "rows" if all(use_kernel(t, rows) for t in qtypes) else "dequantize"

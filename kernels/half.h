@@ -46,4 +46,13 @@ inline uint16_t float_to_half(float f) {
   return (uint16_t)(sign | h);
 }
 
+// fp32 -> bf16 bits, round to nearest even, NaN to 0x7fc0 (as torch's .to(bfloat16)): the bf16 weights of a prefill
+// GEMM on CPUs that multiply bf16 natively.
+inline uint16_t float_to_bf16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fc0u;
+  return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
 }  // namespace edgellm

@@ -172,6 +172,17 @@ def _prompt_gemm_fast(ext) -> bool:
     return _prompt_fast[key]
 
 
+_amx_state: dict[int, bool] = {}
+
+
+def _amx(ext) -> bool:
+    """Whether this extension has the AMX prefill kernel and this CPU / kernel let it run (kernels/gguf_ops.py)."""
+    key = id(ext)
+    if key not in _amx_state:
+        _amx_state[key] = hasattr(ext, "gguf_linear_amx") and bool(ext.gguf_amx_available())
+    return _amx_state[key]
+
+
 class GGUFLinear(_GGUFWeight):
     """y = x @ W.T (+ b), W held as GGUF blocks (one or more parts stacked along the output dim)."""
 
@@ -182,26 +193,26 @@ class GGUFLinear(_GGUFWeight):
             raise ValueError(f"bias of shape {tuple(bias.shape)} does not fit {self.out_features} outputs")
         self.register_buffer("bias", bias)
 
-    def _kernel(self, x2: torch.Tensor):
-        """The extension's function for this product (row kernel or prompt GEMM), or None: dequantize + GEMM."""
+    def _method(self, x2: torch.Tensor) -> tuple[str, object]:
+        """(how, the extension) for this product: see gguf_ops.method; "dequantize" where the extension does not
+        take it (another device, no extension, a type without a kernel)."""
         if x2.device.type != "cpu":
-            return None
+            return "dequantize", None
         ext = K.cpu_extension()
         if ext is None or not hasattr(ext, "gguf_linear"):
-            return None
+            return "dequantize", None
         if any(t not in _native_types(ext) for t in self.part_types):
-            return None
-        how = gguf_ops.method(self.part_types, x2.shape[0], _prompt_gemm_fast(ext))
-        if how == "rows":
-            return ext.gguf_linear
-        return ext.gguf_linear_prompt if how == "prompt" else None
+            return "dequantize", None
+        return gguf_ops.method(self.part_types, x2.shape[0], _prompt_gemm_fast(ext), _amx(ext)), ext
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        fn = self._kernel(x2)
-        if fn is not None:
+        how, ext = self._method(x2)
+        if how in ("rows", "prompt", "amx"):
+            fn = {"rows": ext.gguf_linear, "prompt": ext.gguf_linear_prompt, "amx": ext.gguf_linear_amx}[how]
             parts = [(p.raw, p.type, p.rows, p.out_index) for p in self.gguf_parts]
-            out = fn(x2.float().contiguous(), parts, self.out_features).to(x.dtype)
+            xin = x2 if how == "amx" and x2.dtype == torch.bfloat16 else x2.float()
+            out = fn(xin.contiguous(), parts, self.out_features).to(x.dtype)
             if self.bias is not None:
                 out = out + self.bias
         else:

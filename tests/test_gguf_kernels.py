@@ -167,6 +167,45 @@ def test_dequantize_bit_identical_to_gguf(ext, qtype, k):
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dequantize_to_bf16_rounds_as_torch(ext, qtype):
+    """bf16 out (the AMX prefill's weights): gguf.quants' values rounded as torch rounds them, bit for bit; rows
+    written in place into a slice of a larger buffer."""
+    k = 768
+    raw = make_weights(qtype, 21, k, seed=int(qtype) * 11 + 1)
+    big = torch.full((30, k), float("nan"), dtype=torch.bfloat16)
+    got = ext.gguf_dequantize(torch.from_numpy(raw), int(qtype), 21, k, big[5:26])
+    want = torch.from_numpy(dequant_ref(raw, qtype)).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.data_ptr() == big[5:26].data_ptr()
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    assert big[:5].isnan().all() and big[26:].isnan().all()
+
+
+def test_bf16_rounding_ties_and_specials(ext):
+    """Q8_0 blocks whose values land on bf16 ties (both directions), near the fp16 limit, and with a NaN / inf
+    scale: rounded to nearest even, NaN a NaN."""
+    import struct
+
+    def block(d_bits: int, codes: list[int]) -> bytes:
+        return struct.pack("<H", d_bits) + bytes((c & 0xff) for c in codes)
+
+    one = 0x3c00  # fp16 1.0
+    rows = [block(one, [1, -1, 127, -128] + [0] * 28),
+            block(0x3c01, list(range(-16, 16))),  # d = 1 + 2^-10: products with bits below bf16's mantissa
+            block(0x7bff, [127, -127, 1] + [0] * 29),  # d = 65504
+            block(0x7c00, [1, 0, -1] + [0] * 29),  # d = inf: inf, nan (0 * inf), -inf
+            block(0x7e00, [1] * 32)]  # d = nan
+    raw = np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(5, 34).copy()
+    out = torch.empty(5, 32, dtype=torch.bfloat16)
+    got = ext.gguf_dequantize(torch.from_numpy(raw), int(Q.Q8_0), 5, 32, out)
+    with np.errstate(invalid="ignore"):
+        want = torch.from_numpy(dequant_ref(raw, Q.Q8_0)).to(torch.bfloat16)
+    nan = want.isnan()  # (torch's own NaN bits depend on its path: c10's 0x7fc0, the vectorized 0xffff)
+    assert nan.sum() == 30 + 32 and torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    assert got[3, 0] == float("inf") and got[3, 2] == float("-inf") and got[2, 0] == 65504 * 127
+
+
 def test_dequantize_into_out_buffer(ext):
     raw = make_weights(Q.Q4_K, 8, 512, seed=3)
     out = torch.full((8 * 512,), float("nan"))

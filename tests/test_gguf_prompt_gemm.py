@@ -198,11 +198,85 @@ def test_method_keeps_decode_and_verification_on_the_row_kernel():
     # builds without a vectorized prompt GEMM: the row kernel up to the measured rows, then dequantize + GEMM
     assert gguf_ops.method([q4k], 64, False) == "rows" and gguf_ops.method([q4k], 65, False) == "dequantize"
     assert gguf_ops.method([q4k, q6k], 33, False) == "dequantize"
+    # where the extension has the AMX kernel: it takes the prefills from AMX_MIN_ROWS rows on
+    edge = gguf_ops.AMX_MIN_ROWS
+    assert [gguf_ops.method([q4k], r, True, True) for r in (1, 16, 17, edge - 1, edge, 2048)] == \
+        ["rows", "rows", "prompt", "prompt", "amx", "amx"]
+    assert gguf_ops.method([q4k, q6k], edge, False, True) == "amx"
+
+
+def _amx_or_skip(ext):
+    if not (hasattr(ext, "gguf_amx_available") and ext.gguf_amx_available()):
+        pytest.skip(f"no AMX on this CPU (the AMX kernel needs AMX-BF16: Intel Xeon since Sapphire Rapids; "
+                    f"{ext.isa()} build)")
+
+
+AMX_CASES = [(1, 40, 512), (17, 24, 768), (64, 48, 256), (100, 56, 1024), (1000, 40, 2304)]
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("m,n,k", AMX_CASES, ids=lambda v: str(v))
+def test_amx_kernel_is_the_bf16_product(ext, qtype, m, n, k):
+    """gguf_linear_amx: x and gguf.quants' weights rounded to bf16, summed in fp32: against that product in float64,
+    for the parts as stored and as the CPU loader lays them out (x8 / r8 / l4); odd panel counts, a last block of
+    rows shorter than a tile, and (1000 x 2304) K in several blocks; a bf16 x gives the same as its fp32 x."""
+    from edgellm.quant.gguf_linear import GGUFPart, repack_for_cpu
+
+    _amx_or_skip(ext)
+    k = k if qtype in K_QUANTS else k + 96  # the 32-value types: K not a multiple of 256, as where files use them
+    raw = make_weights(qtype, n, k, seed=int(qtype) + m)
+    w = torch.from_numpy(dequant_ref(raw, qtype)).to(torch.bfloat16).double()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + n))
+    xb = x.to(torch.bfloat16).double()
+    want = xb @ w.T
+    bound = 1e-6 * (xb.abs() @ w.abs().T).max().item()  # fp32 sums of K products
+    stored = [(torch.from_numpy(raw), int(qtype), n, None)]
+    laid = [(p.raw, p.type, p.rows, p.out_index)
+            for p in repack_for_cpu([GGUFPart(torch.from_numpy(raw), int(qtype), n)], k)]
+    for parts in (stored, laid):
+        y = ext.gguf_linear_amx(x, parts, n)
+        assert y.dtype == torch.float32 and y.shape == (m, n)
+        err = (y.double() - want).abs().max().item()
+        assert err <= bound, (qtype.name, [p[1] for p in parts], m, n, k, err, bound)
+    assert torch.equal(ext.gguf_linear_amx(x.to(torch.bfloat16), laid, n), ext.gguf_linear_amx(x, laid, n))
+
+
+def test_amx_kernel_out_index_and_parts(ext):
+    """Two parts of different types, one writing its rows to permuted columns: each column its own row's product."""
+    _amx_or_skip(ext)
+    k = 512
+    raw_a, raw_b = make_weights(Q.Q4_K, 24, k, seed=21), make_weights(Q.Q8_0, 8, k, seed=22)
+    index = torch.tensor([30, 1, 7, 3, 25, 0, 12, 9], dtype=torch.int32)
+    order = torch.tensor([r for r in range(32) if r not in set(index.tolist())], dtype=torch.int32)
+    w = torch.empty(32, k, dtype=torch.float64)
+    w[order.long()] = torch.from_numpy(dequant_ref(raw_a, Q.Q4_K)).to(torch.bfloat16).double()
+    w[index.long()] = torch.from_numpy(dequant_ref(raw_b, Q.Q8_0)).to(torch.bfloat16).double()
+    x = torch.randn(130, k, generator=torch.Generator().manual_seed(5))
+    y = ext.gguf_linear_amx(x, [(torch.from_numpy(raw_a), int(Q.Q4_K), 24, order),
+                                (torch.from_numpy(raw_b), int(Q.Q8_0), 8, index)], 32)
+    want = x.to(torch.bfloat16).double() @ w.T
+    assert (y.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_amx_kernel_bad_arguments(ext):
+    raw = torch.from_numpy(make_weights(Q.Q4_K, 16, 256, seed=1))
+    part = [(raw, int(Q.Q4_K), 16, None)]
+    if not (hasattr(ext, "gguf_amx_available") and ext.gguf_amx_available()):
+        with pytest.raises(RuntimeError, match="no AMX here"):
+            ext.gguf_linear_amx(torch.randn(70, 256), part, 16)
+        return
+    for bad in (lambda: ext.gguf_linear_amx(torch.randn(70, 128), part, 16),  # K of another tensor
+                lambda: ext.gguf_linear_amx(torch.randn(70, 256), part, 17),  # a column no part writes
+                lambda: ext.gguf_linear_amx(torch.randn(70, 256).half(), part, 16),
+                lambda: ext.gguf_linear_amx(torch.randn(2, 70, 256), part, 16)):
+        with pytest.raises((RuntimeError, ValueError)):
+            bad()
 
 
 def test_gguf_linear_module_takes_each_path(ext, monkeypatch):
-    """GGUFLinear: 16 rows give gguf_linear's bits, 40 rows gguf_linear_prompt's where it is vectorized; with
-    PROMPT_GEMM off, the paths before it (row kernel, then dequantize + GEMM)."""
+    """GGUFLinear: 16 rows give gguf_linear's bits, 40 rows gguf_linear_prompt's where it is vectorized, 70 rows
+    gguf_linear_amx's where AMX runs; with AMX_GEMM and PROMPT_GEMM off, the paths before them (row kernel, then
+    dequantize + GEMM)."""
     from edgellm.quant.gguf_linear import GGUFLinear, GGUFPart
 
     k = 512
@@ -217,8 +291,12 @@ def test_gguf_linear_module_takes_each_path(ext, monkeypatch):
     if ext.gguf_prompt_gemm_fast():
         assert torch.equal(y, ext.gguf_linear_prompt(x, parts, 24))
         assert_rows_close(y.numpy(), reference(x.numpy(), [(raw, Q.Q4_K, None)], 24), "module")
-    monkeypatch.setattr(gguf_ops, "PROMPT_GEMM", False)  # as before the prompt GEMM
     x70 = torch.randn(70, k, generator=torch.Generator().manual_seed(9))
+    if hasattr(ext, "gguf_amx_available") and ext.gguf_amx_available():  # 70 rows: the AMX kernel, where it runs
+        with torch.no_grad():
+            assert torch.equal(lin(x70), ext.gguf_linear_amx(x70, parts, 24))
+    monkeypatch.setattr(gguf_ops, "AMX_GEMM", False)
+    monkeypatch.setattr(gguf_ops, "PROMPT_GEMM", False)  # as before the prompt GEMM
     with torch.no_grad():
         assert torch.equal(lin(x), ext.gguf_linear(x, parts, 24))  # Q4_K: the row kernel up to 64 rows
         w = torch.from_numpy(dequant_ref(raw, Q.Q4_K))
@@ -390,18 +468,26 @@ def test_prefill_logits_track_fp(tmp_path, monkeypatch):
     fp = _logits(load_model(path, weights="fp"), ids)
     auto = load_model(path, weights="auto")
     rows = []
-    real = GGUFLinear._kernel
+    real = GGUFLinear._method
 
     def spy(self, x2):
-        fn = real(self, x2)
-        rows.append((x2.shape[0], getattr(fn, "__name__", None)))
-        return fn
+        how, ext = real(self, x2)
+        rows.append((x2.shape[0], how))
+        return how, ext
 
-    monkeypatch.setattr(GGUFLinear, "_kernel", spy)
+    monkeypatch.setattr(GGUFLinear, "_method", spy)
+    monkeypatch.setattr(gguf_ops, "AMX_GEMM", False)  # the prompt GEMM here, on any CPU
     new = _logits(auto, ids)
     if e.gguf_prompt_gemm_fast():
-        assert {r for r in rows if r[0] == 150} == {(150, "gguf_linear_prompt")}
-    assert {r for r in rows if r[0] == 1} == {(1, "gguf_linear")}
+        assert {r for r in rows if r[0] == 150} == {(150, "prompt")}
+    assert {r for r in rows if r[0] == 1} == {(1, "rows")}
+    amx = hasattr(e, "gguf_amx_available") and e.gguf_amx_available()
+    bf16 = []
+    if amx:  # the AMX kernel, where this CPU has it
+        rows.clear()
+        monkeypatch.setattr(gguf_ops, "AMX_GEMM", True)
+        bf16 = _logits(auto, ids)
+        assert {r for r in rows if r[0] == 150} == {(150, "amx")} and {r for r in rows if r[0] == 1} == {(1, "rows")}
 
     def emulated(self, x):
         xb = x.float().reshape(*x.shape[:-1], -1, 32)
@@ -416,4 +502,24 @@ def test_prefill_logits_track_fp(tmp_path, monkeypatch):
         kl_new, kl_emu = _kl(got, want), _kl(ref, want)
         assert kl_new.mean() <= 1.25 * kl_emu.mean() + 1e-4, (kl_new.mean(), kl_emu.mean())
         assert kl_new.max() <= 2.0 * kl_emu.max() + 1e-3, (kl_new.max(), kl_emu.max())
+        assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9
+    if not amx:
+        return
+
+    # the AMX kernel: bounded by the same model with every GGUF linear computed in float64 from x and gguf.quants'
+    # weights rounded to bf16 (its own rounding: one position of this tiny random model is far more sensitive to it
+    # than to int8 x), and on average no worse than the int8 path's bound
+    def emulated_bf16(self, x):
+        w = self.dequantized_weight(torch.float32).to(torch.bfloat16).double()
+        y = F.linear(x.to(torch.bfloat16).double(), w, None if self.bias is None else self.bias.double())
+        return y.to(x.dtype)
+
+    monkeypatch.setattr(GGUFLinear, "forward", emulated_bf16)
+    emu_bf16 = _logits(auto, ids)
+    for i, (got, ref, ref8, want) in enumerate(zip(bf16, emu_bf16, emu, fp)):
+        kl_amx, kl_ref, kl_8 = _kl(got, want), _kl(ref, want), _kl(ref8, want)
+        if i == 0:  # the prefill (the decode step after it runs the row kernel: the int8 bounds alone)
+            assert kl_amx.mean() <= 1.25 * kl_ref.mean() + 1e-4, (kl_amx.mean(), kl_ref.mean())
+            assert kl_amx.max() <= 2.0 * kl_ref.max() + 1e-3, (kl_amx.max(), kl_ref.max())
+        assert kl_amx.mean() <= 1.25 * kl_8.mean() + 1e-4, (kl_amx.mean(), kl_8.mean())
         assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.9

@@ -50,6 +50,8 @@ def test_round_trip_and_dequantize(r8_ext, qtype, n, k):
     np.testing.assert_array_equal(r8_ext.gguf_unrepack_r8(r8, int(qtype), n, k).numpy(), raw)
     got = r8_ext.gguf_dequantize(r8.reshape(-1), int(qtype) + R8, n, k).numpy()
     np.testing.assert_array_equal(got.view(np.uint32), dequant_ref(raw, qtype).view(np.uint32))
+    bf16 = r8_ext.gguf_dequantize(r8.reshape(-1), int(qtype) + R8, n, k, torch.empty(n, k, dtype=torch.bfloat16))
+    assert torch.equal(bf16, torch.from_numpy(dequant_ref(raw, qtype)).to(torch.bfloat16))  # the AMX prefill's
 
 
 @pytest.mark.parametrize("qtype", R8_TYPES, ids=lambda t: t.name)

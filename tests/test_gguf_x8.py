@@ -60,6 +60,8 @@ def test_repack_round_trip_and_dequantize(x8_ext, qtype):
     np.testing.assert_array_equal(back, raw)
     got = x8_ext.gguf_dequantize(x8.reshape(-1), int(qtype) + X8, n, k).numpy()
     np.testing.assert_array_equal(got.view(np.uint32), dequant_ref(raw, qtype).view(np.uint32))
+    bf16 = x8_ext.gguf_dequantize(x8.reshape(-1), int(qtype) + X8, n, k, torch.empty(n, k, dtype=torch.bfloat16))
+    assert torch.equal(bf16, torch.from_numpy(dequant_ref(raw, qtype)).to(torch.bfloat16))  # the AMX prefill's
 
 
 @pytest.mark.parametrize("qtype", X8_TYPES, ids=lambda t: t.name)
