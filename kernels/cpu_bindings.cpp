@@ -243,6 +243,15 @@ at::Tensor gguf_product(const at::Tensor& x_, const py::list& parts_, int64_t N_
   return out;
 }
 
+// bf16 rows [Mp, K] of x (Mp: M rounded up to 16, the rows past M zeros), as the AMX kernels take x.
+at::Tensor amx_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), Mp = (M + 15) / 16 * 16;
+  at::Tensor xb = at::empty({Mp, x.size(1)}, x.options().dtype(at::kBFloat16));
+  xb.narrow(0, 0, M).copy_(x);  // torch's rounding to nearest even
+  if (Mp > M) xb.narrow(0, M, Mp - M).zero_();
+  return xb;
+}
+
 // The same product on AMX tiles in bf16 (gguf_gemm_amx): x rounded to bf16 once for all parts, as rows of a
 // buffer whose row count is a multiple of 16.
 at::Tensor gguf_linear_amx(const at::Tensor& x_, const py::list& parts_, int64_t N_total) {
@@ -255,10 +264,7 @@ at::Tensor gguf_linear_amx(const at::Tensor& x_, const py::list& parts_, int64_t
   std::vector<GgufPartView> parts;
   for (const py::handle& item : parts_) parts.push_back(gguf_part(item, K, what));
   check_gguf_columns(parts, N_total, what);
-  const int64_t Mp = (M + 15) / 16 * 16;
-  at::Tensor xb = at::empty({Mp, K}, x_.options().dtype(at::kBFloat16));
-  xb.narrow(0, 0, M).copy_(x_);  // torch's rounding to nearest even
-  if (Mp > M) xb.narrow(0, M, Mp - M).zero_();
+  const at::Tensor xb = amx_rows(x_);
   at::Tensor out = at::empty({M, N_total}, x_.options().dtype(at::kFloat));
   float* y = out.data_ptr<float>();
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(xb.data_ptr());
@@ -336,8 +342,9 @@ at::Tensor rms_norm(const at::Tensor& x_, const at::Tensor& w_, double eps) {
 // x fp32 [M, K] @ W^T for our int8 / int4 weights (quant/groups.py layout) through the prompt GEMM -> fp32 [M, N]:
 // the prefill of QuantLinear (kernels/matmul.py), x rounded to int8 per 32 values as in the decode kernels.
 at::Tensor quant_linear_prompt(const at::Tensor& x_, const at::Tensor& codes_, const at::Tensor& scales_,
-                               const at::Tensor& mins_, int64_t group_size, int64_t bits) {
+                               const at::Tensor& mins_, int64_t group_size, int64_t bits, bool amx) {
   const char* what = "edgellm quant_linear_prompt";
+  TORCH_CHECK(!amx || edgellm::gguf_amx_available(), what, ": no AMX here (", edgellm::isa_name(), " build)");
   const at::Tensor x = as_f32_rows(x_);
   const at::Tensor codes = codes_.contiguous(), scales = scales_.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
@@ -362,6 +369,12 @@ at::Tensor quant_linear_prompt(const at::Tensor& x_, const at::Tensor& codes_, c
   w.mins = mins.defined() ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
   w.bits = (int)bits;
   w.group = group_size;
+  if (amx) {
+    const at::Tensor xb = amx_rows(x);
+    py::gil_scoped_release nogil;
+    edgellm::quant_gemm_amx(reinterpret_cast<const uint16_t*>(xb.data_ptr()), M, K, w, N, out.data_ptr<float>(), N);
+    return out;
+  }
   {
     py::gil_scoped_release nogil;
     const edgellm::GgufActs acts = edgellm::gguf_quantize_acts(x.data_ptr<float>(), M, K, /*paired=*/false);
@@ -762,8 +775,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear_prompt", &gguf_linear_prompt, py::arg("x"), py::arg("parts"), py::arg("n_total"),
         "gguf_linear for prompt chunks: the int8 panel GEMM (equal to fp32 rounding, not bit for bit)");
   m.def("quant_linear_prompt", &quant_linear_prompt, py::arg("x"), py::arg("codes"), py::arg("scales"),
-        py::arg("mins"), py::arg("group_size"), py::arg("bits"),
-        "x fp32 [M, K] @ W^T for int8 / int4 codes (quant/groups.py) through the int8 prompt GEMM -> fp32 [M, N]");
+        py::arg("mins"), py::arg("group_size"), py::arg("bits"), py::arg("amx") = false,
+        "x fp32 [M, K] @ W^T for int8 / int4 codes (quant/groups.py) through the int8 prompt GEMM -> fp32 [M, N]; "
+        "amx: on AMX tiles in bf16 instead (gguf_linear_amx's kernel)");
   m.def("gguf_linear_amx", &gguf_linear_amx, py::arg("x"), py::arg("parts"), py::arg("n_total"),
         "gguf_linear for prompt chunks on AMX tiles: x and the weights rounded to bf16, fp32 sums");
   m.def("gguf_amx_available", &edgellm::gguf_amx_available,

@@ -2277,6 +2277,19 @@ void quant_gemm_prompt(const GgufActs& acts, const QuantWeights& w, int64_t N, f
   else if (w.bits == 4) prompt_quant<GGUF_Q4_0>(acts, w, N, y, ldy);
 }
 
+void quant_gemm_amx(const uint16_t* xb, int64_t M, int64_t K, const QuantWeights& w, int64_t N, float* y, int64_t ldy) {
+#ifdef EDGELLM_P_AMX
+  if (N <= 0 || M <= 0 || !gguf_amx_available() || w.group <= 0 || w.group % 32 || K % w.group) return;
+  std::vector<int32_t> cols((size_t)N);
+  for (int64_t n = 0; n < N; ++n) cols[(size_t)n] = (int32_t)n;
+  if (w.bits == 8) amx_gemm<GGUF_Q8_0>(xb, M, K, QuantRows<GGUF_Q8_0>{w, K}, N, cols.data(), y, ldy);
+  else if (w.bits == 4 && w.mins) amx_gemm<GGUF_Q4_1>(xb, M, K, QuantRows<GGUF_Q4_1>{w, K}, N, cols.data(), y, ldy);
+  else if (w.bits == 4) amx_gemm<GGUF_Q4_0>(xb, M, K, QuantRows<GGUF_Q4_0>{w, K}, N, cols.data(), y, ldy);
+#else
+  (void)xb, (void)M, (void)K, (void)w, (void)N, (void)y, (void)ldy;
+#endif
+}
+
 bool gguf_prompt_gemm_fast() {
 #ifdef EDGELLM_G_AVX2
   return true;

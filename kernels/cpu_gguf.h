@@ -185,6 +185,8 @@ struct QuantWeights {
 // y[m * ldy + n] = x @ W^T through the prompt GEMM (W as Q8_0 / Q4_0 / Q4_1 with the scales read from their own
 // arrays): the prefill of edgellm's own quantized weights, equal to the int8 / int4 kernels to fp32 rounding.
 void quant_gemm_prompt(const GgufActs& acts, const QuantWeights& w, int64_t N, float* y, int64_t ldy);
+// The same on AMX tiles in bf16 (gguf_gemm_amx's kernel), x as bf16 rows [Mp, K]; does nothing where not available.
+void quant_gemm_amx(const uint16_t* xb, int64_t M, int64_t K, const QuantWeights& w, int64_t N, float* y, int64_t ldy);
 // True where the prompt GEMM is vectorized (AVX2, AVX-512 VNNI); elsewhere it is a portable reference version.
 bool gguf_prompt_gemm_fast();
 // True where gguf_gemm_amx runs: an AVX-512 VNNI build on Linux x86-64, a CPU with AMX-BF16 and AVX512-BF16, and the

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import gguf_ops
+
 from .int4_layout import Q4_BLOCK as BLOCK, unpack_q4_blocks
 
 CPU_KERNEL_MAX_M = 16  # decode and verification sizes: always the C++ kernel (prefill: PREFILL_KERNEL_MAX_M)
@@ -178,6 +180,17 @@ def _prompt_gemm(ext, bits: int, x: torch.Tensor, group_size: int, opts: KernelO
         return False
     bf16 = x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and opts.dense_bf16(bits))
     return not bf16 or rows <= _kernel_max_rows(ext, bits, x, opts)
+
+
+def _amx_prompt(ext, x: torch.Tensor, group_size: int, opts: KernelOptions) -> bool:
+    """Whether this prefill runs on the extension's AMX kernel (quant_linear_prompt(..., amx=True)): from
+    gguf_ops.AMX_MIN_ROWS rows on, where the CPU has AMX, as GGUF linears do (kernels/gguf_ops.py)."""
+    if (not gguf_ops.AMX_GEMM or _rows(x) < gguf_ops.AMX_MIN_ROWS or not opts.prefill_kernel
+            or opts.variant != _INT_DOT_OR_AUTO or group_size % BLOCK or x.shape[-1] % BLOCK):
+        return False
+    if "amx" not in _cpu_ext_state:
+        _cpu_ext_state["amx"] = hasattr(ext, "gguf_amx_available") and bool(ext.gguf_amx_available())
+    return _cpu_ext_state["amx"]
 
 
 def _float_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, bits: int,
@@ -392,8 +405,9 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, grou
     if _use_pack(pack, x):
         return _finish(_packed_matmul(x.reshape(-1, k), pack), x, bias)
     ext = cpu_extension() if x.device.type == "cpu" else None
-    if ext is not None and _prompt_gemm(ext, 8, x, group_size, options):
-        return _finish_cpu(ext.quant_linear_prompt(x.reshape(-1, k), codes, scales, _NO_MINS, group_size, 8), x, bias)
+    amx = ext is not None and _amx_prompt(ext, x, group_size, options)
+    if amx or (ext is not None and _prompt_gemm(ext, 8, x, group_size, options)):
+        return _finish_cpu(ext.quant_linear_prompt(x.reshape(-1, k), codes, scales, _NO_MINS, group_size, 8, amx), x, bias)
     if ext is not None and _in_kernel(ext, 8, x, options):  # the C++ side makes x contiguous fp32
         out = ext.int8_gemm_variant(x.reshape(-1, k), codes, scales, group_size, options.variant)
         return _finish_cpu(out, x, bias)
@@ -412,8 +426,9 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins
         return _finish(_packed_matmul(x.reshape(-1, k), pack), x, bias)
     ext = cpu_extension() if x.device.type == "cpu" else None
     m = _NO_MINS if mins is None else mins
-    if ext is not None and _prompt_gemm(ext, 4, x, group_size, options):
-        return _finish_cpu(ext.quant_linear_prompt(x.reshape(-1, k), codes, scales, m, group_size, 4), x, bias)
+    amx = ext is not None and _amx_prompt(ext, x, group_size, options)
+    if amx or (ext is not None and _prompt_gemm(ext, 4, x, group_size, options)):
+        return _finish_cpu(ext.quant_linear_prompt(x.reshape(-1, k), codes, scales, m, group_size, 4, amx), x, bias)
     if ext is not None and _in_kernel(ext, 4, x, options):
         out = ext.int4_gemm_variant(x.reshape(-1, k), codes, scales, m, group_size, options.variant)
         return _finish_cpu(out, x, bias)
