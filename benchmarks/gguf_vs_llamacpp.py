@@ -154,6 +154,7 @@ def main() -> None:
     ap.add_argument("files", nargs="*")
     ap.add_argument("--peer-python", default="/tmp/peer/bin/python")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--note", default=None, help="a line kept in the --json file (how the peer was built, say)")
     ap.add_argument("--merge", action="store_true",
                     help="keep the --json file's rows of other files (each row carries its own date and load)")
     ap.add_argument("--rounds", type=int, default=1,
@@ -194,7 +195,7 @@ def main() -> None:
         done = {r["file"] for r in rows}
         rows = [r for r in json.loads(Path(args.json).read_text())["rows"] if r["file"] not in done] + rows
     if args.json:
-        write_doc(args.json, rows, threads=THREADS, ctx=CTX)
+        write_doc(args.json, rows, threads=THREADS, ctx=CTX, **({"note": args.note} if args.note else {}))
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ inline float no_contract(float v) {
 
 inline void prefetch(const void* p) {
 #if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 3);
+  __builtin_prefetch(p, 0, 2);  // into L2 (T1): see cpu_gguf_x8.cpp prefetch_sb
 #else
   (void)p;
 #endif

@@ -179,9 +179,9 @@ static float* scale_scratch(size_t floats) {
 
 static inline void prefetch(const void* p) {
 #if defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(p, 0, 3);
+  __builtin_prefetch(p, 0, 2);  // into L2 (T1): see cpu_gguf_x8.cpp prefetch_sb
 #elif defined(EDGELLM_AVX2)
-  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
 #else
   (void)p;
 #endif
