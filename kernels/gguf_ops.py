@@ -38,12 +38,13 @@ PROMPT_GEMM = True
 
 
 # Where the extension has the AMX kernel (`ext.gguf_amx_available()`: Intel Xeon since Sapphire Rapids), prefills of
-# at least this many rows run on AMX tiles in bf16 (`ext.gguf_linear_amx`, cpu_gguf.cpp "AMX prefill"): 1.1-1.8x the
-# prompt GEMM at 64-512 rows of Llama-3.2-1B's shapes, 0.8-0.9x below (benchmarks/gguf_amx_gemm.py,
-# results/gguf-amx-gemm.json). Its bf16 rounding of x and W is finer than the prompt GEMM's int8 x: on SmolLM2
-# Q4_K_M / Q8_0 KL to the fp model 0.00016 against 0.0031-0.0033 (results/gguf-amx-kl.json).
-# AMX_GEMM = False keeps the prompt GEMM (A/B runs).
-AMX_MIN_ROWS = 64
+# at least this many rows run on AMX tiles in bf16 (`ext.gguf_linear_amx`, cpu_gguf.cpp "AMX prefill"): 1.2-2.0x the
+# prompt GEMM at 128-512 rows of Llama-3.2-1B's shapes (benchmarks/gguf_amx_gemm.py, results/gguf-amx-gemm.json), and
+# finer: its bf16 rounding of x and W against the prompt GEMM's int8 x gave SmolLM2 Q4_K_M / Q8_0 a KL to the fp model
+# of 0.00016 against 0.0031-0.0033 (results/gguf-amx-kl.json). From 32 rows on, where its TTFT ties the prompt GEMM's
+# on the 1B-shaped Q4_K_M (0.98x at 32 tokens, 0.89x at 48) and costs SmolLM2 ~4 ms (1.13x at 32 tokens; 1.2x at 24,
+# so shorter prompts keep the prompt GEMM): results/gguf-amx-prefill-ab.json. AMX_GEMM = False keeps the prompt GEMM.
+AMX_MIN_ROWS = 32
 AMX_GEMM = True
 
 

@@ -274,7 +274,7 @@ def test_amx_kernel_bad_arguments(ext):
 
 
 def test_gguf_linear_module_takes_each_path(ext, monkeypatch):
-    """GGUFLinear: 16 rows give gguf_linear's bits, 40 rows gguf_linear_prompt's where it is vectorized, 70 rows
+    """GGUFLinear: 16 rows give gguf_linear's bits, 24 rows gguf_linear_prompt's where it is vectorized, 70 rows
     gguf_linear_amx's where AMX runs; with AMX_GEMM and PROMPT_GEMM off, the paths before them (row kernel, then
     dequantize + GEMM)."""
     from edgellm.quant.gguf_linear import GGUFLinear, GGUFPart
@@ -283,7 +283,8 @@ def test_gguf_linear_module_takes_each_path(ext, monkeypatch):
     raw = make_weights(Q.Q4_K, 24, k, seed=8)
     lin = GGUFLinear([GGUFPart(torch.from_numpy(raw), int(Q.Q4_K), 24)], k)
     parts = [(torch.from_numpy(raw), int(Q.Q4_K), 24, None)]
-    x = torch.randn(40, k, generator=torch.Generator().manual_seed(8))
+    x = torch.randn(24, k, generator=torch.Generator().manual_seed(8))  # below gguf_ops.AMX_MIN_ROWS
+    assert 16 < x.shape[0] < gguf_ops.AMX_MIN_ROWS
     monkeypatch.setattr(matmul, "cpu_extension", lambda: ext)
     with torch.no_grad():
         assert torch.equal(lin(x[:16]), ext.gguf_linear(x[:16], parts, 24))

@@ -125,13 +125,14 @@ def test_bad_arguments_raise(ext, bad):
 def test_quant_linear_takes_each_path(ext, monkeypatch):
     """QuantLinear: decode sizes (<= 16 rows) give the int kernel's bits, a prefill the prompt GEMM's where it is
     vectorized, 70 rows the AMX kernel's where it runs; AMX_GEMM and QUANT_PROMPT_GEMM False keep the path before
-    them (the int kernel, at 48 rows, in the vector builds)."""
+    them (the int kernel, at 24 rows, in the vector builds)."""
     from edgellm.quant.linear import QuantLinear
 
     k, n = 576, 40
     qt = _weights(4, False, 32, n, k, seed=5)
     lin = QuantLinear(qt)
-    x = torch.randn(48, k, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(24, k, generator=torch.Generator().manual_seed(5))  # below gguf_ops.AMX_MIN_ROWS
+    assert 16 < x.shape[0] < gguf_ops.AMX_MIN_ROWS
     monkeypatch.setattr(matmul, "cpu_extension", lambda: ext)
     monkeypatch.setitem(matmul._cpu_ext_state, "ext", ext)
     with torch.no_grad():
