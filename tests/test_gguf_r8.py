@@ -126,12 +126,14 @@ def test_loader_regroups_q5_linears(r8_ext, monkeypatch):
 
 
 @pytest.mark.parametrize("m", [3, 40])
-def test_loader_interleaves_q5_linears(r8_ext, m):
+def test_loader_interleaves_q5_linears(r8_ext, m, monkeypatch):
     """repack_for_cpu as loaded (Q5_LAYOUT = "x8" where the build has it): a Q5_0 part's first 8 rows in the x8
     layout and its last 4 in r8, Q5_1's 7 rows (no group of 8) in r8, Q4_0 as stored; every originally mapped
     part whose rows were all copied released; the product (row kernel at M = 3, prompt GEMM at 40) against the
     float64 reference."""
+    from edgellm.kernels import gguf_ops
     from edgellm.quant import gguf_linear
+    monkeypatch.setattr(gguf_ops, "AMX_GEMM", False)  # 40 rows: the prompt GEMM (AMX CPUs: the AMX kernel's tests)
     from edgellm.quant.gguf_linear import X8, GGUFLinear, repack_for_cpu
 
     require_layout(r8_ext, "x8", X8_TYPES)

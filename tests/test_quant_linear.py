@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgellm.errors import QuantizationError
-from edgellm.kernels import matmul
+from edgellm.kernels import gguf_ops, matmul
 from edgellm.quant.groups import quantize
 from edgellm.quant.linear import QuantEmbedding, QuantLinear, quantize_linears
 
@@ -250,6 +250,7 @@ def test_prefill_rows_take_the_kernel_up_to_the_measured_crossover(monkeypatch):
     if ext is None:
         pytest.skip("C++ CPU kernel not available")
     monkeypatch.setattr(matmul, "QUANT_PROMPT_GEMM", False)
+    monkeypatch.setattr(gguf_ops, "AMX_GEMM", False)  # (AMX CPUs: the AMX kernel's own tests)
     monkeypatch.setattr(matmul, "PREFILL_KERNEL_MAX_M", {(ext.isa(), matmul.ACTIVATIONS["int8"], "fp32"): 48})
     auto_fp32 = FP32_PREFILL  # the auto mode, its GEMM in fp32 (as on a CPU without native bf16)
     lin = make_linear(n=64, k=256, bias=True)
