@@ -8,7 +8,7 @@ The weights are the same numbers either way (every block kept bit for bit, or de
 gguf.quants); what differs is the activations, rounded to int8 per 32 values by the kernels as llama.cpp rounds them
 (`--activations int8x2` / `--weights fp` avoid it). On a CPU with AMX the windows' prefills run on the AMX kernel in
 bf16 (kernels/gguf_ops.py); `--amx off` runs the child with it off (the int8 prompt GEMM), `--amx both` each file both
-ways.
+ways; `--amx-attention` likewise the prefill's attention on AMX tiles or in fp32.
 """
 from __future__ import annotations
 
@@ -31,19 +31,25 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--amx", choices=["on", "off", "both"], default="on")
+    ap.add_argument("--amx-attention", choices=["on", "off", "both"], default="on",
+                    help="the prefill's attention on AMX tiles (kernels/attention.AMX_ATTENTION) or in fp32")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     rows = []
-    for path, amx in ((p, a) for p in args.files for a in (("on", "off") if args.amx == "both" else (args.amx,))):
+    both = ("on", "off")
+    runs = [(p, a, t) for p in args.files for a in (both if args.amx == "both" else (args.amx,))
+            for t in (both if args.amx_attention == "both" else (args.amx_attention,))]
+    for path, amx, att in runs:
         cli = ["perplexity", "-m", path, "-f", TEXT, "--reference", "fp", "--ctx", str(args.ctx), "--max-windows",
                str(args.windows), "--threads", str(args.threads), "--json"]
         off = "from edgellm.kernels import gguf_ops; gguf_ops.AMX_GEMM = False; " if amx == "off" else ""
+        off += "from edgellm.kernels import attention; attention.AMX_ATTENTION = False; " if att == "off" else ""
         cmd = [sys.executable, "-c", f"import sys; {off}from edgellm.cli import main; sys.exit(main({cli!r}))"]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
         r = json.loads(out)
-        r["amx_kernel"] = amx
+        r["amx_kernel"], r["amx_attention"] = amx, att
         rows.append(r)
-        print(f"{Path(path).name} (AMX kernel {amx}): KL {r['kl_mean']:.5f} (p99 {r['kl_p99']:.4f}), top-1 {100 * r['top1_agreement']:.1f}%, "
+        print(f"{Path(path).name} (AMX kernel {amx}, attention {att}): KL {r['kl_mean']:.5f} (p99 {r['kl_p99']:.4f}), top-1 {100 * r['top1_agreement']:.1f}%, "
               f"ppl {r['perplexity']:.3f} vs fp {r['reference_perplexity']:.3f}, runs as {r.get('stored_formats')}",
               flush=True)
     if args.json:

@@ -2,7 +2,7 @@
 loaded machine).
 
     python benchmarks/gguf_prefill_ab.py [-m /work/ggufs/random1b.Q4_K_M.gguf] [--tokens 512] [--runs 3]
-                                         [--threads 2] [--compare table|gemm|causal|pointwise|rows|amx] [--json FILE]
+                                         [--threads 2] [--compare table|gemm|causal|pointwise|rows|amx|amx-attention] [--json FILE]
 
 --compare table: setting A is `--a` (default: the table before the per-256 K-quant kernels, which sent prompts of
 more than 64 / 32 rows to dequantize + GEMM), setting B kernels/gguf_ops.py's GGUF_KERNEL_MAX_ROWS as committed,
@@ -19,6 +19,7 @@ int8 / int4 (Q8_0, Q4_0, Q4_1) on the int kernel / GEMM by matmul's table), B = 
 quant_linear_prompt above 16 rows).
 --compare amx: A = the AMX kernel off (gguf_ops.AMX_GEMM = False: the prompt GEMM takes every prefill), B = on (prefills of
 gguf_ops.AMX_MIN_ROWS rows or more on AMX tiles, where the CPU has them).
+--compare amx-attention: A = the causal kernel in fp32 (attention.AMX_ATTENTION = False), B = its AMX path.
 The prompt is GPL-3 text, as benchmarks/gguf_vs_llamacpp.py's; prompts past edgellm.device.prefill_chunk's rows run in chunks.
 """
 from __future__ import annotations
@@ -47,7 +48,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--a", default="Q4_K=64,Q5_K=32,Q6_K=32", help="setting A's table, TYPE=ROWS comma list")
-    ap.add_argument("--compare", choices=["table", "gemm", "causal", "pointwise", "rows", "amx"], default="table")
+    ap.add_argument("--compare", choices=["table", "gemm", "causal", "pointwise", "rows", "amx", "amx-attention"],
+                    default="table")
     ap.add_argument("--isa", choices=["avx2", "scalar"], default=None, help="another kernel build than the best")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -77,8 +79,8 @@ def main() -> None:
     table_b = dict(gguf_ops.GGUF_KERNEL_MAX_ROWS)
     table_a = {k: int(v) for k, v in (kv.split("=") for kv in args.a.split(",") if kv)}
     gemm, causal, fused = args.compare == "gemm", args.compare == "causal", args.compare == "pointwise"
-    rows, amx = args.compare == "rows", args.compare == "amx"
-    if gemm or causal or fused or rows or amx:
+    rows, amx, amx_att = args.compare == "rows", args.compare == "amx", args.compare == "amx-attention"
+    if gemm or causal or fused or rows or amx or amx_att:
         table_a = table_b
     prompt_gemm = gguf_ops.PROMPT_GEMM
     from edgellm import model as model_module
@@ -87,8 +89,9 @@ def main() -> None:
     def setting(name: str) -> None:
         gguf_ops.GGUF_KERNEL_MAX_ROWS.clear()
         gguf_ops.GGUF_KERNEL_MAX_ROWS.update(table_a if name == "A" else table_b)
-        gguf_ops.PROMPT_GEMM = matmul.QUANT_PROMPT_GEMM = (gemm and name == "B") or causal or fused or rows or amx
+        gguf_ops.PROMPT_GEMM = matmul.QUANT_PROMPT_GEMM = (gemm and name == "B") or causal or fused or rows or amx or amx_att
         gguf_ops.AMX_GEMM = not amx or name == "B"
+        attention.AMX_ATTENTION = not amx_att or name == "B"
         model_module.SKIP_UNUSED_ROWS = not rows or name == "B"
         attention.CPU_CAUSAL_KERNEL = not causal or name == "B"
         pointwise.ENABLED = not fused or name == "B"
@@ -108,13 +111,13 @@ def main() -> None:
     gguf_ops.GGUF_KERNEL_MAX_ROWS.clear()
     gguf_ops.GGUF_KERNEL_MAX_ROWS.update(table_b)
     gguf_ops.PROMPT_GEMM = matmul.QUANT_PROMPT_GEMM = prompt_gemm
-    gguf_ops.AMX_GEMM = True
+    gguf_ops.AMX_GEMM = attention.AMX_ATTENTION = True
     attention.CPU_CAUSAL_KERNEL = pointwise.ENABLED = model_module.SKIP_UNUSED_ROWS = True
     res = {k: {"median_s": statistics.median(v), "min_s": min(v), "runs_s": v,
                "cpu_median_s": statistics.median(cpu[k]), "cpu_runs_s": cpu[k]} for k, v in times.items()}
     print(f"A {table_a}{' prompt GEMM off' if gemm else ''}{' causal kernel off' if causal else ''}"
           f"{' torch pointwise ops' if fused else ''}{' every row through the last layer' if rows else ''}"
-          f"{' AMX kernel off' if amx else ''}: "
+          f"{' AMX kernel off' if amx else ''}{' fp32 attention' if amx_att else ''}: "
           f"{res['A']['median_s']:.2f} s   "
           f"B {table_b}{' prompt GEMM on' if gemm else ''}: {res['B']['median_s']:.2f} s   "
           f"B/A = {res['B']['median_s'] / res['A']['median_s']:.2f} (min {res['B']['min_s'] / res['A']['min_s']:.2f}, "
@@ -125,10 +128,12 @@ def main() -> None:
                "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
                "load_average": os.getloadavg(), "model": args.model, "kernel_isa": isa, "tokens": args.tokens,
                "threads": args.threads, "compare": args.compare,
-               "A": {"max_rows": table_a, "prompt_gemm": causal or fused or rows or amx, "amx": not amx,
+               "A": {"max_rows": table_a, "prompt_gemm": causal or fused or rows or amx or amx_att, "amx": not amx,
+                     "amx_attention": not amx_att,
                      "causal_kernel": not causal,
                      "pointwise": not fused, "skip_unused_rows": not rows, **res["A"]},
-               "B": {"max_rows": table_b, "prompt_gemm": gemm or causal or fused or rows or amx, "amx": True,
+               "B": {"max_rows": table_b, "prompt_gemm": gemm or causal or fused or rows or amx or amx_att, "amx": True,
+                     "amx_attention": True,
                      "causal_kernel": True,
                      "pointwise": True, "skip_unused_rows": True, **res["B"]}}
         tmp = Path(args.json).with_suffix(".tmp")

@@ -297,6 +297,11 @@ def _flash_rows(qr: torch.Tensor, store: KVStore, pos0: int, t_rows: int, split:
     return acc.div_(l_run)
 
 
+# Where the extension's AMX kernels run (Intel Xeon since Sapphire Rapids: ext.gguf_amx_available()), the causal
+# kernel takes Q K^T and P V on AMX tiles in bf16 (kernels/cpu_attention.cpp "AMX"; head dims % 32 == 0). False: fp32.
+AMX_ATTENTION = True
+
+
 def _causal_kernel(qr: torch.Tensor, D: int):
     """The C++ kernel for a chunk's rows (kernels/cpu_attention.cpp: query blocks stop at the diagonal, where
     torch's kernel computes whole 512-key blocks, the full square for a chunk of up to 512 rows: 1.6-2x faster at
@@ -307,7 +312,11 @@ def _causal_kernel(qr: torch.Tensor, D: int):
     from .matmul import cpu_extension
 
     ext = cpu_extension()
-    return ext.flash_causal if ext is not None and ext.flash_causal_fast() else None
+    if ext is None or not ext.flash_causal_fast():
+        return None
+    if AMX_ATTENTION and D % 32 == 0 and hasattr(ext, "gguf_amx_available") and ext.gguf_amx_available():
+        return functools.partial(ext.flash_causal, amx=True)
+    return ext.flash_causal
 
 
 def _folds_scales(store: KVStore, which: int = 1) -> bool:

@@ -28,6 +28,7 @@
 namespace edgellm {
 
 void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
+bool gguf_amx_available();  // cpu_gguf.cpp: AMX-BF16 here and the tile state granted
 
 #ifdef EDGELLM_SIMD_AVX2
 namespace {
@@ -152,13 +153,54 @@ void in_tiles(int rows, F&& f) {
   }
 }
 
+// The online softmax of one key block's scores s[nr][BK] (row i's last visible key: last0 + i, block-relative): the
+// causal mask, the running max m and sum l per row, s turned into e^(s - m), and o[nr][D] rescaled to the new max.
+template <class S>
+void softmax_block(float* s, int nr, int64_t last0, float* m, float* l, float* o, int64_t D) {
+  using V = typename S::V;
+  constexpr int W = S::W;
+  for (int i = 0; i < nr; ++i) {
+    float* si = s + i * BK;
+    const int64_t last = last0 + i;  // the row's last visible key in this block (causal)
+    for (int j = (int)std::max<int64_t>(0, std::min<int64_t>(last + 1, BK)); j < BK; ++j)
+      si[j] = -std::numeric_limits<float>::infinity();
+    V mx = S::load(si);
+    for (int j = W; j < BK; j += W) mx = S::max(mx, S::load(si + j));
+    const float m_new = std::max(m[i], S::maximum(mx));  // finite: the first block holds key 0, visible to every row
+    const V mv = S::set1(m_new);
+    V sum = S::zero();
+    for (int j = 0; j < BK; j += W) {
+      const V e = S::exp_neg(S::load(si + j), mv);
+      S::store(si + j, e);
+      sum = S::add(sum, e);
+    }
+    const float alpha = std::exp(m[i] - m_new);  // 0 on the first block (m = -inf)
+    l[i] = l[i] * alpha + S::sum(sum);
+    m[i] = m_new;
+    if (alpha != 1.0f) {
+      const V av = S::set1(alpha);
+      for (int64_t c = 0; c < D; c += W) S::store(o + i * D + c, S::mul(S::load(o + i * D + c), av));
+    }
+  }
+}
+
+// out[nr][D] = o / l per row, lse = m + log l.
+template <class S>
+void finish_rows(const float* o, const float* m, const float* l, int nr, int64_t D, float* out, float* lse) {
+  using V = typename S::V;
+  constexpr int W = S::W;
+  for (int i = 0; i < nr; ++i) {
+    const V inv = S::set1(1.0f / l[i]);
+    for (int64_t c = 0; c < D; c += W) S::storeu(out + i * D + c, S::mul(S::load(o + i * D + c), inv));
+    lse[i] = m[i] + std::log(l[i]);
+  }
+}
+
 // One query block: rows [r0, r0 + nr) of one head, row r at position pos0 + r, against keys [0, pos0 + r0 + nr):
 // kt the head's key blocks [.][D][BK], v its values [L][D].
 template <class S>
 void query_block(const float* q, const float* kt, const float* v, float* out, float* lse, int64_t pos0, int64_t r0,
                  int nr, int64_t D) {
-  using V = typename S::V;
-  constexpr int W = S::W;
   alignas(64) float s[BQ * BK];
   alignas(64) float o[BQ * 256];
   float m[BQ], l[BQ];
@@ -169,37 +211,174 @@ void query_block(const float* q, const float* kt, const float* v, float* out, fl
   for (int64_t c0 = 0; c0 < end; c0 += BK) {
     const int nk = (int)std::min<int64_t>(BK, end - c0);
     in_tiles(nr, [&](auto R, int i) { scores<S, decltype(R)::value>(q + (r0 + i) * D, D, kt + c0 * D, s + i * BK); });
-    for (int i = 0; i < nr; ++i) {
-      float* si = s + i * BK;
-      const int64_t last = pos0 + r0 + i - c0;  // the row's last visible key in this block (causal)
-      for (int j = (int)std::max<int64_t>(0, std::min<int64_t>(last + 1, BK)); j < BK; ++j)
-        si[j] = -std::numeric_limits<float>::infinity();
-      V mx = S::load(si);
-      for (int j = W; j < BK; j += W) mx = S::max(mx, S::load(si + j));
-      const float m_new = std::max(m[i], S::maximum(mx));  // finite: the first block holds key 0, visible to every row
-      const V mv = S::set1(m_new);
-      V sum = S::zero();
-      for (int j = 0; j < BK; j += W) {
-        const V e = S::exp_neg(S::load(si + j), mv);
-        S::store(si + j, e);
-        sum = S::add(sum, e);
-      }
-      const float alpha = std::exp(m[i] - m_new);  // 0 on the first block (m = -inf)
-      l[i] = l[i] * alpha + S::sum(sum);
-      m[i] = m_new;
-      if (alpha != 1.0f) {
-        const V av = S::set1(alpha);
-        for (int64_t c = 0; c < D; c += W) S::store(o + i * D + c, S::mul(S::load(o + i * D + c), av));
-      }
-    }
+    softmax_block<S>(s, nr, pos0 + r0 - c0, m, l, o, D);
     in_tiles(nr, [&](auto R, int i) { accumulate<S, decltype(R)::value>(s + i * BK, nk, v + c0 * D, D, o + i * D); });
   }
-  for (int i = 0; i < nr; ++i) {
-    const V inv = S::set1(1.0f / l[i]);
-    for (int64_t c = 0; c < D; c += W) S::storeu(out + (r0 + i) * D + c, S::mul(S::load(o + i * D + c), inv));
-    lse[r0 + i] = m[i] + std::log(l[i]);
+  finish_rows<S>(o, m, l, nr, D, out + r0 * D, lse + r0);
+}
+
+#if defined(__AVX512F__) && !defined(EDGELLM_SIMDE_AVX512) && defined(__linux__) && defined(__x86_64__) && \
+    (defined(__GNUC__) || defined(__clang__))
+#define EDGELLM_ATT_AMX 1
+// ------------------------------------------------------------------------------------------------ AMX (bf16 tiles)
+// The same walk with S = Q K^T and O += P V on AMX tiles (cpu_gguf.cpp "AMX prefill" for the tiles), each operand
+// split into bf16 hi + lo parts (x = bf16(x) + bf16(x - bf16(x))) and multiplied as hi hi + hi lo + lo hi with fp32
+// sums: ~2^-16 relative, against 2^-23 for the fp32 path and 2^-11 for the fp16 cache's own rounding (one bf16
+// product alone doubled SmolLM2's KL to the fp model: results/gguf-amx-attention-kl-single-bf16.json).  The mask, the online
+// softmax and O stay fp32 as above.  Per KV head, once per call:
+//   kb: K as the B tiles of Q K^T, [key group of 16][D / 32][hi, lo][16 dim pairs][16 keys][2]
+//   vb: V as the B tiles of P V, [key chunk of 32][D / 16][hi, lo][16 key pairs][16 dims][2]
+// (zeros past the last key).  A query block (32 rows: two tiles of 16) makes per key block of 64: 4 x (D / 32) x 2 x 3
+// TDPBF16PS for S, then (D / 16) x 2 x 2 x 3 for P V; tiles: C 0-1, A 2-3 (hi, lo), B 4-5 (hi, lo).
+#define ATT_AMX __attribute__((target("avx512bf16,amx-tile,amx-bf16")))
+
+struct alignas(64) AttTileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+ATT_AMX inline void att_configure() {
+  AttTileConfig cfg;
+  for (int t = 0; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  _tile_loadconfig(&cfg);
+}
+
+ATT_AMX inline __m256i bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
+ATT_AMX inline __m512 bf16_to_ps(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// per column j: [bf16(a[j]), bf16(b[j])]
+ATT_AMX inline __m512i bf16_pairs16(__m512 a, __m512 b) {
+  return _mm512_or_si512(_mm512_cvtepu16_epi32(bf16x16(a)), _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(b)), 16));
+}
+
+// One KV head's keys [0, L) (rows of D) as kb, nkg groups of 16 keys: per group and 32 dims a tile of bf16(k) and
+// one of the remainder bf16(k - bf16(k)) (zeros past L).
+ATT_AMX void layout_k(const float* k, int64_t L, int64_t D, int64_t nkg, uint32_t* kb) {
+  const int64_t ndc = D / 32;
+  alignas(64) uint32_t pairs[2][16];
+  for (int64_t key = 0; key < nkg * 16; ++key) {
+    const int64_t kg = key / 16, kk = key % 16;
+    for (int64_t dc = 0; dc < ndc; ++dc) {
+      uint32_t* tile = kb + (kg * ndc + dc) * 512;  // hi, then lo: 16 rows x 16 dwords each
+      if (key < L) {
+        const __m512 a = _mm512_loadu_ps(k + key * D + 32 * dc), b = _mm512_loadu_ps(k + key * D + 32 * dc + 16);
+        const __m256i ha = bf16x16(a), hb = bf16x16(b);
+        const __m512 ra = _mm512_sub_ps(a, bf16_to_ps(ha)), rb = _mm512_sub_ps(b, bf16_to_ps(hb));
+        // 32 values in order: dim pairs (2t, 2t + 1) land in dword t
+        _mm512_store_si512((void*)pairs[0], _mm512_inserti64x4(_mm512_castsi256_si512(ha), hb, 1));
+        _mm512_store_si512((void*)pairs[1], _mm512_inserti64x4(_mm512_castsi256_si512(bf16x16(ra)), bf16x16(rb), 1));
+        for (int t = 0; t < 16; ++t) tile[t * 16 + kk] = pairs[0][t], tile[256 + t * 16 + kk] = pairs[1][t];
+      } else {
+        for (int t = 0; t < 16; ++t) tile[t * 16 + kk] = tile[256 + t * 16 + kk] = 0;
+      }
+    }
   }
 }
+
+// One KV head's values [0, L) as vb, nkc chunks of 32 keys: per chunk and 16 dims a tile of bf16(v) and one of
+// bf16(v - bf16(v)) (zeros past L).
+ATT_AMX void layout_v(const float* v, int64_t L, int64_t D, int64_t nkc, uint32_t* vb) {
+  const int64_t ndg = D / 16;
+  const __m512 zero = _mm512_setzero_ps();
+  for (int64_t kc = 0; kc < nkc; ++kc)
+    for (int t = 0; t < 16; ++t) {
+      const int64_t k0 = kc * 32 + 2 * t, k1 = k0 + 1;
+      for (int64_t dg = 0; dg < ndg; ++dg) {
+        const __m512 a = k0 < L ? _mm512_loadu_ps(v + k0 * D + 16 * dg) : zero;
+        const __m512 b = k1 < L ? _mm512_loadu_ps(v + k1 * D + 16 * dg) : zero;
+        uint32_t* tile = vb + (kc * ndg + dg) * 512;  // (new[]: 16-byte aligned, so unaligned stores)
+        _mm512_storeu_si512((void*)(tile + t * 16), bf16_pairs16(a, b));
+        const __m512 ra = _mm512_sub_ps(a, bf16_to_ps(bf16x16(a))), rb = _mm512_sub_ps(b, bf16_to_ps(bf16x16(b)));
+        _mm512_storeu_si512((void*)(tile + 256 + t * 16), bf16_pairs16(ra, rb));
+      }
+    }
+}
+
+ATT_AMX void query_block_amx(const float* q, const uint32_t* kb, const uint32_t* vb, float* out, float* lse,
+                             int64_t pos0, int64_t r0, int nr, int64_t D) {
+  alignas(64) float s[BQ * BK];
+  alignas(64) float o[BQ * 256];
+  alignas(64) float c[BQ * 16];
+  alignas(64) uint16_t qb[2][BQ * 256];  // bf16(q), bf16(q - bf16(q))
+  alignas(64) uint16_t pb[2][BQ * BK];  // bf16(p), bf16(p - bf16(p))
+  float m[BQ], l[BQ];
+  std::fill(o, o + nr * D, 0.0f);
+  std::fill(m, m + nr, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + nr, 0.0f);
+  for (int i = 0; i < BQ; ++i)  // Q in bf16 as hi + lo, rows past nr zeros
+    for (int64_t d = 0; d < D; d += 16) {
+      const __m512 x = i < nr ? _mm512_loadu_ps(q + (r0 + i) * D + d) : _mm512_setzero_ps();
+      const __m256i hi = bf16x16(x);
+      _mm256_store_si256((__m256i*)(qb[0] + i * D + d), hi);
+      _mm256_store_si256((__m256i*)(qb[1] + i * D + d), bf16x16(_mm512_sub_ps(x, bf16_to_ps(hi))));
+    }
+  std::fill(pb[0], pb[0] + 2 * BQ * BK, (uint16_t)0);
+  const int64_t ndc = D / 32, ndg = D / 16, end = pos0 + r0 + nr;
+  const bool two = nr > 16;
+  att_configure();
+  for (int64_t c0 = 0; c0 < end; c0 += BK) {
+    for (int kg = 0; kg < BK / 16; ++kg) {  // S, 16 keys at a time
+      _tile_zero(0);
+      if (two) _tile_zero(1);
+      for (int64_t dc = 0; dc < ndc; ++dc) {  // q k = qh kh + qh kl + ql kh (+ ql kl, below bf16's reach)
+        const uint32_t* kt = kb + ((c0 / 16 + kg) * ndc + dc) * 512;
+        _tile_loadd(4, kt, 64);
+        _tile_loadd(5, kt + 256, 64);
+        _tile_loadd(2, qb[0] + 32 * dc, D * 2);
+        _tile_loadd(3, qb[1] + 32 * dc, D * 2);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(0, 2, 5);
+        _tile_dpbf16ps(0, 3, 4);
+        if (two) {
+          _tile_loadd(2, qb[0] + 16 * D + 32 * dc, D * 2);
+          _tile_loadd(3, qb[1] + 16 * D + 32 * dc, D * 2);
+          _tile_dpbf16ps(1, 2, 4);
+          _tile_dpbf16ps(1, 2, 5);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+      }
+      _tile_stored(0, s + 16 * kg, BK * 4);
+      if (two) _tile_stored(1, s + 16 * BK + 16 * kg, BK * 4);
+    }
+    softmax_block<Avx512>(s, nr, pos0 + r0 - c0, m, l, o, D);
+    for (int i = 0; i < nr; ++i)
+      for (int j = 0; j < BK; j += 16) {
+        const __m512 p = _mm512_load_ps(s + i * BK + j);
+        const __m256i hi = bf16x16(p);
+        _mm256_store_si256((__m256i*)(pb[0] + i * BK + j), hi);
+        _mm256_store_si256((__m256i*)(pb[1] + i * BK + j), bf16x16(_mm512_sub_ps(p, bf16_to_ps(hi))));
+      }
+    for (int64_t dg = 0; dg < ndg; ++dg) {  // O += P V, 16 values of D at a time: ph vh + ph vl + pl vh
+      _tile_zero(0);
+      if (two) _tile_zero(1);
+      for (int kc = 0; kc < BK / 32; ++kc) {
+        const uint32_t* vt = vb + ((c0 / 32 + kc) * ndg + dg) * 512;
+        _tile_loadd(4, vt, 64);
+        _tile_loadd(5, vt + 256, 64);
+        _tile_loadd(2, pb[0] + 32 * kc, BK * 2);
+        _tile_loadd(3, pb[1] + 32 * kc, BK * 2);
+        _tile_dpbf16ps(0, 2, 4);
+        _tile_dpbf16ps(0, 2, 5);
+        _tile_dpbf16ps(0, 3, 4);
+        if (two) {
+          _tile_loadd(2, pb[0] + 16 * BK + 32 * kc, BK * 2);
+          _tile_loadd(3, pb[1] + 16 * BK + 32 * kc, BK * 2);
+          _tile_dpbf16ps(1, 2, 4);
+          _tile_dpbf16ps(1, 2, 5);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+      }
+      _tile_stored(0, c, 64);
+      if (two) _tile_stored(1, c + 256, 64);
+      for (int i = 0; i < nr; ++i)
+        _mm512_store_ps(o + i * D + 16 * dg, _mm512_add_ps(_mm512_load_ps(o + i * D + 16 * dg), _mm512_load_ps(c + i * 16)));
+    }
+  }
+  _tile_release();
+  finish_rows<Avx512>(o, m, l, nr, D, out + r0 * D, lse + r0);
+}
+#endif
 
 }  // namespace
 #endif
@@ -216,9 +395,33 @@ bool flash_causal_fast() {
 // slice), query head h on KV head h / (Hq / Hkv); row t, at position pos0 + t, sees keys [0, pos0 + t].  out
 // [Hq][T][D], lse [Hq][T].  Needs D % 16 == 0, D <= 256 and flash_causal_fast().
 void flash_causal(const float* q, const float* k, const float* v, int64_t kvs, float* out, float* lse, int64_t Hq,
-                  int64_t Hkv, int64_t T, int64_t D, int64_t pos0) {
+                  int64_t Hkv, int64_t T, int64_t D, int64_t pos0, bool amx) {
 #ifdef EDGELLM_SIMD_AVX2
   const int64_t L = pos0 + T, nkb = (L + BK - 1) / BK, hb = nkb * BK * D;  // per head: key blocks [nkb][D][BK]
+#ifdef EDGELLM_ATT_AMX
+  if (amx && D % 32 == 0 && gguf_amx_available()) {
+    const int64_t kbh = nkb * BK / 16 * (D / 32) * 512, vbh = nkb * BK / 32 * (D / 16) * 512;  // dwords per head
+    std::unique_ptr<uint32_t[]> kb(new uint32_t[(size_t)(Hkv * kbh)]), vb(new uint32_t[(size_t)(Hkv * vbh)]);
+    parallel_run(0, 2 * Hkv, 1, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) {
+        const int64_t h = i / 2;
+        if (i % 2 == 0) layout_k(k + h * kvs, L, D, nkb * BK / 16, kb.get() + h * kbh);
+        else layout_v(v + h * kvs, L, D, nkb * BK / 32, vb.get() + h * vbh);
+      }
+    });
+    const int64_t nqb = (T + BQ - 1) / BQ, g = Hq / Hkv;
+    parallel_run(0, Hq * nqb, 1, [&](int64_t a, int64_t b) {
+      for (int64_t item = a; item < b; ++item) {
+        const int64_t h = item / nqb, u = item % nqb;
+        const int64_t qb = u % 2 == 0 ? u / 2 : nqb - 1 - u / 2;
+        const int64_t hk = h / g;
+        query_block_amx(q + h * T * D, kb.get() + hk * kbh, vb.get() + hk * vbh, out + h * T * D, lse + h * T, pos0,
+                        qb * BQ, (int)std::min<int64_t>(BQ, T - qb * BQ), D);
+      }
+    });
+    return;
+  }
+#endif
   std::unique_ptr<float[]> kt(new float[(size_t)(Hkv * hb)]);  // every value written below
   parallel_run(0, Hkv * nkb, 1, [&](int64_t a, int64_t b) {
     for (int64_t hk = a; hk < b; ++hk) {
@@ -250,7 +453,7 @@ void flash_causal(const float* q, const float* k, const float* v, int64_t kvs, f
     }
   });
 #else
-  (void)q, (void)k, (void)v, (void)kvs, (void)out, (void)lse, (void)Hq, (void)Hkv, (void)T, (void)D, (void)pos0;
+  (void)q, (void)k, (void)v, (void)kvs, (void)out, (void)lse, (void)Hq, (void)Hkv, (void)T, (void)D, (void)pos0, (void)amx;
 #endif
 }
 

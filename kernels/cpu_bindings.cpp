@@ -32,7 +32,7 @@ bool flash_causal_fast();
 void gated_mlp(const float* gu, int64_t M, int64_t H, bool gelu, float* y);
 void rms_norm(const float* x, const float* w, int64_t M, int64_t N, float eps, float* y);
 void flash_causal(const float* q, const float* k, const float* v, int64_t kvs, float* out, float* lse, int64_t Hq,
-                  int64_t Hkv, int64_t T, int64_t D, int64_t pos0);
+                  int64_t Hkv, int64_t T, int64_t D, int64_t pos0, bool amx);
 }  // namespace edgellm
 
 namespace {
@@ -290,9 +290,10 @@ at::Tensor gguf_linear_prompt(const at::Tensor& x, const py::list& parts, int64_
 // Causal attention of T rows at positions [pos0, pos0 + T) over keys [0, pos0 + T) (cpu_attention.cpp): q [Hq, T, D]
 // already scaled, k and v [Hkv, pos0 + T, D], fp32 -> (out [Hq, T, D], log-sum-exp [Hq, T]).
 std::tuple<at::Tensor, at::Tensor> flash_causal(const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_,
-                                                int64_t pos0) {
+                                                int64_t pos0, bool amx) {
   const char* what = "edgellm flash_causal";
   TORCH_CHECK(edgellm::flash_causal_fast(), what, ": not in this build (", edgellm::isa_name(), ")");
+  TORCH_CHECK(!amx || edgellm::gguf_amx_available(), what, ": no AMX here (", edgellm::isa_name(), " build)");
   TORCH_CHECK(pos0 >= 0 && q_.dim() == 3 && k_.dim() == 3 && k_.sizes() == v_.sizes() && pos0 + q_.size(1) == k_.size(1) &&
                   q_.size(2) == k_.size(2) && k_.size(0) > 0 && q_.size(0) % k_.size(0) == 0,
               what, ": q must be [Hq, T, D] and k, v [Hkv, pos0 + T, D] with Hkv dividing Hq, got ", q_.sizes(), ", ",
@@ -309,7 +310,7 @@ std::tuple<at::Tensor, at::Tensor> flash_causal(const at::Tensor& q_, const at::
   {
     py::gil_scoped_release nogil;
     edgellm::flash_causal(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0),
-                          out.data_ptr<float>(), lse.data_ptr<float>(), Hq, Hkv, T, D, pos0);
+                          out.data_ptr<float>(), lse.data_ptr<float>(), Hq, Hkv, T, D, pos0, amx);
   }
   return {out, lse};
 }
@@ -815,8 +816,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the r8 layout -> the GGUF blocks as stored, bit for bit");
   m.def("isa", &isa, "the instruction set the kernels were compiled for");
   m.def("flash_causal", &flash_causal, py::arg("q"), py::arg("k"), py::arg("v"), py::arg("pos0") = 0,
+        py::arg("amx") = false,
         "causal attention of T rows at positions pos0.. over keys [0, pos0 + T): q [Hq,T,D] (scaled), k, v "
-        "[Hkv,pos0+T,D] -> (out, lse [Hq,T])");
+        "[Hkv,pos0+T,D] -> (out, lse [Hq,T]); amx: Q K^T and P V on AMX tiles in bf16 (head dims % 32 == 0; "
+        "others as without)");
   m.def("flash_causal_fast", &edgellm::flash_causal_fast, "whether this build has flash_causal (AVX2 + FMA)");
   m.def("gated_mlp", &gated_mlp, py::arg("gu"), py::arg("gelu"),
         "silu(gu[..., :H]) * gu[..., H:] (gelu: gelu_tanh) for the fused gate/up product, fp32");
