@@ -23,6 +23,7 @@
 #include <memory>
 #include <type_traits>
 
+#include "amx_tiles.h"
 #include "simd_math.h"
 
 namespace edgellm {
@@ -217,8 +218,7 @@ void query_block(const float* q, const float* kt, const float* v, float* out, fl
   finish_rows<S>(o, m, l, nr, D, out + r0 * D, lse + r0);
 }
 
-#if defined(__AVX512F__) && !defined(EDGELLM_SIMDE_AVX512) && defined(__linux__) && defined(__x86_64__) && \
-    (defined(__GNUC__) || defined(__clang__))
+#ifdef EDGELLM_AMX
 #define EDGELLM_ATT_AMX 1
 // ------------------------------------------------------------------------------------------------ AMX (bf16 tiles)
 // The same walk with S = Q K^T and O += P V on AMX tiles (cpu_gguf.cpp "AMX prefill" for the tiles), each operand
@@ -230,26 +230,28 @@ void query_block(const float* q, const float* kt, const float* v, float* out, fl
 //   vb: V as the B tiles of P V, [key chunk of 32][D / 16][hi, lo][16 key pairs][16 dims][2]
 // (zeros past the last key).  A query block (32 rows: two tiles of 16) makes per key block of 64: 4 x (D / 32) x 2 x 3
 // TDPBF16PS for S, then (D / 16) x 2 x 2 x 3 for P V; tiles: C 0-1, A 2-3 (hi, lo), B 4-5 (hi, lo).
-#define ATT_AMX __attribute__((target("avx512bf16,amx-tile,amx-bf16")))
+#define ATT_AMX EDGELLM_AMX_TARGET
+using amx::bf16_pairs;
+using amx::bf16_to_ps;
+using amx::bf16x16;
 
-struct alignas(64) AttTileConfig {
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-ATT_AMX inline void att_configure() {
-  AttTileConfig cfg;
-  for (int t = 0; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  _tile_loadconfig(&cfg);
-}
-
-ATT_AMX inline __m256i bf16x16(__m512 x) { return (__m256i)_mm512_cvtneps_pbh(x); }
-ATT_AMX inline __m512 bf16_to_ps(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
-
-// per column j: [bf16(a[j]), bf16(b[j])]
-ATT_AMX inline __m512i bf16_pairs16(__m512 a, __m512 b) {
-  return _mm512_or_si512(_mm512_cvtepu16_epi32(bf16x16(a)), _mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16(b)), 16));
+// C tile 0 (and 1: `two`, the A rows 16 further on) += A B with A and B given as bf16 hi + lo parts: hi hi + hi lo +
+// lo hi.  B: the hi and lo tiles at b (1 KiB apart: 16 rows of 64 bytes each); A: rows of `lda` values at ahi, alo.
+ATT_AMX inline void split_product(const uint32_t* b, const uint16_t* ahi, const uint16_t* alo, int64_t lda, bool two) {
+  _tile_loadd(4, b, 64);
+  _tile_loadd(5, b + 256, 64);
+  _tile_loadd(2, ahi, lda * 2);
+  _tile_loadd(3, alo, lda * 2);
+  _tile_dpbf16ps(0, 2, 4);
+  _tile_dpbf16ps(0, 2, 5);
+  _tile_dpbf16ps(0, 3, 4);
+  if (two) {
+    _tile_loadd(2, ahi + 16 * lda, lda * 2);
+    _tile_loadd(3, alo + 16 * lda, lda * 2);
+    _tile_dpbf16ps(1, 2, 4);
+    _tile_dpbf16ps(1, 2, 5);
+    _tile_dpbf16ps(1, 3, 4);
+  }
 }
 
 // One KV head's keys [0, L) (rows of D) as kb, nkg groups of 16 keys: per group and 32 dims a tile of bf16(k) and
@@ -288,9 +290,9 @@ ATT_AMX void layout_v(const float* v, int64_t L, int64_t D, int64_t nkc, uint32_
         const __m512 a = k0 < L ? _mm512_loadu_ps(v + k0 * D + 16 * dg) : zero;
         const __m512 b = k1 < L ? _mm512_loadu_ps(v + k1 * D + 16 * dg) : zero;
         uint32_t* tile = vb + (kc * ndg + dg) * 512;  // (new[]: 16-byte aligned, so unaligned stores)
-        _mm512_storeu_si512((void*)(tile + t * 16), bf16_pairs16(a, b));
+        _mm512_storeu_si512((void*)(tile + t * 16), bf16_pairs(a, b));
         const __m512 ra = _mm512_sub_ps(a, bf16_to_ps(bf16x16(a))), rb = _mm512_sub_ps(b, bf16_to_ps(bf16x16(b)));
-        _mm512_storeu_si512((void*)(tile + 256 + t * 16), bf16_pairs16(ra, rb));
+        _mm512_storeu_si512((void*)(tile + 256 + t * 16), bf16_pairs(ra, rb));
       }
     }
 }
@@ -316,28 +318,13 @@ ATT_AMX void query_block_amx(const float* q, const uint32_t* kb, const uint32_t*
   std::fill(pb[0], pb[0] + 2 * BQ * BK, (uint16_t)0);
   const int64_t ndc = D / 32, ndg = D / 16, end = pos0 + r0 + nr;
   const bool two = nr > 16;
-  att_configure();
+  amx::configure(6);
   for (int64_t c0 = 0; c0 < end; c0 += BK) {
     for (int kg = 0; kg < BK / 16; ++kg) {  // S, 16 keys at a time
       _tile_zero(0);
       if (two) _tile_zero(1);
-      for (int64_t dc = 0; dc < ndc; ++dc) {  // q k = qh kh + qh kl + ql kh (+ ql kl, below bf16's reach)
-        const uint32_t* kt = kb + ((c0 / 16 + kg) * ndc + dc) * 512;
-        _tile_loadd(4, kt, 64);
-        _tile_loadd(5, kt + 256, 64);
-        _tile_loadd(2, qb[0] + 32 * dc, D * 2);
-        _tile_loadd(3, qb[1] + 32 * dc, D * 2);
-        _tile_dpbf16ps(0, 2, 4);
-        _tile_dpbf16ps(0, 2, 5);
-        _tile_dpbf16ps(0, 3, 4);
-        if (two) {
-          _tile_loadd(2, qb[0] + 16 * D + 32 * dc, D * 2);
-          _tile_loadd(3, qb[1] + 16 * D + 32 * dc, D * 2);
-          _tile_dpbf16ps(1, 2, 4);
-          _tile_dpbf16ps(1, 2, 5);
-          _tile_dpbf16ps(1, 3, 4);
-        }
-      }
+      for (int64_t dc = 0; dc < ndc; ++dc)  // q k = qh kh + qh kl + ql kh (ql kl: below the parts' rounding)
+        split_product(kb + ((c0 / 16 + kg) * ndc + dc) * 512, qb[0] + 32 * dc, qb[1] + 32 * dc, D, two);
       _tile_stored(0, s + 16 * kg, BK * 4);
       if (two) _tile_stored(1, s + 16 * BK + 16 * kg, BK * 4);
     }
@@ -352,23 +339,8 @@ ATT_AMX void query_block_amx(const float* q, const uint32_t* kb, const uint32_t*
     for (int64_t dg = 0; dg < ndg; ++dg) {  // O += P V, 16 values of D at a time: ph vh + ph vl + pl vh
       _tile_zero(0);
       if (two) _tile_zero(1);
-      for (int kc = 0; kc < BK / 32; ++kc) {
-        const uint32_t* vt = vb + ((c0 / 32 + kc) * ndg + dg) * 512;
-        _tile_loadd(4, vt, 64);
-        _tile_loadd(5, vt + 256, 64);
-        _tile_loadd(2, pb[0] + 32 * kc, BK * 2);
-        _tile_loadd(3, pb[1] + 32 * kc, BK * 2);
-        _tile_dpbf16ps(0, 2, 4);
-        _tile_dpbf16ps(0, 2, 5);
-        _tile_dpbf16ps(0, 3, 4);
-        if (two) {
-          _tile_loadd(2, pb[0] + 16 * BK + 32 * kc, BK * 2);
-          _tile_loadd(3, pb[1] + 16 * BK + 32 * kc, BK * 2);
-          _tile_dpbf16ps(1, 2, 4);
-          _tile_dpbf16ps(1, 2, 5);
-          _tile_dpbf16ps(1, 3, 4);
-        }
-      }
+      for (int kc = 0; kc < BK / 32; ++kc)
+        split_product(vb + ((c0 / 32 + kc) * ndg + dg) * 512, pb[0] + 32 * kc, pb[1] + 32 * kc, BK, two);
       _tile_stored(0, c, 64);
       if (two) _tile_stored(1, c + 256, 64);
       for (int i = 0; i < nr; ++i)

@@ -42,7 +42,7 @@ _NAME = "edgellm_cpu_kernels"
 _SOURCES = ("cpu_kernels.cpp", "cpu_decode.cpp", "cpu_gguf.cpp", "cpu_gguf_x8.cpp", "cpu_gguf_grid.cpp", "cpu_attention.cpp",
             "cpu_pointwise.cpp", "cpu_bindings.cpp")
 # hashed with the sources: a change rebuilds
-_HEADERS = ("cpu_decode.h", "cpu_gguf.h", "gguf_grids.h", "gguf_low_k_codes.h", "half.h", "simd_math.h", "simd_transpose.h",
+_HEADERS = ("amx_tiles.h", "cpu_decode.h", "cpu_gguf.h", "gguf_grids.h", "gguf_low_k_codes.h", "half.h", "simd_math.h", "simd_transpose.h",
             "simde_avx512.h")
 _ISAS = ("avx2", "scalar", "avx512vnni-emulated")
 _BUILD_VERSION = "1"  # bump to force a rebuild when the flags logic changes

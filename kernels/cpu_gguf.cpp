@@ -43,6 +43,7 @@
 // vpdpbusd where AVX2 uses maddubs + madd: the same integer sums (nothing saturates: |pair sum| <= 2 * 63 * 127),
 // hence the same bits.
 #include "cpu_gguf.h"
+#include "amx_tiles.h"
 
 #include <algorithm>
 #include <type_traits>
@@ -1794,32 +1795,13 @@ void prompt_gemm(const GgufActs& a, const Rows& src, int64_t N, const int32_t* c
 // 16 x 16 fp32 sums at a time (64 activation rows).  Each weight is dequantized once per call and never written to
 // memory; the sums stay fp32 across K.  x and W are rounded to bf16 (relative 2^-9 each), finer than the prompt GEMM's
 // int8 rounding of x (up to 1/254 of a block's largest value): KL to the fp model 20x smaller on SmolLM2.
-#if defined(EDGELLM_P_ZMM) && !defined(EDGELLM_SIMDE_AVX512) && defined(__linux__) && defined(__x86_64__) && \
-    (defined(__GNUC__) || defined(__clang__))
+#if defined(EDGELLM_P_ZMM) && defined(EDGELLM_AMX)
 #define EDGELLM_P_AMX 1
 #ifndef EDGELLM_AMX_KC_BYTES
 #define EDGELLM_AMX_KC_BYTES (1 << 21)
 #endif
-#define AMX_TARGET __attribute__((target("avx512bf16,amx-tile,amx-bf16")))
-
-struct alignas(64) AmxTileConfig {
-  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-AMX_TARGET inline void amx_configure() {
-  AmxTileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // every tile 16 rows x 64 bytes
-  _tile_loadconfig(&cfg);
-}
-
-// Two rows of fp32 values (k, k + 1 for the 16 columns) as one B-tile row: per column [bf16(a), bf16(b)].
-AMX_TARGET inline __m512i bf16_pairs(__m512 a, __m512 b) {
-  const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(a));
-  const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(b));
-  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
-}
+#define AMX_TARGET EDGELLM_AMX_TARGET
+using amx::bf16_pairs;
 
 // The panel P (kc values of K) as bf16 B tiles at bt: [kc / 32][16 rows][64 bytes].
 template <int TYPE>
@@ -1889,7 +1871,7 @@ AMX_TARGET void amx_range(const uint16_t* xb, int64_t ldx, int64_t M, int64_t Mp
   uint8_t* const bt[2] = {base, base + bbytes};
   alignas(64) float c[32 * 32];
   alignas(64) float out[P_MR * NR];
-  amx_configure();
+  amx::configure(8);
   for (int64_t p = p0; p < p1; p += 2) {
     const int np = (int)std::min<int64_t>(2, p1 - p);
     int nvalid[2] = {0, 0};
