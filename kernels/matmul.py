@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 
 from . import gguf_ops
-
 from .int4_layout import Q4_BLOCK as BLOCK, unpack_q4_blocks
 
 CPU_KERNEL_MAX_M = 16  # decode and verification sizes: always the C++ kernel (prefill: PREFILL_KERNEL_MAX_M)
@@ -407,7 +406,8 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, grou
     ext = cpu_extension() if x.device.type == "cpu" else None
     amx = ext is not None and _amx_prompt(ext, x, group_size, options)
     if amx or (ext is not None and _prompt_gemm(ext, 8, x, group_size, options)):
-        return _finish_cpu(ext.quant_linear_prompt(x.reshape(-1, k), codes, scales, _NO_MINS, group_size, 8, amx), x, bias)
+        out = ext.quant_linear_prompt(x.reshape(-1, k), codes, scales, _NO_MINS, group_size, 8, amx)
+        return _finish_cpu(out, x, bias)
     if ext is not None and _in_kernel(ext, 8, x, options):  # the C++ side makes x contiguous fp32
         out = ext.int8_gemm_variant(x.reshape(-1, k), codes, scales, group_size, options.variant)
         return _finish_cpu(out, x, bias)
@@ -428,7 +428,8 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins
     m = _NO_MINS if mins is None else mins
     amx = ext is not None and _amx_prompt(ext, x, group_size, options)
     if amx or (ext is not None and _prompt_gemm(ext, 4, x, group_size, options)):
-        return _finish_cpu(ext.quant_linear_prompt(x.reshape(-1, k), codes, scales, m, group_size, 4, amx), x, bias)
+        out = ext.quant_linear_prompt(x.reshape(-1, k), codes, scales, m, group_size, 4, amx)
+        return _finish_cpu(out, x, bias)
     if ext is not None and _in_kernel(ext, 4, x, options):
         out = ext.int4_gemm_variant(x.reshape(-1, k), codes, scales, m, group_size, options.variant)
         return _finish_cpu(out, x, bias)
