@@ -80,16 +80,19 @@ def main() -> None:
     table_a = {k: int(v) for k, v in (kv.split("=") for kv in args.a.split(",") if kv)}
     gemm, causal, fused = args.compare == "gemm", args.compare == "causal", args.compare == "pointwise"
     rows, amx, amx_att = args.compare == "rows", args.compare == "amx", args.compare == "amx-attention"
-    if gemm or causal or fused or rows or amx or amx_att:
+    if args.compare != "table":
         table_a = table_b
     prompt_gemm = gguf_ops.PROMPT_GEMM
     from edgellm import model as model_module
     from edgellm.kernels import attention, pointwise
 
+    def prompt_gemm_on(name: str) -> bool:  # off in both settings of the table comparison, and in A of --compare gemm
+        return args.compare != "table" and (not gemm or name == "B")
+
     def setting(name: str) -> None:
         gguf_ops.GGUF_KERNEL_MAX_ROWS.clear()
         gguf_ops.GGUF_KERNEL_MAX_ROWS.update(table_a if name == "A" else table_b)
-        gguf_ops.PROMPT_GEMM = matmul.QUANT_PROMPT_GEMM = (gemm and name == "B") or causal or fused or rows or amx or amx_att
+        gguf_ops.PROMPT_GEMM = matmul.QUANT_PROMPT_GEMM = prompt_gemm_on(name)
         gguf_ops.AMX_GEMM = not amx or name == "B"
         attention.AMX_ATTENTION = not amx_att or name == "B"
         model_module.SKIP_UNUSED_ROWS = not rows or name == "B"
@@ -128,11 +131,11 @@ def main() -> None:
                "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
                "load_average": os.getloadavg(), "model": args.model, "kernel_isa": isa, "tokens": args.tokens,
                "threads": args.threads, "compare": args.compare,
-               "A": {"max_rows": table_a, "prompt_gemm": causal or fused or rows or amx or amx_att, "amx": not amx,
+               "A": {"max_rows": table_a, "prompt_gemm": prompt_gemm_on("A"), "amx": not amx,
                      "amx_attention": not amx_att,
                      "causal_kernel": not causal,
                      "pointwise": not fused, "skip_unused_rows": not rows, **res["A"]},
-               "B": {"max_rows": table_b, "prompt_gemm": gemm or causal or fused or rows or amx or amx_att, "amx": True,
+               "B": {"max_rows": table_b, "prompt_gemm": prompt_gemm_on("B"), "amx": True,
                      "amx_attention": True,
                      "causal_kernel": True,
                      "pointwise": True, "skip_unused_rows": True, **res["B"]}}

@@ -311,12 +311,12 @@ def _causal_kernel(qr: torch.Tensor, D: int):
     no AVX2 build, another dtype, a head dim it does not take."""
     if qr.dtype != torch.float32 or D % 16 or D > 256 or not CPU_CAUSAL_KERNEL:
         return None
-    from .matmul import cpu_extension
+    from .matmul import amx_kernels, cpu_extension
 
     ext = cpu_extension()
     if ext is None or not ext.flash_causal_fast():
         return None
-    if AMX_ATTENTION and D % 32 == 0 and hasattr(ext, "gguf_amx_available") and ext.gguf_amx_available():
+    if AMX_ATTENTION and D % 32 == 0 and amx_kernels(ext):
         return functools.partial(ext.flash_causal, amx=True)
     return ext.flash_causal
 

@@ -181,15 +181,26 @@ def _prompt_gemm(ext, bits: int, x: torch.Tensor, group_size: int, opts: KernelO
     return not bf16 or rows <= _kernel_max_rows(ext, bits, x, opts)
 
 
+_amx_by_ext: dict[int, bool] = {}
+
+
+def amx_kernels(ext) -> bool:
+    """Whether this extension runs its AMX kernels here (gguf_linear_amx, quant_linear_prompt(..., amx=True),
+    flash_causal(..., amx=True)): an AVX-512 VNNI build on a CPU with AMX-BF16 whose kernel grants the tile state.
+    Asked once per extension (the GGUF linears, these prefills and the attention all ask)."""
+    key = id(ext)
+    if key not in _amx_by_ext:
+        _amx_by_ext[key] = hasattr(ext, "gguf_amx_available") and bool(ext.gguf_amx_available())
+    return _amx_by_ext[key]
+
+
 def _amx_prompt(ext, x: torch.Tensor, group_size: int, opts: KernelOptions) -> bool:
     """Whether this prefill runs on the extension's AMX kernel (quant_linear_prompt(..., amx=True)): from
     gguf_ops.AMX_MIN_ROWS rows on, where the CPU has AMX, as GGUF linears do (kernels/gguf_ops.py)."""
     if (not gguf_ops.AMX_GEMM or _rows(x) < gguf_ops.AMX_MIN_ROWS or not opts.prefill_kernel
             or opts.variant != _INT_DOT_OR_AUTO or group_size % BLOCK or x.shape[-1] % BLOCK):
         return False
-    if "amx" not in _cpu_ext_state:
-        _cpu_ext_state["amx"] = hasattr(ext, "gguf_amx_available") and bool(ext.gguf_amx_available())
-    return _cpu_ext_state["amx"]
+    return amx_kernels(ext)
 
 
 def _float_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, bits: int,

@@ -172,17 +172,6 @@ def _prompt_gemm_fast(ext) -> bool:
     return _prompt_fast[key]
 
 
-_amx_state: dict[int, bool] = {}
-
-
-def _amx(ext) -> bool:
-    """Whether this extension has the AMX prefill kernel and this CPU / kernel let it run (kernels/gguf_ops.py)."""
-    key = id(ext)
-    if key not in _amx_state:
-        _amx_state[key] = hasattr(ext, "gguf_linear_amx") and bool(ext.gguf_amx_available())
-    return _amx_state[key]
-
-
 class GGUFLinear(_GGUFWeight):
     """y = x @ W.T (+ b), W held as GGUF blocks (one or more parts stacked along the output dim)."""
 
@@ -203,7 +192,7 @@ class GGUFLinear(_GGUFWeight):
             return "dequantize", None
         if any(t not in _native_types(ext) for t in self.part_types):
             return "dequantize", None
-        return gguf_ops.method(self.part_types, x2.shape[0], _prompt_gemm_fast(ext), _amx(ext)), ext
+        return gguf_ops.method(self.part_types, x2.shape[0], _prompt_gemm_fast(ext), K.amx_kernels(ext)), ext
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

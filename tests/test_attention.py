@@ -89,8 +89,7 @@ def amx_attention(D: int) -> bool:
     from edgellm.kernels import matmul
 
     ext = matmul.cpu_extension()
-    return (A.AMX_ATTENTION and D % 32 == 0 and ext is not None and ext.flash_causal_fast()
-            and ext.gguf_amx_available())
+    return A.AMX_ATTENTION and D % 32 == 0 and ext is not None and ext.flash_causal_fast() and matmul.amx_kernels(ext)
 
 
 def check(kind, g, D, n, T, split, n_kv=2, q_block=A.DEFAULT_Q_BLOCK, tol=1e-5):
@@ -208,8 +207,10 @@ def test_causal_kernel_against_float64(T, D, g, pos0):
 def test_causal_kernel_on_amx_against_float64(T, D, g, pos0):
     """amx=True (Q K^T and P V on AMX tiles, each operand as bf16 hi + lo parts, fp32 sums): fp32-level agreement
     with the float64 reference; head dims not a multiple of 32 (16) take the fp32 path."""
+    from edgellm.kernels import matmul
+
     ext = causal_kernel()
-    if not ext.gguf_amx_available():
+    if not matmul.amx_kernels(ext):
         with pytest.raises(RuntimeError, match="no AMX here"):
             ext.flash_causal(torch.randn(2, 4, 64), torch.randn(2, 4, 64), torch.randn(2, 4, 64), 0, True)
         pytest.skip(f"no AMX on this CPU ({ext.isa()} build): the check above is what runs here")

@@ -205,9 +205,10 @@ def test_method_keeps_decode_and_verification_on_the_row_kernel():
     assert gguf_ops.method([q4k, q6k], edge, False, True) == "amx"
 
 
-def _amx_or_skip(ext):
-    if not (hasattr(ext, "gguf_amx_available") and ext.gguf_amx_available()):
-        pytest.skip(f"no AMX on this CPU (the AMX kernel needs AMX-BF16: Intel Xeon since Sapphire Rapids; "
+def amx_or_skip(ext):
+    """Skip where the extension's AMX kernels do not run (the callers' "no AMX here" checks run there instead)."""
+    if not matmul.amx_kernels(ext):
+        pytest.skip(f"no AMX on this CPU (the AMX kernels need AMX-BF16: Intel Xeon since Sapphire Rapids; "
                     f"{ext.isa()} build)")
 
 
@@ -222,7 +223,7 @@ def test_amx_kernel_is_the_bf16_product(ext, qtype, m, n, k):
     rows shorter than a tile, and (1000 x 2304) K in several blocks; a bf16 x gives the same as its fp32 x."""
     from edgellm.quant.gguf_linear import GGUFPart, repack_for_cpu
 
-    _amx_or_skip(ext)
+    amx_or_skip(ext)
     k = k if qtype in K_QUANTS else k + 96  # the 32-value types: K not a multiple of 256, as where files use them
     raw = make_weights(qtype, n, k, seed=int(qtype) + m)
     w = torch.from_numpy(dequant_ref(raw, qtype)).to(torch.bfloat16).double()
@@ -243,7 +244,7 @@ def test_amx_kernel_is_the_bf16_product(ext, qtype, m, n, k):
 
 def test_amx_kernel_out_index_and_parts(ext):
     """Two parts of different types, one writing its rows to permuted columns: each column its own row's product."""
-    _amx_or_skip(ext)
+    amx_or_skip(ext)
     k = 512
     raw_a, raw_b = make_weights(Q.Q4_K, 24, k, seed=21), make_weights(Q.Q8_0, 8, k, seed=22)
     index = torch.tensor([30, 1, 7, 3, 25, 0, 12, 9], dtype=torch.int32)
@@ -261,7 +262,7 @@ def test_amx_kernel_out_index_and_parts(ext):
 def test_amx_kernel_bad_arguments(ext):
     raw = torch.from_numpy(make_weights(Q.Q4_K, 16, 256, seed=1))
     part = [(raw, int(Q.Q4_K), 16, None)]
-    if not (hasattr(ext, "gguf_amx_available") and ext.gguf_amx_available()):
+    if not matmul.amx_kernels(ext):
         with pytest.raises(RuntimeError, match="no AMX here"):
             ext.gguf_linear_amx(torch.randn(70, 256), part, 16)
         return
@@ -293,7 +294,7 @@ def test_gguf_linear_module_takes_each_path(ext, monkeypatch):
         assert torch.equal(y, ext.gguf_linear_prompt(x, parts, 24))
         assert_rows_close(y.numpy(), reference(x.numpy(), [(raw, Q.Q4_K, None)], 24), "module")
     x70 = torch.randn(70, k, generator=torch.Generator().manual_seed(9))
-    if hasattr(ext, "gguf_amx_available") and ext.gguf_amx_available():  # 70 rows: the AMX kernel, where it runs
+    if matmul.amx_kernels(ext):  # 70 rows: the AMX kernel, where it runs
         with torch.no_grad():
             assert torch.equal(lin(x70), ext.gguf_linear_amx(x70, parts, 24))
     monkeypatch.setattr(gguf_ops, "AMX_GEMM", False)
@@ -482,7 +483,7 @@ def test_prefill_logits_track_fp(tmp_path, monkeypatch):
     if e.gguf_prompt_gemm_fast():
         assert {r for r in rows if r[0] == 150} == {(150, "prompt")}
     assert {r for r in rows if r[0] == 1} == {(1, "rows")}
-    amx = hasattr(e, "gguf_amx_available") and e.gguf_amx_available()
+    amx = matmul.amx_kernels(e)
     bf16 = []
     if amx:  # the AMX kernel, where this CPU has it
         rows.clear()

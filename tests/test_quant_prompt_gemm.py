@@ -19,7 +19,7 @@ import torch
 from edgellm.kernels import gguf_ops, matmul
 from edgellm.quant.groups import dequantize, quantize
 from tests.test_cpu_kernels import ext  # noqa: F401  (the extension fixture)
-from tests.test_gguf_prompt_gemm import assert_rows_close, int8_x
+from tests.test_gguf_prompt_gemm import amx_or_skip, assert_rows_close, int8_x
 
 NO_MINS = torch.empty(0, dtype=torch.float16)
 FORMATS = [(8, True, 32), (8, True, 64), (8, True, 128), (4, True, 32), (4, True, 128), (4, False, 32),
@@ -76,17 +76,11 @@ def test_close_to_the_int_kernel(ext):
         assert_rows_close(_run(ext, x, qt).numpy(), kernel.double().numpy(), (bits, sym))
 
 
-def _amx_or_skip(ext):
-    if not ext.gguf_amx_available():
-        pytest.skip(f"no AMX on this CPU (the AMX kernel needs AMX-BF16: Intel Xeon since Sapphire Rapids; "
-                    f"{ext.isa()} build)")
-
-
 @pytest.mark.parametrize("bits,sym,group", FORMATS, ids=lambda v: str(v))
 def test_amx_is_the_bf16_product(ext, bits, sym, group):
     """quant_linear_prompt(..., amx=True): x and the dequantized weight (the format's torch definition) rounded to
     bf16, summed in fp32, against that product in float64; short and long prompts (K in several blocks)."""
-    _amx_or_skip(ext)
+    amx_or_skip(ext)
     for m, k in ((64, 384), (100, 1024), (600, 4352)):
         n = 45
         qt = _weights(bits, sym, group, n, k, seed=bits * 10 + group + m)
@@ -101,7 +95,7 @@ def test_amx_is_the_bf16_product(ext, bits, sym, group):
 
 def test_amx_unavailable_says_so(ext):
     qt = _weights(4, True, 32, 8, 256, seed=0)
-    if ext.gguf_amx_available():
+    if matmul.amx_kernels(ext):
         pytest.skip("this CPU has AMX (the kernel runs: test_amx_is_the_bf16_product)")
     with pytest.raises(RuntimeError, match="no AMX here"):
         ext.quant_linear_prompt(torch.randn(70, 256), qt.codes, qt.scales, NO_MINS, 32, 4, True)
@@ -141,7 +135,7 @@ def test_quant_linear_takes_each_path(ext, monkeypatch):
     if ext.gguf_prompt_gemm_fast() and not matmul.DEFAULT_OPTIONS.dense_bf16(4):
         assert torch.equal(y, _run(ext, x, qt))
     assert_rows_close(y.numpy(), _reference(x, qt), "module")
-    if ext.gguf_amx_available():  # from AMX_MIN_ROWS rows on: the AMX kernel
+    if matmul.amx_kernels(ext):  # from AMX_MIN_ROWS rows on: the AMX kernel
         x70 = torch.randn(70, k, generator=torch.Generator().manual_seed(6))
         with torch.no_grad():
             assert torch.equal(lin(x70), ext.quant_linear_prompt(x70, qt.codes, qt.scales, qt.mins, 32, 4, True))
