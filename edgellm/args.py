@@ -207,8 +207,12 @@ def engine_from_args(args: argparse.Namespace, loaded):
 
 
 def show_decode_path(options: Options, engine) -> None:
-    """With --debug: which decode step the engine runs, and why not a faster one (on stderr)."""
+    """With --debug: which decode step the engine runs, and why not a faster one, and the prefill's kernels (on
+    stderr)."""
     if options.debug:
         import sys
 
+        from .prefill_path import prefill_path
+
         print(f"edgellm: decode path: {engine.decode_path}", file=sys.stderr)
+        print(f"edgellm: prefill path: {prefill_path(engine.model)}", file=sys.stderr)

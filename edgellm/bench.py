@@ -35,6 +35,7 @@ import torch
 from .atomic import write_text_atomic
 from .args import engine_from_options, load_from_options, options_from_args
 from .errors import EdgeLLMError, ModelNotFoundError, OutputError
+from .prefill_path import PrefillPath, prefill_path
 from .device import reset_process_peak_rss
 from .options import Options
 
@@ -568,6 +569,8 @@ def footer_lines(doc: dict) -> list[str]:
              "peak MiB: this process's peak memory (CPU: RSS) by then; llama.cpp's, in its own process."]
     reasons = {(p["name"], p["reason"]) for r in doc["rows"] if (p := r.get("decode_path")) and p["reason"]}
     lines += [f"decode {name}: {reason}" for name, reason in sorted(reasons)]
+    prefills = {str(PrefillPath(**p)) for r in doc["rows"] if (p := r.get("prefill_path"))}
+    lines += [f"prefill: {p}" for p in sorted(prefills)]
     if doc.get("note"):
         lines.append(f"note: {doc['note']}")
     return lines
@@ -774,6 +777,7 @@ def bench_engine(run: BenchRun, options: Options, formats: tuple[str, str, str],
         _add_physics(row, engine, run.bandwidth_gbs)
         path = engine.decode_path
         row["decode_path"] = {"name": path.name, "reason": path.reason}
+        row["prefill_path"] = prefill_path(engine.model, len(prompts[c])).as_dict()
         lc = (run.llama_results or {}).get(c)
         if lc:
             s = row["stats"]

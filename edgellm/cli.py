@@ -119,6 +119,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     model = loaded.model
     weight_bytes = sum(t.nbytes for t in {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values())
     from .cache import KV_FORMATS, KVCache, resolve_kv_format
+    from .prefill_path import prefill_path
 
     kv = resolve_kv_format(args.kv, model.dtype, model.device)
     kv_per_token = KVCache(cfg, 1, model.dtype, "meta", kv_format=kv).bytes_per_token
@@ -144,6 +145,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("chat template", "yes" if loaded.tokenizer.chat_template else "no"),
         ("device", str(model.device)),
         ("decode path", str(decode_path)),
+        ("prefill path", str(prefill_path(model))),
     ]
     if args.json:
         print(json.dumps({k: v for k, v in rows}))

@@ -203,6 +203,19 @@ def _amx_prompt(ext, x: torch.Tensor, group_size: int, opts: KernelOptions) -> b
     return amx_kernels(ext)
 
 
+def cpu_method(ext, bits: int, x: torch.Tensor, group_size: int, opts: KernelOptions) -> str:
+    """How int8_linear / int4_linear multiply x with the CPU extension `ext` (None: not built, or not the CPU):
+    "amx" (quant_linear_prompt on AMX tiles), "prompt" (its int8 panel GEMM), "kernel" (the int-dot row kernel) or
+    "dense" (dequantize + the float GEMM, bf16 where opts.dense_bf16(bits))."""
+    if ext is None:
+        return "dense"
+    if _amx_prompt(ext, x, group_size, opts):
+        return "amx"
+    if _prompt_gemm(ext, bits, x, group_size, opts):
+        return "prompt"
+    return "kernel" if _in_kernel(ext, bits, x, opts) else "dense"
+
+
 def _float_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, bits: int,
                   opts: KernelOptions) -> torch.Tensor:
     """x @ w.T (+ bias) for a dequantized weight: fp32 in x's dtype, or bf16 where `opts.dense_bf16(bits)`."""
@@ -415,11 +428,11 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, grou
     if _use_pack(pack, x):
         return _finish(_packed_matmul(x.reshape(-1, k), pack), x, bias)
     ext = cpu_extension() if x.device.type == "cpu" else None
-    amx = ext is not None and _amx_prompt(ext, x, group_size, options)
-    if amx or (ext is not None and _prompt_gemm(ext, 8, x, group_size, options)):
-        out = ext.quant_linear_prompt(x.reshape(-1, k), codes, scales, _NO_MINS, group_size, 8, amx)
+    how = cpu_method(ext, 8, x, group_size, options)
+    if how in ("amx", "prompt"):
+        out = ext.quant_linear_prompt(x.reshape(-1, k), codes, scales, _NO_MINS, group_size, 8, how == "amx")
         return _finish_cpu(out, x, bias)
-    if ext is not None and _in_kernel(ext, 8, x, options):  # the C++ side makes x contiguous fp32
+    if how == "kernel":  # the C++ side makes x contiguous fp32
         out = ext.int8_gemm_variant(x.reshape(-1, k), codes, scales, group_size, options.variant)
         return _finish_cpu(out, x, bias)
     w = dense if dense is not None else _dequantize_cpu(8, codes, scales, None, group_size, x)
@@ -437,11 +450,11 @@ def int4_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, mins
         return _finish(_packed_matmul(x.reshape(-1, k), pack), x, bias)
     ext = cpu_extension() if x.device.type == "cpu" else None
     m = _NO_MINS if mins is None else mins
-    amx = ext is not None and _amx_prompt(ext, x, group_size, options)
-    if amx or (ext is not None and _prompt_gemm(ext, 4, x, group_size, options)):
-        out = ext.quant_linear_prompt(x.reshape(-1, k), codes, scales, m, group_size, 4, amx)
+    how = cpu_method(ext, 4, x, group_size, options)
+    if how in ("amx", "prompt"):
+        out = ext.quant_linear_prompt(x.reshape(-1, k), codes, scales, m, group_size, 4, how == "amx")
         return _finish_cpu(out, x, bias)
-    if ext is not None and _in_kernel(ext, 4, x, options):
+    if how == "kernel":
         out = ext.int4_gemm_variant(x.reshape(-1, k), codes, scales, m, group_size, options.variant)
         return _finish_cpu(out, x, bias)
     w = dense if dense is not None else _dequantize_cpu(4, codes, scales, mins, group_size, x)

@@ -182,6 +182,10 @@ class GGUFLinear(_GGUFWeight):
             raise ValueError(f"bias of shape {tuple(bias.shape)} does not fit {self.out_features} outputs")
         self.register_buffer("bias", bias)
 
+    def method(self, x: torch.Tensor) -> str:
+        """How forward multiplies x: "rows", "prompt", "amx" or "dequantize" (see gguf_ops.method)."""
+        return self._method(x.reshape(-1, self.in_features))[0]
+
     def _method(self, x2: torch.Tensor) -> tuple[str, object]:
         """(how, the extension) for this product: see gguf_ops.method; "dequantize" where the extension does not
         take it (another device, no extension, a type without a kernel)."""

@@ -148,6 +148,15 @@ class QuantLinear(_QuantWeight):
         elif device.type == "cpu" and self.cache_dense and not K.has_cpu_kernel():
             self._dense = self.dequantized_weight(dtype)
 
+    def method(self, x: torch.Tensor) -> str:
+        """How forward multiplies x: kernels/matmul.cpu_method's names on the CPU ("amx", "prompt", "kernel",
+        "dense"); elsewhere "packed" (torch's device kernel, where the pack takes x's rows) or "dense"."""
+        if x.device.type == "cpu":
+            return K.cpu_method(K.cpu_extension(), self.bits, x, self.group_size, self.kernel_options)
+        if self._packed_for != (x.device, x.dtype):
+            self.prepare(x.dtype)  # the pack forward would build
+        return "packed" if K._use_pack(self._pack, x) else "dense"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed_for != (x.device, x.dtype):
             self.prepare(x.dtype)

@@ -21,7 +21,7 @@ FAST = ["-p", "16", "-n", "6", "-r", "2", "--warmup", "1", "--threads", "2", "--
 ROW_FIELDS = {"model", "model_path", "model_format", "params", "backend", "device", "dtype", "threads", "load_s",
               "weight_bytes", "weight_bytes_read_per_token", "weights", "kv", "draft", "context", "prompt_tokens",
               "gen_tokens", "repetitions", "test_pp", "test_tg", "error", "stats", "runs", "llama_cpp", "vs_llama_cpp",
-              "decode_path"}
+              "decode_path", "prefill_path"}
 POSITIVE_STATS = {"ttft_s", "ttft_s_min", "ttft_s_max", "prefill_tok_s", "decode_tok_s", "decode_tok_s_mean",
                   "decode_tok_s_min", "decode_tok_s_max", "tpot_ms_p50", "tpot_ms_p90", "tpot_ms_p99",
                   "peak_memory_bytes", "load_s", "weight_bytes", "weight_bytes_read_per_token", "kv_bytes_per_token",
