@@ -212,7 +212,8 @@ def show_decode_path(options: Options, engine) -> None:
     if options.debug:
         import sys
 
-        from .prefill_path import prefill_path
+        from .prefill_path import fused_prefill_rows, prefill_path
 
         print(f"edgellm: decode path: {engine.decode_path}", file=sys.stderr)
-        print(f"edgellm: prefill path: {prefill_path(engine.model)}", file=sys.stderr)
+        path = prefill_path(engine.model, fused_rows=fused_prefill_rows(engine.compiled_step()))
+        print(f"edgellm: prefill path: {path}", file=sys.stderr)

@@ -35,7 +35,7 @@ import torch
 from .atomic import write_text_atomic
 from .args import engine_from_options, load_from_options, options_from_args
 from .errors import EdgeLLMError, ModelNotFoundError, OutputError
-from .prefill_path import PrefillPath, prefill_path
+from .prefill_path import PrefillPath, fused_prefill_rows, prefill_path
 from .device import reset_process_peak_rss
 from .options import Options
 
@@ -777,7 +777,8 @@ def bench_engine(run: BenchRun, options: Options, formats: tuple[str, str, str],
         _add_physics(row, engine, run.bandwidth_gbs)
         path = engine.decode_path
         row["decode_path"] = {"name": path.name, "reason": path.reason}
-        row["prefill_path"] = prefill_path(engine.model, len(prompts[c])).as_dict()
+        row["prefill_path"] = prefill_path(engine.model, len(prompts[c]),
+                                           fused_prefill_rows(engine.compiled_step())).as_dict()
         lc = (run.llama_results or {}).get(c)
         if lc:
             s = row["stats"]

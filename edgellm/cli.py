@@ -119,11 +119,11 @@ def cmd_info(args: argparse.Namespace) -> int:
     model = loaded.model
     weight_bytes = sum(t.nbytes for t in {id(t): t for t in list(model.parameters()) + list(model.buffers())}.values())
     from .cache import KV_FORMATS, KVCache, resolve_kv_format
-    from .prefill_path import prefill_path
+    from .prefill_path import fused_prefill_rows, prefill_path
 
     kv = resolve_kv_format(args.kv, model.dtype, model.device)
     kv_per_token = KVCache(cfg, 1, model.dtype, "meta", kv_format=kv).bytes_per_token
-    decode_path = probe_decode_path(loaded, options, args.kv)
+    decode_path, step = probe_decode_path(loaded, options, args.kv)
     kv_all = {f: KVCache(cfg, 1, model.dtype, "meta", kv_format=f).bytes_per_token for f in KV_FORMATS}
     ctx = model.rope_len
     rows = [
@@ -145,7 +145,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("chat template", "yes" if loaded.tokenizer.chat_template else "no"),
         ("device", str(model.device)),
         ("decode path", str(decode_path)),
-        ("prefill path", str(prefill_path(model))),
+        ("prefill path", str(prefill_path(model, fused_rows=fused_prefill_rows(step)))),
     ]
     if args.json:
         print(json.dumps({k: v for k, v in rows}))
@@ -158,15 +158,15 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def probe_decode_path(loaded, options, kv: str):
-    """Which decode step an engine with this KV format would run (a small cache: the path depends on its format,
-    not its length)."""
+    """Which decode step an engine with this KV format would run, and the step (a small cache: the path depends on
+    its format, not its length)."""
     from .cache import KVCache
     from .decode_step import Decoder
 
     model = loaded.model
     decoder = Decoder(model, options)
-    decoder.compiled(KVCache(model.config, 16, model.dtype, model.device, kv_format=kv), options.decode.compile)
-    return decoder.path
+    step = decoder.compiled(KVCache(model.config, 16, model.dtype, model.device, kv_format=kv), options.decode.compile)
+    return decoder.path, step
 
 
 def _mib(n: int) -> str:

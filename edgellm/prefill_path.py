@@ -16,18 +16,32 @@ METHOD_NAMES = {"amx": "AMX bf16", "prompt": "int8 GEMM", "rows": "int8 rows", "
                 "dequantize": "dequantize + GEMM", "dense": "dequantize + GEMM", "packed": "device kernel"}
 
 
+FUSED = "fused decode step"
+
+
 @dataclass(frozen=True)
 class PrefillPath:
     rows: int  # prompt tokens in the forward pass described (a longer prompt runs in chunks of the device's size)
     linears: dict[str, int] = field(default_factory=dict)  # method → how many of the layers' linears run it
     attention: str = ""
+    fused_rows: int = 0  # prompt parts of up to this many tokens run the fused decode step instead (0: none)
 
     def __str__(self) -> str:
+        if self.rows <= self.fused_rows:
+            return f"{FUSED}, LM head on the last row (at {self.rows} rows)"
         linears = ", ".join(name if len(self.linears) == 1 else f"{name} ×{n}" for name, n in self.linears.items())
-        return f"{linears or 'no linears'}; attention {self.attention} (at {self.rows} rows)"
+        text = f"{linears or 'no linears'}; attention {self.attention} (at {self.rows} rows)"
+        return text + (f"; up to {self.fused_rows} rows: the {FUSED}" if self.fused_rows else "")
 
     def as_dict(self) -> dict:
-        return {"rows": self.rows, "linears": dict(self.linears), "attention": self.attention}
+        return {"rows": self.rows, "linears": dict(self.linears), "attention": self.attention,
+                "fused_rows": self.fused_rows}
+
+
+def fused_prefill_rows(step) -> int:
+    """How many prompt tokens the decode step `step` prefills at once (kernels/cpu_decode.FusedDecodeStep.prefill:
+    Engine.prefill takes it for a prompt part that short), 0 for a step without it (None: the eager model)."""
+    return step.max_rows if getattr(step, "prefill", None) is not None else 0
 
 
 def linear_method(module: nn.Module, x: torch.Tensor) -> str | None:
@@ -53,14 +67,17 @@ def attention_kernel(dtype: torch.dtype, device: torch.device, head_dim: int, ro
     return "AMX bf16x3" if getattr(kernel, "keywords", {}).get("amx") else "C++ fp32"
 
 
-def prefill_path(model: nn.Module, tokens: int | None = None) -> PrefillPath:
+def prefill_path(model: nn.Module, tokens: int | None = None, fused_rows: int = 0) -> PrefillPath:
     """The path of a `tokens`-token prompt's (first) forward pass through `model`; default: a full chunk (the
-    chunk size on its device)."""
+    chunk size on its device). `fused_rows`: the engine's fused_prefill_rows (a part that short runs the fused
+    decode step, its linears and attention named as such)."""
     from .device import prefill_chunk
 
     cfg = model.config
     rows = prefill_chunk(model.device, cfg.intermediate_size)
     rows = rows if tokens is None else max(1, min(tokens, rows))
+    if rows <= fused_rows:
+        return PrefillPath(rows, {FUSED: 4 * cfg.n_layers}, FUSED, fused_rows)
     methods: Counter[str] = Counter()
     with torch.no_grad():
         for layer in model.layers:
@@ -71,4 +88,5 @@ def prefill_path(model: nn.Module, tokens: int | None = None) -> PrefillPath:
                 name = linear_method(module, x) if x is not None else None
                 if name is not None:
                     methods[name] += 1
-    return PrefillPath(rows, dict(methods.most_common()), attention_kernel(model.dtype, model.device, cfg.head_dim, rows))
+    return PrefillPath(rows, dict(methods.most_common()), attention_kernel(model.dtype, model.device, cfg.head_dim, rows),
+                       fused_rows)

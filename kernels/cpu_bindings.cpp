@@ -730,15 +730,17 @@ struct DecodePlan {
     return logits;
   }
 
-  at::Tensor step_many(const at::Tensor& tokens, int64_t pos, const at::Tensor& logits, int64_t variant) {
+  at::Tensor step_many(const at::Tensor& tokens, int64_t pos, const at::Tensor& logits, int64_t variant,
+                       bool last_only) {
     TORCH_CHECK(tokens.device().is_cpu() && tokens.scalar_type() == at::kLong && tokens.is_contiguous(),
                 "edgellm decode tokens: tokens must be contiguous int64 on the CPU");
     const int64_t T = tokens.numel();
     TORCH_CHECK(T >= 1 && T <= edgellm::kDecodeMaxRows, "edgellm decode tokens: 1..", edgellm::kDecodeMaxRows,
                 " tokens per call, got ", T);
+    const int64_t rows = last_only ? 1 : T;
     TORCH_CHECK(logits.device().is_cpu() && logits.scalar_type() == at::kFloat && logits.is_contiguous() &&
-                    logits.numel() >= T * m.vocab, "edgellm decode tokens: logits must be contiguous fp32 [>= ", T,
-                ", ", m.vocab, "]");
+                    logits.numel() >= rows * m.vocab, "edgellm decode tokens: logits must be contiguous fp32 [>= ",
+                rows, ", ", m.vocab, "]");
     TORCH_CHECK(pos >= 0 && pos + T <= m.max_seq_len, "edgellm decode tokens: positions [", pos, ", ", pos + T,
                 ") outside the cache of ", m.max_seq_len);
     const int64_t* ids = tokens.data_ptr<int64_t>();
@@ -747,7 +749,7 @@ struct DecodePlan {
     float* out = logits.data_ptr<float>();
     {
       py::gil_scoped_release nogil;
-      edgellm::decode_tokens(m, ids, T, pos, out, (int)variant);
+      edgellm::decode_tokens(m, ids, T, pos, out, (int)variant, last_only);
     }
     return logits;
   }
@@ -840,7 +842,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("step", &DecodePlan::step, py::arg("token"), py::arg("pos"), py::arg("logits"), py::arg("variant"),
            "logits [vocab] of token (int64 [1] or [1, 1]) at position pos; writes its K/V into the cache")
       .def("step_many", &DecodePlan::step_many, py::arg("tokens"), py::arg("pos"), py::arg("logits"),
-           py::arg("variant"), "logits [T, vocab] of T tokens at positions [pos, pos + T), causal; each row as step gives it")
+           py::arg("variant"), py::arg("last_only") = false,
+           "logits [T, vocab] of T tokens at positions [pos, pos + T), causal; each row as step gives it; "
+           "last_only: the last token's row alone, in logits' first row")
       .def_property("attention_rows", [](const DecodePlan& p) { return p.m.attention_rows; },
                     [](DecodePlan& p, bool on) { p.m.attention_rows = on; },
                     "fp32 cache, T-token passes: every token's attention tiles in one parallel region (A/B)")

@@ -1106,7 +1106,8 @@ struct Clock {
 };
 }  // namespace
 
-void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos, float* logits, int variant) {
+void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos, float* logits, int variant,
+                   bool last_only) {
   Clock clk(m.profile);
   m.steps += T;
   const int64_t dim = m.dim, D = m.head_dim, Hq = m.n_heads, Hkv = m.n_kv_heads, S = m.max_seq_len;
@@ -1228,10 +1229,11 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
       add_inplace(h + t * dim, xn + t * dim, dim);
     }
   }
-  for (int64_t t = 0; t < T; ++t) rmsnorm(h + t * dim, m.norm, m.eps, xn + t * dim, dim);
+  const int64_t first = last_only ? T - 1 : 0;  // the rows the LM head multiplies
+  for (int64_t t = first; t < T; ++t) rmsnorm(h + t * dim, m.norm, m.eps, xn + t * dim, dim);
   clk.lap(m.t_other);
-  linear(m.output, xn, T, logits, variant);
-  softcap(logits, T * m.vocab, m.final_softcap);  // Gemma 2
+  linear(m.output, xn + first * dim, T - first, logits, variant);
+  softcap(logits, (T - first) * m.vocab, m.final_softcap);  // Gemma 2
   clk.lap(m.t_matmul);
 }
 

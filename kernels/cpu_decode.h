@@ -99,7 +99,9 @@ void decode_prepare(DecodeModel& m);
 // logits [vocab] of `token` at position `pos`; writes K/V of `pos` into each layer's cache.
 void decode_step(DecodeModel& m, int64_t token, int64_t pos, float* logits, int variant);
 // T <= kDecodeMaxRows tokens at positions [pos, pos + T), causal: logits [T, vocab], each row bit for bit
-// what decode_step gives that token at its position.
-void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos, float* logits, int variant);
+// what decode_step gives that token at its position; `last_only`: the last token's row alone (a short prompt's
+// prefill: the LM head over one row).
+void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos, float* logits, int variant,
+                   bool last_only = false);
 
 }  // namespace edgellm

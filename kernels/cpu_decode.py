@@ -123,6 +123,13 @@ class FusedDecodeStep:
         self.cache.length = pos + T
         return self.rows[:T]
 
+    def prefill(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
+        """`many` for a short prompt: the last token's logits [vocab] alone (the LM head over one row); sets
+        cache.length = pos + T; valid until the next call."""
+        self.plan.step_many(tokens.reshape(-1).contiguous(), pos, self.logits, self.variant, True)
+        self.cache.length = pos + tokens.numel()
+        return self.logits
+
 
 def fused_decode_step(model, cache, kernel: K.KernelOptions = K.DEFAULT_OPTIONS,
                       tuning: DecodeTuning = DecodeTuning()) -> FusedDecodeStep:

@@ -132,6 +132,42 @@ def test_fused_many_rows_equal_one_token_steps(tiny_models, variant, weights):
 
 
 @needs_ext
+@pytest.mark.parametrize("kv", ["fp", "f16", "int8"])
+@pytest.mark.parametrize("weights", ["fp", "int4"])
+def test_short_prefill_runs_the_fused_step(tmp_path, kv, weights, monkeypatch):
+    """A prompt part of up to max_rows tokens (a chat turn after its cached prefix, or a short first prompt) is
+    prefilled by the fused step with the LM head over its last row alone: logits bit for bit those of feeding its
+    tokens one step at a time (and `many`'s last row), the same K/V; one token more takes the eager model."""
+    folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=11, hidden_size=192, num_attention_heads=3,
+                           num_key_value_heads=1, max_position_embeddings=1024)
+    loaded = load_model(folder, max_seq_len=1024, weights=weights)
+    model = loaded.model
+    prompt = torch.randint(0, model.config.vocab_size, (300,), generator=torch.Generator().manual_seed(2)).tolist()
+    a, b, c = (Engine(model, loaded.tokenizer, cache=KVCache(model.config, 1024, torch.float32, "cpu", kv_format=kv))
+               for _ in range(3))
+    for e in (a, b, c):
+        e.prefill(prompt[:280])
+    step = a.compiled_step()
+    n = step.max_rows
+    calls = []
+    real = type(step).prefill
+    monkeypatch.setattr(type(step), "prefill", lambda self, *x: (calls.append(x[0].numel()), real(self, *x))[1])
+    got = a.prefill(prompt[:280 + n]).clone()  # the turn: n new tokens after 280 cached
+    assert calls == [n] and a.cache.length == 280 + n and a.cached_ids == prompt[:280 + n]
+    for t in prompt[280:280 + n]:
+        want = b.step(torch.tensor([[t]]))
+    assert torch.equal(got, want)
+    assert torch.equal(got, c.compiled_step().many(torch.tensor(prompt[280:280 + n]), 280)[-1])
+    for la, lb in zip(a.cache.layers, b.cache.layers):
+        for x, y in zip(la, lb):
+            if isinstance(x, torch.Tensor):  # (a quantized store also holds its group size)
+                assert torch.equal(x[:, :280 + n], y[:, :280 + n])
+    calls.clear()
+    a.prefill(prompt[:280 + n] + prompt[:n + 1])  # n + 1 new tokens: the eager model's chunk
+    assert calls == [] and a.cache.length == 280 + 2 * n + 1
+
+
+@needs_ext
 @pytest.mark.parametrize("kv", ["fp", "f16", "int8", "int4"])
 @pytest.mark.parametrize("weights", ["fp", "int4"])
 def test_fused_many_rows_equal_one_token_steps_long_context(tmp_path, kv, weights):

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("formats", ["edgellm.gguf_file",  # the one checked GGUF reader, GGUF type tables and row layout
                  "edgellm.file_checks"]),  # safetensors header checks; a file's config/tensors/tokenizer checked
     ("quant", ["edgellm.quant.*"]),  # quantization math and the quantized modules (no whole model)
-    ("model", ["edgellm.model", "edgellm.cache", "edgellm.kv_calibration", "edgellm.decode_step",
+    ("model", ["edgellm.model", "edgellm.cache", "edgellm.kv_calibration", "edgellm.decode_step", "edgellm.prefill_path",
                "edgellm.sampling", "edgellm.tokenizer", "edgellm.spm_merges", "edgellm.chat_template"]),
     ("loading", ["edgellm.loading", "edgellm.quantized_format", "edgellm.gguf_export",
                  "edgellm.weight_calibration"]),  # whole models from files, and back to files

@@ -91,7 +91,7 @@ def test_engine_prefill_runs_in_the_cpu_chunk_size(tiny_models, monkeypatch):
     """Engine.prefill takes a long prompt in chunks of device.prefill_chunk rows: 512, or on the CPU the smaller
     chunk where 512 rows' gate/up product passes the temporaries budget (forced here with a budget of 0 and a
     smaller chunk of 4 rows). Chunked, the last position's logits are still transformers'."""
-    from edgellm import device
+    from edgellm import device, generate
     from edgellm.generate import Engine
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -100,6 +100,7 @@ def test_engine_prefill_runs_in_the_cpu_chunk_size(tiny_models, monkeypatch):
     assert device.prefill_chunk(cuda, 8192) == 512
     monkeypatch.setattr(device, "PREFILL_TEMPORARIES_BYTES", 0)
     monkeypatch.setattr(device, "CPU_MIN_PREFILL_CHUNK", 4)
+    monkeypatch.setattr(generate, "FUSED_PREFILL", False)  # 12 tokens: else the fused step's (test_decode_step)
     folder, _ = tiny_models["llama_gqa"]
     ref = hf_logits(folder, TOKENS)
     loaded = load_model(folder, max_seq_len=64)

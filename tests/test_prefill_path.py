@@ -13,7 +13,7 @@ import torch
 from edgellm import cli
 from edgellm.kernels import attention, gguf_ops, matmul
 from edgellm.loading import load_model
-from edgellm.prefill_path import METHOD_NAMES, prefill_path
+from edgellm.prefill_path import FUSED, METHOD_NAMES, fused_prefill_rows, prefill_path
 from tests.fixtures.tiny import make_gguf, make_hf_model
 from tests.test_gguf_as_stored import K_MIX, SHAPE
 
@@ -118,15 +118,29 @@ def test_attention_kernel_named_is_the_one_called(kmix_path, ext, monkeypatch):
 
 
 def test_info_and_bench_show_the_prefill_path(kmix_path, tmp_path, capsys, monkeypatch):
+    """`edgellm info` names a full chunk's path and the fused step's reach; bench rows name their prompt's: the
+    fused decode step for 8 tokens, the layers' kernels for 40."""
+    from edgellm.generate import Engine
+
+    loaded = load_model(kmix_path)
+    fused = fused_prefill_rows(Engine(loaded.model, loaded.tokenizer).compiled_step())
+    assert fused == (16 if hasattr(ext_or_none(), "DecodePlan") else 0)
     monkeypatch.setattr(cli, "EXTENSIONS", [])  # cli.main appends the extension parsers on every call
     assert cli.main(["info", "-m", str(kmix_path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    model = load_model(kmix_path).model
-    assert info["prefill path"] == str(prefill_path(model))
-    out = tmp_path / "bench.json"
-    monkeypatch.setattr(cli, "EXTENSIONS", [])
-    assert cli.main(["bench", "-m", str(kmix_path), "-p", "40", "-n", "2", "-r", "1", "--warmup", "0", "--threads", "2",
-                 "--stream-mib", "8", "--no-progress", "--device", "cpu", "--json", str(out)]) == 0
-    row = json.loads(out.read_text())["rows"][0]
-    assert row["prefill_path"] == prefill_path(model, 40).as_dict()
-    assert f"prefill: {prefill_path(model, 40)}" in capsys.readouterr().out
+    assert info["prefill path"] == str(prefill_path(loaded.model, fused_rows=fused))
+    for tokens in (8, 40):
+        out = tmp_path / f"bench{tokens}.json"
+        monkeypatch.setattr(cli, "EXTENSIONS", [])
+        assert cli.main(["bench", "-m", str(kmix_path), "-p", str(tokens), "-n", "2", "-r", "1", "--warmup", "0",
+                         "--threads", "2", "--stream-mib", "8", "--no-progress", "--device", "cpu",
+                         "--json", str(out)]) == 0
+        row = json.loads(out.read_text())["rows"][0]
+        path = prefill_path(loaded.model, tokens, fused)
+        assert row["prefill_path"] == path.as_dict()
+        assert f"prefill: {path}" in capsys.readouterr().out
+        assert (path.linears == {FUSED: 8}) == (tokens <= fused)
+
+
+def ext_or_none():
+    return matmul.cpu_extension()
