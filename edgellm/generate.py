@@ -178,9 +178,10 @@ class Engine:
         start = self._reuse_prefix(prompt)
         step = self.compiled_step()
         if FUSED_PREFILL and len(prompt) - start <= fused_prefill_rows(step) and len(prompt) <= step.limit:
-            # a short prompt, or a chat turn after its cached prefix: the fused step over its tokens (the row
-            # kernels the eager model would run too, the cache read in place, no graph) and the LM head over the
-            # last row: 0.4-0.7x the eager pass after 1500 cached tokens (SmolLM2), 0.75-1.0x (1B, 128K vocab)
+            # a short prompt, or a chat turn after its cached prefix: the fused step over its tokens (the cache read
+            # in place, no graph; GGUF blocks from 8 tokens on through the prompt GEMM) and the LM head over the
+            # last row: after 1500 cached tokens 0.37-0.70x the eager pass's TTFT (SmolLM2 Q4_K_M), 0.76-0.78x (a
+            # 1B Q4_K_M with a 128K vocabulary; benchmarks/results/chat-turn-ttft-amx-host.json)
             new = prompt[start:]
             logits = step.prefill(torch.tensor(new, dtype=torch.long), start)
             self.cached_ids.extend(new)

@@ -226,12 +226,21 @@ void f32_rows(const float* x, int64_t M, int64_t K, const float* W, int64_t N, f
 }
 
 // out [M, N] = x [M, K] @ W^T (+ bias); the int kernels treat each row on its own too (bit-identical to M = 1).
-void linear(const DecodeLinear& L, const float* x, int64_t M, float* out, int variant) {
+// A prefill's rows (decode_tokens last_only) from this many on multiply GGUF blocks in the prompt GEMM
+// (gguf_gemm_prompt, where it is vectorized), which decodes each weight once per call where the row kernel re-reads
+// the codes per group of rows: the same int8 activations and integer sums, equal to fp32 rounding.  Fewer rows,
+// decode and speculative verification stay on the row kernel (bit for bit the one-token step).
+constexpr int64_t kPrefillGemmRows = 8;
+
+// out [M, L.N] = x [M, L.K] @ W^T (+ bias); `prompt`: GGUF blocks through the prompt GEMM (see kPrefillGemmRows).
+void linear(const DecodeLinear& L, const float* x, int64_t M, float* out, int variant, bool prompt = false) {
   if (L.kind == DecodeLinear::GGUF) {
-    const GgufActs acts = gguf_quantize_acts(x, M, L.K);
+    const GgufActs acts = gguf_quantize_acts(x, M, L.K, /*paired=*/!prompt);
     int64_t offset = 0;
     for (const GgufPart& p : L.parts) {
-      gguf_gemm(acts, p.data, p.type, p.N, L.K, p.out_index ? out : out + offset, L.N, p.out_index);
+      float* y = p.out_index ? out : out + offset;
+      if (prompt) gguf_gemm_prompt(acts, p.data, p.type, p.N, L.K, y, L.N, p.out_index);
+      else gguf_gemm(acts, p.data, p.type, p.N, L.K, y, L.N, p.out_index);
       offset += p.N;
     }
   } else if (L.kind == DecodeLinear::INT4)
@@ -1122,6 +1131,7 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
   float* act = tmp + T * tw;    // [T, hid]
   float* work = m.work.data();
   const int64_t R = m.rotary_dim;
+  const bool gemm = last_only && T >= kPrefillGemmRows && gguf_prompt_gemm_fast();  // the layers' GGUF linears
   for (int64_t t = 0; t < T; ++t) {
     embed(m, tokens[t], h + t * dim);
     if (m.embed_scale != 1.0f)
@@ -1134,7 +1144,7 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
     const float* qscale = kscale ? m.kv_query_scale.data() + li * kvsz : nullptr;
     for (int64_t t = 0; t < T; ++t) rmsnorm(h + t * dim, L.attn_norm, m.eps, xn + t * dim, dim);
     clk.lap(m.t_other);
-    linear(L.qkv, xn, T, qkv, variant);
+    linear(L.qkv, xn, T, qkv, variant, gemm);
     clk.lap(m.t_matmul);
     const float* cos_table = L.local_rope ? m.rope_cos_local : m.rope_cos;
     const float* sin_table = L.local_rope ? m.rope_sin_local : m.rope_sin;
@@ -1207,7 +1217,7 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
       }
     }
     clk.lap(m.t_attention);
-    linear(L.o, att, T, tmp, variant);
+    linear(L.o, att, T, tmp, variant, gemm);
     clk.lap(m.t_matmul);
     for (int64_t t = 0; t < T; ++t) {
       if (L.post_attn_norm) rmsnorm(tmp + t * dim, L.post_attn_norm, m.eps, tmp + t * dim, dim);
@@ -1215,14 +1225,14 @@ void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos
       rmsnorm(h + t * dim, L.ffn_norm, m.eps, xn + t * dim, dim);
     }
     clk.lap(m.t_other);
-    linear(L.w13, xn, T, tmp, variant);
+    linear(L.w13, xn, T, tmp, variant, gemm);
     clk.lap(m.t_matmul);
     for (int64_t t = 0; t < T; ++t) {
       if (m.act == 1) gelu_mul(tmp + t * 2 * hid, tmp + t * 2 * hid + hid, act + t * hid, hid);
       else silu_mul(tmp + t * 2 * hid, tmp + t * 2 * hid + hid, act + t * hid, hid);
     }
     clk.lap(m.t_other);
-    linear(L.w2, act, T, xn, variant);
+    linear(L.w2, act, T, xn, variant, gemm);
     clk.lap(m.t_matmul);
     for (int64_t t = 0; t < T; ++t) {
       if (L.post_ffn_norm) rmsnorm(xn + t * dim, L.post_ffn_norm, m.eps, xn + t * dim, dim);

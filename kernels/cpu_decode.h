@@ -100,7 +100,8 @@ void decode_prepare(DecodeModel& m);
 void decode_step(DecodeModel& m, int64_t token, int64_t pos, float* logits, int variant);
 // T <= kDecodeMaxRows tokens at positions [pos, pos + T), causal: logits [T, vocab], each row bit for bit
 // what decode_step gives that token at its position; `last_only`: the last token's row alone (a short prompt's
-// prefill: the LM head over one row).
+// prefill: the LM head over one row; from kPrefillGemmRows rows on, GGUF linears through the prompt GEMM, equal to
+// the row kernels to fp32 rounding).
 void decode_tokens(DecodeModel& m, const int64_t* tokens, int64_t T, int64_t pos, float* logits, int variant,
                    bool last_only = false);
 

@@ -168,6 +168,31 @@ def test_short_prefill_runs_the_fused_step(tmp_path, kv, weights, monkeypatch):
 
 
 @needs_ext
+def test_short_prefill_of_gguf_blocks_takes_the_prompt_gemm(tmp_path):
+    """GGUF blocks as stored: a prompt part of fewer than 8 tokens is still bit for bit the one-token steps; from 8
+    on (cpu_decode.cpp kPrefillGemmRows) the layers' linears take the prompt GEMM, equal to them to fp32 rounding."""
+    from edgellm.kernels.matmul import cpu_extension
+    from tests.fixtures.tiny import make_gguf
+    from tests.test_gguf_as_stored import K_MIX, SHAPE
+
+    folder = make_hf_model(tmp_path / "hf", "llama_gqa", seed=3, **SHAPE)
+    loaded = load_model(make_gguf(folder, tmp_path / "kmix.gguf", quant_types=K_MIX, seed=7), max_seq_len=256)
+    prompt = torch.randint(0, loaded.model.config.vocab_size, (140,), generator=torch.Generator().manual_seed(3)).tolist()
+    for n in (7, 16):
+        a, b = (Engine(loaded.model, loaded.tokenizer) for _ in range(2))
+        a.prefill(prompt[:100])
+        b.prefill(prompt[:100])
+        got = a.prefill(prompt[:100 + n]).clone()
+        for t in prompt[100:100 + n]:
+            want = b.step(torch.tensor([[t]]))
+        if n < 8 or not cpu_extension().gguf_prompt_gemm_fast():  # (no vectorized prompt GEMM: the row kernel)
+            assert torch.equal(got, want)
+        else:
+            assert not torch.equal(got, want)  # (another order of the same sums)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+
+@needs_ext
 @pytest.mark.parametrize("kv", ["fp", "f16", "int8", "int4"])
 @pytest.mark.parametrize("weights", ["fp", "int4"])
 def test_fused_many_rows_equal_one_token_steps_long_context(tmp_path, kv, weights):
