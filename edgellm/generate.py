@@ -177,7 +177,7 @@ class Engine:
         until the next step (a short part's come in the fused step's buffer)."""
         start = self._reuse_prefix(prompt)
         step = self.compiled_step()
-        if FUSED_PREFILL and len(prompt) - start <= fused_prefill_rows(step) and len(prompt) <= step.limit:
+        if FUSED_PREFILL and 0 < len(prompt) - start <= fused_prefill_rows(step) and len(prompt) <= step.limit:
             # a short prompt, or a chat turn after its cached prefix: the fused step over its tokens (the cache read
             # in place, no graph; GGUF blocks from 8 tokens on through the prompt GEMM) and the LM head over the
             # last row: after 1500 cached tokens 0.37-0.70x the eager pass's TTFT (SmolLM2 Q4_K_M), 0.76-0.78x (a

@@ -14,9 +14,7 @@ from torch import nn
 # each linear class's method names (quant/gguf_linear.GGUFLinear.method, quant/linear.QuantLinear.method), as shown
 METHOD_NAMES = {"amx": "AMX bf16", "prompt": "int8 GEMM", "rows": "int8 rows", "kernel": "int8 rows",
                 "dequantize": "dequantize + GEMM", "dense": "dequantize + GEMM", "packed": "device kernel"}
-
-
-FUSED = "fused decode step"
+FUSED = "fused decode step"  # a short prompt part's path (Engine.prefill)
 
 
 @dataclass(frozen=True)
@@ -48,7 +46,8 @@ def linear_method(module: nn.Module, x: torch.Tensor) -> str | None:
     """How `module` multiplies x, by its display name; None for a module that is not a linear."""
     how = getattr(module, "method", None)
     if callable(how) and hasattr(module, "in_features"):
-        return METHOD_NAMES.get(how(x), how(x))
+        name = how(x)
+        return METHOD_NAMES.get(name, name)
     if isinstance(module, nn.Linear):
         return f"{str(module.weight.dtype).replace('torch.', '').replace('float', 'fp')} GEMM"
     return None
@@ -88,5 +87,5 @@ def prefill_path(model: nn.Module, tokens: int | None = None, fused_rows: int = 
                 name = linear_method(module, x) if x is not None else None
                 if name is not None:
                     methods[name] += 1
-    return PrefillPath(rows, dict(methods.most_common()), attention_kernel(model.dtype, model.device, cfg.head_dim, rows),
-                       fused_rows)
+    attention = attention_kernel(model.dtype, model.device, cfg.head_dim, rows)
+    return PrefillPath(rows, dict(methods.most_common()), attention, fused_rows)
