@@ -41,6 +41,9 @@ def child(engine: str, path: str, prefix: int, news: list[int], runs: int) -> di
         loaded = load_from_args(args)
         eng = engine_from_args(args, loaded)
         ids = loaded.tokenizer.encode(open(TEXT).read())
+        with torch.inference_mode():  # an answer decoded before the turns, as in a chat (it builds the decode step)
+            for _ in eng.generate(ids[:8], GenerationSettings(max_tokens=4, ignore_eos=True)):
+                pass
 
         def first_token(prompt: list[int]) -> float:
             t = time.perf_counter()

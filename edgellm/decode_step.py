@@ -65,6 +65,10 @@ class Decoder:
             self._key = (cache, mode)
         return self._step
 
+    def built(self, cache: KVCache, mode: str = "auto"):
+        """The compiled step if it is already built for this cache and mode, else None (builds nothing)."""
+        return self._step if self._key is not None and self._key[0] is cache and self._key[1] == mode else None
+
     def __call__(self, token: torch.Tensor, cache: KVCache, pos: int, mode: str = "auto") -> torch.Tensor:
         """token [1, 1] long on the model's device; the logits are valid until the next call."""
         step = self.compiled(cache, mode)

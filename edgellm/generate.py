@@ -176,12 +176,14 @@ class Engine:
         """Run the uncached part of `prompt` through the model; returns the last position's logits [V], valid
         until the next step (a short part's come in the fused step's buffer)."""
         start = self._reuse_prefix(prompt)
-        step = self.compiled_step()
+        # (a step not built yet stays so: the first prompt's TTFT would pay the fused plan's build, ~75 ms on SmolLM2,
+        # which the first decode step pays as before)
+        step = self._decoder.built(self.cache, self.compile_mode)
         if FUSED_PREFILL and 0 < len(prompt) - start <= fused_prefill_rows(step) and len(prompt) <= step.limit:
-            # a short prompt, or a chat turn after its cached prefix: the fused step over its tokens (the cache read
-            # in place, no graph; GGUF blocks from 8 tokens on through the prompt GEMM) and the LM head over the
-            # last row: after 1500 cached tokens 0.37-0.70x the eager pass's TTFT (SmolLM2 Q4_K_M), 0.76-0.78x (a
-            # 1B Q4_K_M with a 128K vocabulary; benchmarks/results/chat-turn-ttft-amx-host.json)
+            # a chat turn after its cached prefix (or a short prompt once the step is built): the fused step over its
+            # tokens (the cache read in place, no graph; GGUF blocks from 8 tokens on through the prompt GEMM) and the
+            # LM head over the last row: after 1500 cached tokens 0.38-0.69x the eager pass's TTFT (SmolLM2 Q4_K_M),
+            # 0.72-0.80x (a 1B Q4_K_M with a 128K vocabulary; benchmarks/results/chat-turn-ttft-amx-host.json)
             new = prompt[start:]
             logits = step.prefill(torch.tensor(new, dtype=torch.long), start)
             self.cached_ids.extend(new)

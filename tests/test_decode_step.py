@@ -182,6 +182,7 @@ def test_short_prefill_of_gguf_blocks_takes_the_prompt_gemm(tmp_path):
         a, b = (Engine(loaded.model, loaded.tokenizer) for _ in range(2))
         a.prefill(prompt[:100])
         b.prefill(prompt[:100])
+        a.compiled_step()  # built (as by the first answer's decode steps)
         got = a.prefill(prompt[:100 + n]).clone()
         for t in prompt[100:100 + n]:
             want = b.step(torch.tensor([[t]]))
