@@ -179,26 +179,31 @@ def causal_kernel():
     return ext
 
 
+def _check_causal_against_float64(ext, T: int, D: int, g: int, pos0: int, seed: int, amx: bool, tol: float) -> None:
+    """flash_causal (amx or not) on random q / k / v against the float64 softmax attention: outputs and lse within
+    `tol`."""
+    gen = torch.Generator().manual_seed(seed)
+    n_kv, L = 2, pos0 + T
+    # a cache's slice, read in place: rows of D contiguous, heads a cache length apart
+    cache_k, cache_v = torch.randn(2, n_kv, L + 9, D, generator=gen)
+    k, v = cache_k[:, :L], cache_v[:, :L]
+    q = torch.randn(n_kv * g, T, D, generator=gen) * 2 * D ** -0.5  # scaled as the caller scales it
+    out, lse = ext.flash_causal(q, k, v, pos0, amx)
+    s = q.double() @ k.double().repeat_interleave(g, 0).transpose(1, 2)
+    s.masked_fill_(torch.ones(T, L, dtype=torch.bool).triu_(pos0 + 1), float("-inf"))
+    ref = torch.softmax(s, -1) @ v.double().repeat_interleave(g, 0)
+    assert out.shape == q.shape and lse.shape == q.shape[:2]
+    assert (out.double() - ref).abs().max().item() < tol
+    assert (lse.double() - torch.logsumexp(s, -1)).abs().max().item() < tol
+
+
 # Rows around the kernel's blocks (32 query rows, 64 keys), every head dim it takes, GQA and not, from position 0
 # and after a prefix (the rows at positions pos0.., keys [0, pos0 + T)).
 @pytest.mark.parametrize("T", [1, 5, 31, 32, 33, 63, 64, 65, 100, 200])
 @pytest.mark.parametrize("D,g", [(16, 1), (64, 3), (128, 2), (256, 4)])
 @pytest.mark.parametrize("pos0", [0, 1, 70, 512])
 def test_causal_kernel_against_float64(T, D, g, pos0):
-    ext = causal_kernel()
-    gen = torch.Generator().manual_seed(T * 31 + D + g + pos0)
-    n_kv, L = 2, pos0 + T
-    # a cache's slice, read in place: rows of D contiguous, heads a cache length apart
-    cache_k, cache_v = torch.randn(2, n_kv, L + 9, D, generator=gen)
-    k, v = cache_k[:, :L], cache_v[:, :L]
-    q = torch.randn(n_kv * g, T, D, generator=gen) * 2 * D ** -0.5  # scaled as the caller scales it
-    out, lse = ext.flash_causal(q, k, v, pos0)
-    s = q.double() @ k.double().repeat_interleave(g, 0).transpose(1, 2)
-    s.masked_fill_(torch.ones(T, L, dtype=torch.bool).triu_(pos0 + 1), float("-inf"))
-    ref = torch.softmax(s, -1) @ v.double().repeat_interleave(g, 0)
-    assert out.shape == q.shape and lse.shape == q.shape[:2]
-    assert (out.double() - ref).abs().max().item() < 1e-5
-    assert (lse.double() - torch.logsumexp(s, -1)).abs().max().item() < 1e-5
+    _check_causal_against_float64(causal_kernel(), T, D, g, pos0, T * 31 + D + g + pos0, amx=False, tol=1e-5)
 
 
 @pytest.mark.parametrize("T", [1, 31, 33, 64, 65, 200])
@@ -214,18 +219,7 @@ def test_causal_kernel_on_amx_against_float64(T, D, g, pos0):
         with pytest.raises(RuntimeError, match="no AMX here"):
             ext.flash_causal(torch.randn(2, 4, 64), torch.randn(2, 4, 64), torch.randn(2, 4, 64), 0, True)
         pytest.skip(f"no AMX on this CPU ({ext.isa()} build): the check above is what runs here")
-    gen = torch.Generator().manual_seed(T * 37 + D + g + pos0)
-    n_kv, L = 2, pos0 + T
-    cache_k, cache_v = torch.randn(2, n_kv, L + 9, D, generator=gen)
-    k, v = cache_k[:, :L], cache_v[:, :L]
-    q = torch.randn(n_kv * g, T, D, generator=gen) * 2 * D ** -0.5
-    out, lse = ext.flash_causal(q, k, v, pos0, True)
-    s = q.double() @ k.double().repeat_interleave(g, 0).transpose(1, 2)
-    s.masked_fill_(torch.ones(T, L, dtype=torch.bool).triu_(pos0 + 1), float("-inf"))
-    ref = torch.softmax(s, -1) @ v.double().repeat_interleave(g, 0)
-    assert out.shape == q.shape and lse.shape == q.shape[:2]
-    assert (out.double() - ref).abs().max().item() < 5e-5
-    assert (lse.double() - torch.logsumexp(s, -1)).abs().max().item() < 5e-5
+    _check_causal_against_float64(ext, T, D, g, pos0, T * 37 + D + g + pos0, amx=True, tol=5e-5)
 
 
 def test_causal_kernel_rejects_what_it_does_not_take():

@@ -124,7 +124,7 @@ def test_info_and_bench_show_the_prefill_path(kmix_path, tmp_path, capsys, monke
 
     loaded = load_model(kmix_path)
     fused = fused_prefill_rows(Engine(loaded.model, loaded.tokenizer).compiled_step())
-    assert fused == (16 if hasattr(ext_or_none(), "DecodePlan") else 0)
+    assert fused == (16 if hasattr(matmul.cpu_extension(), "DecodePlan") else 0)
     monkeypatch.setattr(cli, "EXTENSIONS", [])  # cli.main appends the extension parsers on every call
     assert cli.main(["info", "-m", str(kmix_path), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -140,7 +140,3 @@ def test_info_and_bench_show_the_prefill_path(kmix_path, tmp_path, capsys, monke
         assert row["prefill_path"] == path.as_dict()
         assert f"prefill: {path}" in capsys.readouterr().out
         assert (path.linears == {FUSED: 8}) == (tokens <= fused)
-
-
-def ext_or_none():
-    return matmul.cpu_extension()
