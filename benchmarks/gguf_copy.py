@@ -8,7 +8,8 @@ from typing import Any, Callable
 import gguf
 import numpy as np
 
-SCALE_OFFSET = {"Q6_K": 208}  # byte offset of a block's fp16 d where it is not the first two bytes
+SCALE_OFFSET = {"Q6_K": 208, "Q3_K": 108, "Q2_K": 80}  # byte offset of a block's fp16 d where it is not 0
+MIN_OFFSET = {"Q4_1": 2, "Q5_1": 2, "Q4_K": 2, "Q5_K": 2, "Q2_K": 82}  # and of its fp16 min (scale), if it has one
 FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
 
 # a tensor of the source → (data, raw_dtype) to write instead, or None to copy it as stored
@@ -17,11 +18,13 @@ Replace = Callable[[Any], "tuple[np.ndarray, gguf.GGMLQuantizationType | None] |
 
 def random_blocks(tensor_type: gguf.GGMLQuantizationType, rows: int, k: int, rng: np.random.Generator,
                   d: float = 0.002) -> np.ndarray:
-    """rows x k values of random blocks of `tensor_type`, every block's fp16 d set to `d` (finite weights)."""
+    """rows x k values of random blocks of `tensor_type`, every block's fp16 d (and min scale) set to `d` (finite
+    weights)."""
     qv, qb = gguf.GGML_QUANT_SIZES[tensor_type]
     raw = rng.integers(0, 256, size=(rows, k // qv * qb), dtype=np.uint8)
-    at = SCALE_OFFSET.get(tensor_type.name, 0)
-    raw.reshape(rows, -1, qb)[:, :, at:at + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+    for at in (SCALE_OFFSET.get(tensor_type.name, 0), MIN_OFFSET.get(tensor_type.name)):
+        if at is not None:
+            raw.reshape(rows, -1, qb)[:, :, at:at + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
     return raw
 
 

@@ -13,7 +13,8 @@ from torch import nn
 
 # each linear class's method names (quant/gguf_linear.GGUFLinear.method, quant/linear.QuantLinear.method), as shown
 METHOD_NAMES = {"amx": "AMX bf16", "prompt": "int8 GEMM", "rows": "int8 rows", "kernel": "int8 rows",
-                "dequantize": "dequantize + GEMM", "dense": "dequantize + GEMM", "packed": "device kernel"}
+                "dequantize": "dequantize + GEMM", "dense": "dequantize + GEMM", "packed": "device kernel",
+                "triton": "Triton GGUF rows"}
 FUSED = "fused decode step"  # a short prompt part's path (Engine.prefill)
 
 

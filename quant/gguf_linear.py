@@ -17,12 +17,16 @@ How the product is computed:
       decode and verification (<= 16 rows) take the row kernel, longer prompts the int8 panel GEMM ("prompt
       GEMM") where it is vectorized (AVX2, AVX-512 VNNI); builds without it keep the row kernel up to a measured
       number of rows per type and dequantize this layer into a float buffer for longer prompts.
-  Anywhere else (CUDA, MPS, CPU without the extension): this layer's blocks are dequantized on the device for
-      the call (quant/gguf_tensor.py, bit for bit gguf.quants) and multiplied in the compute dtype: one layer's
-      float weight exists at a time, never the whole model's.
+  CUDA with Triton, the types kernels/triton_gguf.py has (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): up to
+      16 rows of x (decode, verification) multiplied by the blocks in place, dequantized in registers; longer
+      prompts dequantize this layer with its kernel (bit for bit gguf.quants) into a float buffer for the GEMM.
+  Anywhere else (MPS, other CUDA types, CPU without the extension): this layer's blocks are dequantized on the
+      device for the call (quant/gguf_tensor.py, bit for bit gguf.quants) and multiplied in the compute dtype: one
+      layer's float weight exists at a time, never the whole model's.
 """
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -114,6 +118,9 @@ class _GGUFWeight(nn.Module):
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The float weight [out, in] in our row order (for prefill GEMMs, self-drafts and exports)."""
         parts = self.gguf_parts
+        TG, tparts = _triton_parts(parts, self.in_features)
+        if TG is not None:  # one kernel launch a part, each row written to its output position
+            return TG.gguf_dequantize(tparts, self.in_features, dtype)
         device = parts[0].raw.device
         out = torch.empty(self.out_features, self.in_features, dtype=dtype, device=device)
         start = 0
@@ -137,7 +144,37 @@ class _GGUFWeight(nn.Module):
         return "+".join(dict.fromkeys(self.type_names()))
 
 
+# On CUDA, GGUF types kernels/triton_gguf.py takes are multiplied there: decode / verification rows in place, longer
+# prompts through its dequantization (bit for bit gguf.quants'). False: every product dequantizes through torch ops
+# (quant/gguf_tensor.py), the A/B baseline (benchmarks/cuda_gguf.sh sets EDGELLM_GGUF_TRITON=0).
+TRITON_GGUF = os.environ.get("EDGELLM_GGUF_TRITON", "1") != "0"
+
+
+def triton_gguf(device: torch.device):
+    """kernels/triton_gguf.py where it serves tensors on `device` (CUDA with Triton; see TRITON_GGUF), else None."""
+    if not TRITON_GGUF or device.type != "cuda":
+        return None
+    from ..kernels.attention import triton_available
+
+    if not triton_available():
+        return None
+    from ..kernels import triton_gguf as TG
+
+    return TG
+
+
+def _triton_parts(parts: list[GGUFPart], k: int):
+    """(the Triton module, the parts as its tuples) where it takes every part of this weight, else (None, None)."""
+    TG = triton_gguf(parts[0].raw.device)
+    if TG is None or not all(TG.supports(p.type, k) for p in parts):
+        return None, None
+    return TG, [(p.raw, p.type, p.rows, p.out_index) for p in parts]
+
+
 def _dequantize(p: GGUFPart, k: int, dtype: torch.dtype) -> torch.Tensor:
+    TG, tparts = _triton_parts([GGUFPart(p.raw, p.type, p.rows)], k)
+    if TG is not None:
+        return TG.gguf_dequantize(tparts, k, dtype)
     ext = K.cpu_extension() if p.raw.device.type == "cpu" else None
     if ext is not None and hasattr(ext, "gguf_dequantize") and p.type in _native_types(ext):
         return ext.gguf_dequantize(p.raw, p.type, p.rows, k, None).to(dtype)
@@ -183,12 +220,16 @@ class GGUFLinear(_GGUFWeight):
         self.register_buffer("bias", bias)
 
     def method(self, x: torch.Tensor) -> str:
-        """How forward multiplies x: "rows", "prompt", "amx" or "dequantize" (see gguf_ops.method)."""
+        """How forward multiplies x: "rows", "prompt", "amx" or "dequantize" (see gguf_ops.method), on CUDA "triton"
+        (kernels/triton_gguf.gguf_rows) or "dequantize"."""
         return self._method(x.reshape(-1, self.in_features))[0]
 
     def _method(self, x2: torch.Tensor) -> tuple[str, object]:
-        """(how, the extension) for this product: see gguf_ops.method; "dequantize" where the extension does not
-        take it (another device, no extension, a type without a kernel)."""
+        """(how, the extension or the Triton module) for this product: see gguf_ops.method; "dequantize" where neither
+        takes it (another device, no extension, a type without a kernel, a prompt longer than triton_gguf's rows)."""
+        TG = triton_gguf(x2.device)
+        if TG is not None and all(TG.supports(t, self.in_features) for t in self.part_types):
+            return ("triton", TG) if x2.shape[0] <= TG.MAX_ROWS else ("dequantize", None)
         if x2.device.type != "cpu":
             return "dequantize", None
         ext = K.cpu_extension()
@@ -201,7 +242,12 @@ class GGUFLinear(_GGUFWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         how, ext = self._method(x2)
-        if how in ("rows", "prompt", "amx"):
+        if how == "triton":
+            parts = [(p.raw, p.type, p.rows, p.out_index) for p in self.gguf_parts]
+            out = ext.gguf_rows(x2, parts, self.out_features)
+            if self.bias is not None:
+                out = out + self.bias
+        elif how in ("rows", "prompt", "amx"):
             fn = {"rows": ext.gguf_linear, "prompt": ext.gguf_linear_prompt, "amx": ext.gguf_linear_amx}[how]
             parts = [(p.raw, p.type, p.rows, p.out_index) for p in self.gguf_parts]
             xin = x2 if how == "amx" and x2.dtype == torch.bfloat16 else x2.float()

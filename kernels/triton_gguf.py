@@ -1,0 +1,213 @@
+"""GGUF blocks multiplied as stored on CUDA, in Triton: the decode / verification product (a few rows of x against
+the blocks, dequantized in registers) and a layer's dequantization for longer prompts.
+
+Every type here is read 256 values of a row at a time, as a [S, V] tile of its blocks: eight 32-value blocks
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), one Q4_K / Q5_K super-block as its 8 sub-blocks of 32, or one Q6_K super-block as
+its 16 sub-blocks of 16, so a sub-block's scale is a [BLOCK_N, S, 1] broadcast. Each value is computed with the
+float32 operations of `gguf.quants.dequantize` in its order (the dequantization kernel is compiled without fused
+multiply-adds, so its output is bit for bit gguf.quants'); the product rounds each weight to x's dtype first, as the
+float model's weight is (dequantized to the compute dtype), then sums in float32.
+
+`gguf_rows` takes up to MAX_ROWS rows of x: each weight tile is read once and dotted with every row (a static loop
+over the rows, so a row's sums are the same whatever the others: one token or a verification of several gives the
+same logits for it). Runs under TRITON_INTERPRET=1 on CPU tensors (tests); quant/gguf_linear.py calls it on CUDA.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# GGUF type id → (bytes per block, values per block); the types this module multiplies
+TYPES = {2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32), 12: (144, 256), 13: (176, 256),
+         14: (210, 256)}
+MAX_ROWS = 16  # rows of x gguf_rows takes (a decode step, a speculative verification); more: dequantize + GEMM
+_TILE = {14: (16, 16)}  # (S, V) of the 256-value tile: Q6_K's 16 sub-blocks of 16, every other type 8 x 32
+
+
+@triton.jit
+def _half(ptr, mask):
+    """The little-endian fp16 at byte pointer(s) `ptr`, as float32."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.uint16)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.uint16)
+    return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _k_scale_min(scales, s, mask):
+    """Q4_K / Q5_K sub-block s's 6-bit scale and min from the 12 scale bytes at `scales` (gguf.quants'
+    Q4_K.get_scale_min), as float32."""
+    s4 = s % 4
+    b0 = tl.load(scales + s4, mask=mask, other=0)
+    b1 = tl.load(scales + 4 + s4, mask=mask, other=0)
+    b2 = tl.load(scales + 8 + s4, mask=mask, other=0)
+    sc = tl.where(s < 4, b0 & 63, (b2 & 0xF) | ((b0 >> 2) & 0x30))
+    mn = tl.where(s < 4, b1 & 63, (b2 >> 4) | ((b1 >> 2) & 0x30))
+    return sc.to(tl.float32), mn.to(tl.float32)
+
+
+@triton.jit
+def _tile(raw, rows, row_ok, row_bytes, it, K, TYPE: tl.constexpr, S: tl.constexpr, V: tl.constexpr,
+          U: tl.constexpr):
+    """Values it*U*256 .. +U*256 of `rows` (a [BLOCK_N] vector), dequantized: float32 [BLOCK_N, U*S, V], U units of
+    256 values side by side (more bytes in flight per iteration). Values past K come out 0."""
+    su = tl.arange(0, U * S)[None, :, None]
+    unit = it * U + su // S  # the unit (256 values) of each (sub-)block row of the tile
+    s = su % S  # block (or sub-block) within the unit
+    v = tl.arange(0, V)[None, None, :]  # value within it
+    row = raw + rows[:, None, None].to(tl.int64) * row_bytes
+    if TYPE == 12 or TYPE == 13 or TYPE == 14:  # one super-block a unit
+        sok = row_ok[:, None, None] & (unit * 256 < K)  # [BLOCK_N, U*S, 1]
+        ok = sok & (v >= 0)
+        blk = row + unit * (144 if TYPE == 12 else (176 if TYPE == 13 else 210))
+        if TYPE == 14:  # Q6_K: ql[128], qh[64], scales[16] (int8), d; sub-block s of 16 values
+            n, q, l = s // 8, (s % 8) // 2, 16 * (s % 2) + v
+            lo = tl.load(blk + 64 * n + 32 * (q % 2) + l, mask=ok, other=0)
+            hi = tl.load(blk + 128 + 32 * n + l, mask=ok, other=0)
+            code = ((lo >> (4 * (q // 2))) & 0xF) | (((hi >> (2 * q)) & 3) << 4)
+            scale = tl.load(blk + 192 + s, mask=sok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            d = _half(blk + 208, sok)
+            w = (d * scale) * (code.to(tl.int8) - 32).to(tl.float32)
+        else:  # Q4_K: d, dmin, scales[12], qs[128]; Q5_K: the same, qh[32] before qs
+            d = _half(blk, sok)
+            dmin = _half(blk + 2, sok)
+            sc, mn = _k_scale_min(blk + 4, s, sok)
+            qs = blk + (16 if TYPE == 12 else 48)
+            code = (tl.load(qs + 32 * (s // 2) + v, mask=ok, other=0) >> (4 * (s % 2))) & 0xF
+            if TYPE == 13:
+                code = code | (((tl.load(blk + 16 + v, mask=ok, other=0) >> s) & 1) << 4)
+            w = (d * sc) * code.to(tl.float32) - dmin * mn
+    else:  # 32-value blocks, 8 a unit; value v of a block: byte v % 16 of its 16, nibble v // 16 (Q8_0: byte v)
+        bi = it * U * 8 + su
+        ok = row_ok[:, None, None] & (bi * 32 < K)
+        vok = ok & (v >= 0)
+        blk = row + bi * (18 if TYPE == 2 else (20 if TYPE == 3 else (22 if TYPE == 6 else (24 if TYPE == 7
+                                                                                           else 34))))
+        d = _half(blk, ok)
+        if TYPE == 8:  # Q8_0: d, qs[32] (int8)
+            w = d * tl.load(blk + 2 + v, mask=vok, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+        else:
+            qs = blk + (2 if TYPE == 2 else (4 if TYPE == 3 else (6 if TYPE == 6 else 8)))
+            code = (tl.load(qs + v % 16, mask=vok, other=0) >> (4 * (v // 16))) & 0xF
+            if TYPE == 6 or TYPE == 7:  # the fifth bits: a little-endian u32 before qs, bit v for value v
+                qh = tl.load(qs - 4 + v // 8, mask=vok, other=0)
+                code = code | (((qh >> (v % 8)) & 1) << 4)
+            if TYPE == 2:  # Q4_0: d (q - 8)
+                w = d * (code.to(tl.int8) - 8).to(tl.float32)
+            elif TYPE == 6:  # Q5_0: d (q - 16)
+                w = d * (code.to(tl.int8) - 16).to(tl.float32)
+            else:  # Q4_1 / Q5_1: d q + m
+                w = d * code.to(tl.float32) + _half(blk + 2, ok)
+    return w
+
+
+@triton.jit
+def _round(w, ROUND: tl.constexpr):
+    """float32 w rounded to ROUND's precision (0: none, 1: bfloat16, 2: float16), still float32. bfloat16 by its bits,
+    to nearest even (Triton's interpreter truncates a bfloat16 cast; weights are finite)."""
+    if ROUND == 1:
+        b = w.to(tl.uint32, bitcast=True)
+        w = ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    elif ROUND == 2:
+        w = w.to(tl.float16).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _rows_kernel(x, raw, out, index, M, N, K, stride_xm, row_bytes, stride_om, col0,
+                 TYPE: tl.constexpr, S: tl.constexpr, V: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, HAS_INDEX: tl.constexpr, ROUND: tl.constexpr):
+    """out[m, col(r)] = sum_k x[m, k] w[r, k] for this program's BLOCK_N rows r of the blocks, every m < M."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    ms = tl.arange(0, BLOCK_M)
+    k_in_tile = (tl.arange(0, U * S)[:, None] * V + tl.arange(0, V)[None, :])  # [U*S, V]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for it in range(0, tl.cdiv(K, 256 * U)):
+        w = _tile(raw, rows, row_ok, row_bytes, it, K, TYPE, S, V, U)
+        w = _round(w, ROUND)  # the weight as the float model holds it (in x's dtype)
+        k = it * U * 256 + k_in_tile
+        for m in tl.static_range(BLOCK_M):
+            xm = tl.load(x + m * stride_xm + k, mask=(k < K) & (k * 0 + m < M), other=0).to(tl.float32)
+            part = tl.sum(tl.sum(w * xm[None, :, :], axis=2), axis=1)  # [BLOCK_N]
+            acc += tl.where(ms[:, None] == m, part[None, :], 0.0)
+    if HAS_INDEX:
+        cols = tl.load(index + rows, mask=row_ok, other=0)
+    else:
+        cols = col0 + rows
+    dst = out + ms[:, None] * stride_om + cols[None, :]
+    tl.store(dst, acc.to(out.dtype.element_ty), mask=(ms[:, None] < M) & row_ok[None, :])
+
+
+@triton.jit
+def _dequant_kernel(raw, out, index, N, K, row_bytes, stride_o, row0,
+                    TYPE: tl.constexpr, S: tl.constexpr, V: tl.constexpr, BLOCK_N: tl.constexpr,
+                    HAS_INDEX: tl.constexpr, ROUND: tl.constexpr):
+    """out[row(r), unit's 256 columns] = the dequantized values, for this program's rows and unit."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    unit = tl.program_id(1)
+    row_ok = rows < N
+    w = _round(_tile(raw, rows, row_ok, row_bytes, unit, K, TYPE, S, V, 1), ROUND)
+    if HAS_INDEX:
+        dst_rows = tl.load(index + rows, mask=row_ok, other=0)
+    else:
+        dst_rows = row0 + rows
+    k = unit * 256 + tl.arange(0, S)[None, :, None] * V + tl.arange(0, V)[None, None, :]
+    dst = out + dst_rows[:, None, None].to(tl.int64) * stride_o + k
+    tl.store(dst, w.to(out.dtype.element_ty), mask=row_ok[:, None, None] & (k < K))
+
+
+def _rounding(dtype: torch.dtype) -> int:
+    return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
+
+
+def supports(type_id: int, k: int) -> bool:
+    """Whether this module multiplies blocks of this GGUF type along k values."""
+    return type_id in TYPES and k % TYPES[type_id][1] == 0
+
+
+def _launch(n: int, k: int) -> tuple[int, int, int]:
+    """(rows per program, units of 256 values per iteration, warps) for an n x k product."""
+    units = min(8, triton.next_power_of_2(triton.cdiv(k, 256)))
+    return 1, units, 4
+
+
+def gguf_rows(x: torch.Tensor, parts: list[tuple[torch.Tensor, int, int, torch.Tensor | None]], n_out: int,
+              out_dtype: torch.dtype | None = None, launch: tuple[int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS) @ W.T, W the parts stacked along the outputs (each (raw uint8 [rows, row bytes],
+    GGUF type, rows, out_index int32 [rows] or None: the output column of each row)) → [M, n_out].
+    `launch`: (rows per program, units per iteration, warps) (benchmarks/triton_gguf_kernels.py sweeps them;
+    default: _launch's)."""
+    m, k = x.shape
+    if m > MAX_ROWS:
+        raise ValueError(f"gguf_rows takes up to {MAX_ROWS} rows of x, got {m}")
+    x = x.contiguous()
+    out = torch.empty(m, n_out, dtype=out_dtype or x.dtype, device=x.device)
+    block_m = max(1, triton.next_power_of_2(m))
+    col0 = 0
+    for raw, type_id, rows, index in parts:
+        s, v = _TILE.get(type_id, (8, 32))
+        bn, units, warps = launch or _launch(rows, k)
+        _rows_kernel[(triton.cdiv(rows, bn),)](
+            x, raw, out, index if index is not None else raw, m, rows, k, x.stride(0), raw.stride(0), out.stride(0),
+            col0, TYPE=type_id, S=s, V=v, U=units, BLOCK_M=block_m, BLOCK_N=bn, HAS_INDEX=index is not None,
+            ROUND=_rounding(x.dtype), num_warps=warps)
+        col0 += rows
+    return out
+
+
+def gguf_dequantize(parts: list[tuple[torch.Tensor, int, int, torch.Tensor | None]], k: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The parts' float weight [rows, k] in `dtype`, each value bit for bit gguf.quants' (rounded to dtype)."""
+    n = sum(p[2] for p in parts)
+    out = torch.empty(n, k, dtype=dtype, device=parts[0][0].device)
+    row0 = 0
+    for raw, type_id, rows, index in parts:
+        s, v = _TILE.get(type_id, (8, 32))
+        bn = 16
+        _dequant_kernel[(triton.cdiv(rows, bn), triton.cdiv(k, 256))](
+            raw, out, index if index is not None else raw, rows, k, raw.stride(0), out.stride(0), row0,
+            TYPE=type_id, S=s, V=v, BLOCK_N=bn, HAS_INDEX=index is not None, ROUND=_rounding(dtype), num_warps=4,
+            enable_fp_fusion=False)
+        row0 += rows
+    return out
