@@ -507,10 +507,12 @@ def _as_q8_0(src: GGUFSource, name: str) -> tuple[Any, int, tuple[int, int]]:
     return out, GGUF_NATIVE_TYPES["Q8_0"], (rows, k)
 
 
-def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPlan):
+def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPlan, exact: bool = True):
     """How `--weights auto` keeps one of our matrices from a GGUF → (kind, kept, the part types requantized):
     ("exact", QuantizedTensor) when every part is Q8_0 / Q4_0 / Q4_1 of one type (our packed int8/int4 format, a
-    byte reshuffle), ("blocks", [GGUFPart]) when every part is a type the GGUF kernels multiply in place. Parts of a
+    byte reshuffle; not with `exact` False: on CUDA the Triton kernels multiply those blocks in place, where torch's
+    int4 kernel would round their fp16 scales to bf16 in a second copy and its int8 one takes no groups),
+    ("blocks", [GGUFPart]) when every part is a type the GGUF kernels multiply in place. Parts of a
     type without a kernel are first requantized to Q8_0 (REQUANTIZE_WITHOUT_KERNEL; the caller warns). None for a
     float tensor, or with the switch off a type without a kernel (the caller dequantizes it and warns)."""
     if not ours.endswith(MATRIX_NAMES):
@@ -529,7 +531,7 @@ def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPla
     raws = [src.raw(p) if t in NATIVE_TYPES else _as_q8_0(src, p) for p, t in zip(parts, types)]
     types = [t if t in NATIVE_TYPES else "Q8_0" for t in types]
     permute = [plan.permute.get(p) for p in parts]
-    if len(set(types)) == 1 and types[0] in GGUF_EXACT:
+    if exact and len(set(types)) == 1 and types[0] in GGUF_EXACT:
         qt = try_exact_gguf(raws, (8, 32, True), permute)
         for p in parts:
             src.file.release(p)  # copied into the packed layout: the mapped blocks need not stay resident
@@ -561,12 +563,16 @@ def build_state_dict(src: TensorSource, cfg: ModelConfig, fmt: str, dtype: torch
     gguf_parts: dict[str, list] = {}
     dequantized: set[str] = set()
     requantized: set[str] = set()
+    if as_stored and fmt == "gguf":
+        from .quant.gguf_linear import triton_gguf
+
+        exact = triton_gguf(torch.device(device)) is None  # CUDA with Triton: every type stays blocks
     for ours, parts in plan.parts.items():
         missing = [p for p in parts if p not in available]
         if missing:
             raise ModelFormatError(f"{src.path}: missing tensor {missing[0]}")
         if as_stored and fmt == "gguf":
-            kept = gguf_as_stored(src, ours, parts, plan)
+            kept = gguf_as_stored(src, ours, parts, plan, exact)
             if kept is not None:
                 (qtensors if kept[0] == "exact" else gguf_parts)[ours] = kept[1]
                 requantized |= kept[2]

@@ -5,8 +5,9 @@ Every type here is read 256 values of a row at a time, as a [S, V] tile of its b
 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), one Q4_K / Q5_K super-block as its 8 sub-blocks of 32, or one Q6_K super-block as
 its 16 sub-blocks of 16, so a sub-block's scale is a [BLOCK_N, S, 1] broadcast. Each value is computed with the
 float32 operations of `gguf.quants.dequantize` in its order (the dequantization kernel is compiled without fused
-multiply-adds, so its output is bit for bit gguf.quants'); the product rounds each weight to x's dtype first, as the
-float model's weight is (dequantized to the compute dtype), then sums in float32.
+multiply-adds, so its output is bit for bit gguf.quants', then rounded to nearest in the output dtype); the product
+multiplies the float32 weights by x in float32 (finer than the float model, whose weights are in the compute dtype:
+rounding them here cost the decode kernel a sixth more instructions for nothing gained).
 
 `gguf_rows` takes up to MAX_ROWS rows of x: each weight tile is read once and dotted with every row (a static loop
 over the rows, so a row's sums are the same whatever the others: one token or a verification of several gives the
@@ -116,7 +117,7 @@ def _round(w, ROUND: tl.constexpr):
 @triton.jit
 def _rows_kernel(x, raw, out, index, M, N, K, stride_xm, row_bytes, stride_om, col0,
                  TYPE: tl.constexpr, S: tl.constexpr, V: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, HAS_INDEX: tl.constexpr, ROUND: tl.constexpr):
+                 BLOCK_N: tl.constexpr, HAS_INDEX: tl.constexpr):
     """out[m, col(r)] = sum_k x[m, k] w[r, k] for this program's BLOCK_N rows r of the blocks, every m < M."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -125,7 +126,6 @@ def _rows_kernel(x, raw, out, index, M, N, K, stride_xm, row_bytes, stride_om, c
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for it in range(0, tl.cdiv(K, 256 * U)):
         w = _tile(raw, rows, row_ok, row_bytes, it, K, TYPE, S, V, U)
-        w = _round(w, ROUND)  # the weight as the float model holds it (in x's dtype)
         k = it * U * 256 + k_in_tile
         for m in tl.static_range(BLOCK_M):
             xm = tl.load(x + m * stride_xm + k, mask=(k < K) & (k * 0 + m < M), other=0).to(tl.float32)
@@ -169,7 +169,9 @@ def supports(type_id: int, k: int) -> bool:
 def _launch(n: int, k: int) -> tuple[int, int, int]:
     """(rows per program, units of 256 values per iteration, warps) for an n x k product."""
     units = min(8, triton.next_power_of_2(triton.cdiv(k, 256)))
-    return 1, units, 4
+    # one row a program keeps a few thousand programs streaming on the narrow matrices (H200, 1B shapes); the wide
+    # ones (gate / up, the LM head) do better with 4 (results/cuda-gguf-h200.json: 114 against 157 us, the head)
+    return (1 if n <= 2048 else 2 if n <= 4096 else 4), units, 4
 
 
 def gguf_rows(x: torch.Tensor, parts: list[tuple[torch.Tensor, int, int, torch.Tensor | None]], n_out: int,
@@ -191,7 +193,7 @@ def gguf_rows(x: torch.Tensor, parts: list[tuple[torch.Tensor, int, int, torch.T
         _rows_kernel[(triton.cdiv(rows, bn),)](
             x, raw, out, index if index is not None else raw, m, rows, k, x.stride(0), raw.stride(0), out.stride(0),
             col0, TYPE=type_id, S=s, V=v, U=units, BLOCK_M=block_m, BLOCK_N=bn, HAS_INDEX=index is not None,
-            ROUND=_rounding(x.dtype), num_warps=warps)
+            num_warps=warps)
         col0 += rows
     return out
 

@@ -39,8 +39,8 @@ def blocks(type_id: int, n: int, k: int, seed: int) -> tuple[torch.Tensor, torch
 
 
 def reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T in float64, w first rounded to x's dtype (as the kernel and the float model hold it)."""
-    return x.cpu().double() @ w.to(x.dtype).double().T
+    """x @ w.T in float64 (w: gguf.quants' float32 values, as the kernel multiplies them)."""
+    return x.cpu().double() @ w.double().T
 
 
 @pytest.mark.parametrize("type_id", sorted(TG.TYPES), ids=NAMES.get)
@@ -68,7 +68,7 @@ def test_rows_against_float64(type_id, m, k, launch):
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
     xb = x.to(torch.bfloat16)
     got_b = TG.gguf_rows(xb.to(DEVICE), [(raw, type_id, n, None)], n, torch.float32, launch).cpu()
-    want_b = reference(xb, ref)  # the weights rounded to bf16 too
+    want_b = reference(xb, ref)
     assert (got_b.double() - want_b).abs().max() <= 1e-5 * want_b.abs().max()
 
 
@@ -162,6 +162,18 @@ def mix_files(tmp_path_factory):
             for name, types in (("kmix", K_MIX), ("legacy", LEGACY_MIX))}
 
 
+def test_loader_keeps_exact_types_as_blocks_where_triton_takes_them(mix_files, triton_here):
+    """Where the Triton kernels serve (CUDA), a Q8_0 / Q4_0 / Q4_1 matrix stays GGUF blocks instead of our packed
+    int8 / int4 (whose CUDA kernels would round its fp16 scales to bf16 in a second copy, or dequantize per call)."""
+    from edgellm.loading import load_model
+    from edgellm.quant.linear import QuantLinear
+
+    model = load_model(mix_files["legacy"], weights="auto").model
+    wo = model.layers[0].attention.wo  # Q8_0 alone: the exact route on a CPU
+    assert isinstance(wo, GGUFLinear) and wo.type_names() == ["Q8_0"]
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
+
+
 @cuda
 @pytest.mark.parametrize("name", ["kmix", "legacy"])
 def test_cuda_model_as_stored_against_float(mix_files, name):
@@ -173,6 +185,9 @@ def test_cuda_model_as_stored_against_float(mix_files, name):
 
     auto = load_model(mix_files[name], weights="auto", device="cuda", dtype=torch.bfloat16).model
     fp = load_model(mix_files[name], weights="fp", device="cuda", dtype=torch.bfloat16).model
+    from edgellm.quant.linear import QuantLinear
+
+    assert not any(isinstance(m, QuantLinear) for m in auto.modules())  # Q8_0 / Q4_0 too stay blocks on CUDA
     linears = [m for m in auto.layers.modules() if isinstance(m, GGUFLinear)]
     assert linears and all(m.method(torch.zeros(1, m.in_features, device="cuda")) == "triton" for m in linears)
     assert not any(p.is_floating_point() and p.numel() >= 256 * 256 for p in auto.parameters())
