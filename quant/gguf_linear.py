@@ -17,9 +17,10 @@ How the product is computed:
       decode and verification (<= 16 rows) take the row kernel, longer prompts the int8 panel GEMM ("prompt
       GEMM") where it is vectorized (AVX2, AVX-512 VNNI); builds without it keep the row kernel up to a measured
       number of rows per type and dequantize this layer into a float buffer for longer prompts.
-  CUDA with Triton, the types kernels/triton_gguf.py has (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): up to
-      16 rows of x (decode, verification) multiplied by the blocks in place, dequantized in registers; longer
-      prompts dequantize this layer with its kernel (bit for bit gguf.quants) into a float buffer for the GEMM.
+  CUDA with Triton, the types kernels/triton_gguf.py has (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K .. Q6_K, IQ4_NL,
+      IQ4_XS): up to 16 rows of x (decode, verification) multiplied by the blocks in place, dequantized in
+      registers; longer prompts dequantize this layer with its kernel (bit for bit gguf.quants) into a float buffer
+      for the GEMM.
   Anywhere else (MPS, other CUDA types, CPU without the extension): this layer's blocks are dequantized on the
       device for the call (quant/gguf_tensor.py, bit for bit gguf.quants) and multiplied in the compute dtype: one
       layer's float weight exists at a time, never the whole model's.

@@ -110,7 +110,7 @@ def test_refusals():
     with pytest.raises(ValueError, match="up to 16 rows"):
         TG.gguf_rows(torch.zeros(17, 64, device=DEVICE), [(raw, 8, 4, None)], 4)
     assert not TG.supports(12, 384)  # a K-quant along a row that is not whole super-blocks
-    assert not TG.supports(10, 256)  # Q2_K: dequantized by torch ops on CUDA
+    assert not TG.supports(18, 256)  # IQ3_XXS: dequantized by torch ops on CUDA (through its grid)
     assert TG.supports(2, 96)
 
 
@@ -154,12 +154,12 @@ cuda = pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="a 
 @pytest.fixture(scope="module")
 def mix_files(tmp_path_factory):
     from tests.fixtures.tiny import make_gguf, make_hf_model
-    from tests.test_gguf_as_stored import K_MIX, LEGACY_MIX, SHAPE
+    from tests.test_gguf_as_stored import IQ4_MIX, K_MIX, LEGACY_MIX, LOW_MIX, SHAPE
 
     root = tmp_path_factory.mktemp("triton-gguf")
     return {name: make_gguf(make_hf_model(root / name, "llama_gqa", seed=3, **SHAPE), root / f"{name}.gguf",
                             quant_types=types, seed=7)
-            for name, types in (("kmix", K_MIX), ("legacy", LEGACY_MIX))}
+            for name, types in (("kmix", K_MIX), ("legacy", LEGACY_MIX), ("lowmix", LOW_MIX), ("iq4mix", IQ4_MIX))}
 
 
 def test_loader_keeps_exact_types_as_blocks_where_triton_takes_them(mix_files, triton_here):
@@ -174,8 +174,34 @@ def test_loader_keeps_exact_types_as_blocks_where_triton_takes_them(mix_files, t
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
 
 
+@pytest.mark.parametrize("name", ["kmix", "legacy", "lowmix", "iq4mix"])
+def test_model_through_the_kernels_against_float(mix_files, triton_here, monkeypatch, name):
+    """What a CUDA model runs, on this device (interpreted on a CPU): every linear of a GGUF model multiplies its
+    stored blocks with the Triton kernels (a 20-token prompt through the dequantization kernel, then one token
+    through the row kernel, fused parts, permuted Q/K rows); its logits are the float model's (the same file with
+    `--weights fp`) to float32 rounding."""
+    from edgellm.cache import KVCache
+    from edgellm.loading import load_model
+
+    monkeypatch.setattr(gguf_linear, "repack_for_cpu", lambda parts, k, release=None: parts)  # CUDA keeps them
+    if INTERPRET:  # 16 rows a program: a sixteenth of the interpreted programs (the launches' sweep is tested above)
+        launch = TG._launch
+        monkeypatch.setattr(TG, "_launch", lambda n, k: (16,) + launch(n, k)[1:])
+    auto = load_model(mix_files[name], weights="auto").model
+    fp = load_model(mix_files[name], weights="fp").model
+    assert all(m.method(torch.zeros(1, m.in_features)) == "triton" for m in auto.modules() if isinstance(m, GGUFLinear))
+    ids = torch.randint(0, auto.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for model in (auto, fp):
+        cache = KVCache(model.config, 64, model.dtype, "cpu")
+        with torch.no_grad():
+            outs.append((model(ids[:, :-1], cache, 0), model(ids[:, -1:], cache, 20)))
+    for got, want in zip(outs[0], outs[1]):
+        assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+
+
 @cuda
-@pytest.mark.parametrize("name", ["kmix", "legacy"])
+@pytest.mark.parametrize("name", ["kmix", "legacy", "lowmix", "iq4mix"])
 def test_cuda_model_as_stored_against_float(mix_files, name):
     """`--weights auto` on CUDA: every layer linear multiplies its blocks with the Triton kernel at decode; the
     logits are the float model's (the same file with `--weights fp`, dequantized by gguf.quants at load) to bf16
