@@ -10,16 +10,8 @@
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/cuda-gguf}
 STAGES=${STAGES:-tests,bench1b,kernels,files}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+source benchmarks/device_setup.sh
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "editable install failed"; exit 1; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 
 grow() { [ -f "/tmp/$1.gguf" ] || python3 benchmarks/gguf_skeleton.py grow ".gpu/$1.skel.gguf" "/tmp/$1.gguf"; }
 ( grow random1b.Q4_K_M; [ -d /tmp/rnd1b ] || python3 benchmarks/random_model.py /tmp/rnd1b --shape llama-3.2-1b \

@@ -8,15 +8,7 @@
 set -uo pipefail
 OUT=${OUT:-benchmarks/results/cuda}
 STAGES=${STAGES:-tests,attention,bench,big}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . >/dev/null 2>&1 || { echo "editable install failed"; exit 1; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+source benchmarks/device_setup.sh
 has() { [[ ",$STAGES," == *",$1,"* ]]; }
 PROMPT=${PROMPT:-/usr/share/common-licenses/GPL-3}
 [ -f "$PROMPT" ] || PROMPT=.gpu/GPL-3

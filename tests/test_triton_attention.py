@@ -4,22 +4,13 @@ By default under TRITON_INTERPRET=1 on CPU tensors at small shapes (CI, no GPU).
 `TRITON_INTERPRET=0 pytest tests/test_triton_attention.py` compiles the kernel and runs the same cases
 on the GPU, plus long-context fp16 cases.
 """
-import os
-
 import pytest
 import torch
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
-pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[cuda]')")
-
+from tests.triton_mode import DEVICE, INTERPRET  # before triton is imported (sets TRITON_INTERPRET)
 from edgellm.kernels.attention import dequantize_kv, write_kv  # noqa: E402
 from edgellm.kernels.triton_attention import triton_attention  # noqa: E402
 from tests.test_attention import make_store, poison_tail, reference  # noqa: E402
-
-INTERPRET = os.environ["TRITON_INTERPRET"] not in ("0", "")
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("compiled Triton (TRITON_INTERPRET=0) needs a CUDA device", allow_module_level=True)
-DEVICE = "cpu" if INTERPRET else "cuda"
 
 
 def run_case(kind, g, D, n, T, split, n_kv=2, dtype=torch.float32, tol=1e-5, q_start=None, seed=0, **launch):

@@ -7,26 +7,18 @@ and float64 products.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported anywhere
-pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[cuda]')")
+from tests.triton_mode import DEVICE, INTERPRET  # before triton is imported (sets TRITON_INTERPRET)
 import gguf  # noqa: E402
 
 from edgellm.kernels import triton_gguf as TG  # noqa: E402
 from edgellm.quant import gguf_linear  # noqa: E402
 from edgellm.quant.gguf_linear import GGUFLinear, GGUFPart  # noqa: E402
 from tests.fixtures.tiny import random_blocks  # noqa: E402
-
-INTERPRET = os.environ["TRITON_INTERPRET"] not in ("0", "")
-if not INTERPRET and not torch.cuda.is_available():
-    pytest.skip("compiled Triton (TRITON_INTERPRET=0) needs a CUDA device", allow_module_level=True)
-DEVICE = "cpu" if INTERPRET else "cuda"
 NAMES = {t: gguf.GGMLQuantizationType(t).name for t in TG.TYPES}
 SMALL = [t for t in TG.TYPES if TG.TYPES[t][1] == 32]  # the 32-value block types: rows need not be 256-multiples
 
