@@ -13,6 +13,8 @@ quant/gguf_linear.repack_for_cpu.
 """
 from __future__ import annotations
 
+import torch
+
 # GGML type ids (gguf.GGMLQuantizationType) the kernels multiply natively.
 GGUF_NATIVE_TYPES = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q2_K": 10, "Q3_K": 11, "Q4_K": 12,
                      "Q5_K": 13, "Q6_K": 14, "IQ2_XXS": 16, "IQ3_XXS": 18, "IQ4_NL": 20, "IQ3_S": 21, "IQ4_XS": 23}
@@ -67,3 +69,17 @@ def use_kernel(qtype: int, rows: int) -> bool:
         return True
     names = {v: k for k, v in GGUF_NATIVE_TYPES.items()}
     return rows <= GGUF_KERNEL_MAX_ROWS.get(names.get(qtype, ""), _DEFAULT_MAX_ROWS)
+
+
+# IQ4_NL / IQ4_XS: the int8 level of each 4-bit code (ggml-common.h kvalues_iq4nl), as the bytes of two int64
+# constants: `iq4_levels` builds the table on the blocks' device from fills and shifts (no host copy: a CUDA graph
+# can capture it). Used by quant/gguf_tensor.py (torch dequantization) and kernels/triton_gguf.py.
+IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
+_IQ4_WORDS = tuple(int.from_bytes(bytes(v & 0xFF for v in IQ4_LEVELS[i:i + 8]), "little", signed=True) for i in (0, 8))
+
+
+def iq4_levels(device: torch.device) -> torch.Tensor:
+    """The 16 levels as float32 [16] on `device`."""
+    shifts = torch.arange(0, 64, 8, device=device, dtype=torch.int64)
+    words = [(torch.full((1,), w, dtype=torch.int64, device=device) >> shifts) & 0xFF for w in _IQ4_WORDS]
+    return torch.cat(words).to(torch.uint8).view(torch.int8).float()

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gguf_ops import iq4_levels
+
 # GGUF type id → (bytes per block, values per block); the types this module multiplies
 TYPES = {2: (18, 32), 3: (20, 32), 6: (22, 32), 7: (24, 32), 8: (34, 32), 10: (84, 256), 11: (110, 256),
          12: (144, 256), 13: (176, 256), 14: (210, 256), 20: (18, 32), 23: (136, 256)}
@@ -189,9 +191,7 @@ def _levels(device: torch.device) -> torch.Tensor:
     """IQ4_NL / IQ4_XS's 16 int8 levels as float32 on `device`, made once (by fills and shifts, no host copy: the first
     call may be inside a CUDA graph's capture)."""
     if device not in _LEVELS:
-        from ..quant.gguf_tensor import _iq4_levels
-
-        _LEVELS[device] = _iq4_levels(device).contiguous()
+        _LEVELS[device] = iq4_levels(device).contiguous()
     return _LEVELS[device]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..gguf_file import GGUF_TYPES, gguf_type
-from ..kernels.gguf_ops import GGUF_NATIVE_TYPES
+from ..kernels.gguf_ops import GGUF_NATIVE_TYPES, iq4_levels
 from ..kernels.int4_layout import unpack_halves
 
 __all__ = ["NATIVE_TYPES", "dequantize_blocks"]
@@ -43,17 +43,6 @@ def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-# IQ4_NL / IQ4_XS: the int8 level of each 4-bit code (ggml-common.h kvalues_iq4nl), as the bytes of two int64
-# constants: `_iq4_levels` builds the table on the blocks' device from fills and shifts (no host copy: a CUDA graph
-# can capture it)
-IQ4_LEVELS = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
-_IQ4_WORDS = tuple(int.from_bytes(bytes(v & 0xFF for v in IQ4_LEVELS[i:i + 8]), "little", signed=True) for i in (0, 8))
-
-
-def _iq4_levels(device: torch.device) -> torch.Tensor:
-    shifts = torch.arange(0, 64, 8, device=device, dtype=torch.int64)
-    words = [(torch.full((1,), w, dtype=torch.int64, device=device) >> shifts) & 0xFF for w in _IQ4_WORDS]
-    return torch.cat(words).to(torch.uint8).view(torch.int8).float()
 
 
 # The grid i-quants (IQ2_XXS, IQ3_XXS, IQ3_S): each grid entry's 8 / 4 values, and the 128 sign bytes, from
@@ -200,7 +189,7 @@ def dequantize_blocks(raw: torch.Tensor, type_id: int, shape: tuple[int, int],
         w = dl * q.reshape(nb, 16, 16).float() - ml
     elif t.name == "IQ4_NL":
         d = _f16(b[..., 0:2]).unsqueeze(-1)
-        w = d * _iq4_levels(b.device)[unpack_halves(b[..., 2:]).long()]
+        w = d * iq4_levels(b.device)[unpack_halves(b[..., 2:]).long()]
     elif t.name == "IQ4_XS":
         nb = b.shape[0]
         d = _f16(b[:, 0, 0:2].unsqueeze(1)).reshape(nb, 1)
@@ -212,7 +201,7 @@ def dequantize_blocks(raw: torch.Tensor, type_id: int, shape: tuple[int, int],
         scales = ((low.to(torch.int32) | (high << 4)) - 32).float()
         dl = (d * scales).reshape(nb, 8, 1)
         q = unpack_halves(b[:, 0, 8:].reshape(nb, 8, 16))
-        w = dl * _iq4_levels(b.device)[q.long()]
+        w = dl * iq4_levels(b.device)[q.long()]
     elif t.name in ("IQ2_XXS", "IQ3_XXS", "IQ3_S"):
         w = _grid_iquant(t.name, b[:, 0, :])
     else:  # pragma: no cover - GGUF_TYPES lists exactly the branches above
