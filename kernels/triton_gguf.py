@@ -199,9 +199,34 @@ def _rounding(dtype: torch.dtype) -> int:
     return {torch.bfloat16: 1, torch.float16: 2}.get(dtype, 0)
 
 
+class KernelFailed(RuntimeError):
+    """A kernel of this module did not build (or launch) for a type on this machine; the type is dropped from
+    `supports` for the process, and the caller falls back to the torch-ops dequantization."""
+
+
+FAILED: set[int] = set()  # types whose kernel failed here
+_RAN: set[tuple] = set()  # (kernel, type, rows of x, x / out dtype, indexed): launched once without error
+
+
+def _checked(key: tuple, type_id: int, launch) -> None:
+    """Run `launch()`; the first time of a kind of launch (where Triton compiles), a failure marks the type failed
+    and raises KernelFailed (the types timed on a GPU are listed in the module's docstring; others are checked under
+    the interpreter only, and a compiler of another version may refuse what it took)."""
+    if key in _RAN:
+        launch()
+        return
+    try:
+        launch()
+    except Exception as e:  # noqa: BLE001  (Triton's compile errors have no common base across versions)
+        FAILED.add(type_id)
+        raise KernelFailed(f"the Triton kernel for GGUF type {type_id} failed here: {type(e).__name__}: "
+                           f"{str(e).splitlines()[0] if str(e) else ''}") from e
+    _RAN.add(key)
+
+
 def supports(type_id: int, k: int) -> bool:
     """Whether this module multiplies blocks of this GGUF type along k values."""
-    return type_id in TYPES and k % TYPES[type_id][1] == 0
+    return type_id in TYPES and type_id not in FAILED and k % TYPES[type_id][1] == 0
 
 
 def _launch(n: int, k: int) -> tuple[int, int, int]:
@@ -230,10 +255,11 @@ def gguf_rows(x: torch.Tensor, parts: list[tuple[torch.Tensor, int, int, torch.T
     for raw, type_id, rows, index in parts:
         s, v = _TILE.get(type_id, (8, 32))
         bn, units, warps = launch or _launch(rows, k)
-        _rows_kernel[(triton.cdiv(rows, bn),)](
-            x, raw, _levels(raw.device), out, index if index is not None else raw, m, rows, k, x.stride(0),
-            raw.stride(0), out.stride(0), col0, TYPE=type_id, BYTES=TYPES[type_id][0], S=s, V=v, U=units,
-            BLOCK_M=block_m, BLOCK_N=bn, HAS_INDEX=index is not None, num_warps=warps)
+        _checked(("rows", type_id, block_m, bn, units, warps, x.dtype, out.dtype, index is not None), type_id,
+                 lambda: _rows_kernel[(triton.cdiv(rows, bn),)](
+                     x, raw, _levels(raw.device), out, index if index is not None else raw, m, rows, k, x.stride(0),
+                     raw.stride(0), out.stride(0), col0, TYPE=type_id, BYTES=TYPES[type_id][0], S=s, V=v, U=units,
+                     BLOCK_M=block_m, BLOCK_N=bn, HAS_INDEX=index is not None, num_warps=warps))
         col0 += rows
     return out
 
@@ -247,9 +273,10 @@ def gguf_dequantize(parts: list[tuple[torch.Tensor, int, int, torch.Tensor | Non
     for raw, type_id, rows, index in parts:
         s, v = _TILE.get(type_id, (8, 32))
         bn = 16
-        _dequant_kernel[(triton.cdiv(rows, bn), triton.cdiv(k, 256))](
-            raw, _levels(raw.device), out, index if index is not None else raw, rows, k, raw.stride(0), out.stride(0),
-            row0, TYPE=type_id, BYTES=TYPES[type_id][0], S=s, V=v, BLOCK_N=bn, HAS_INDEX=index is not None,
-            ROUND=_rounding(dtype), num_warps=4, enable_fp_fusion=False)
+        _checked(("dequantize", type_id, dtype, index is not None), type_id,
+                 lambda: _dequant_kernel[(triton.cdiv(rows, bn), triton.cdiv(k, 256))](
+                     raw, _levels(raw.device), out, index if index is not None else raw, rows, k, raw.stride(0),
+                     out.stride(0), row0, TYPE=type_id, BYTES=TYPES[type_id][0], S=s, V=v, BLOCK_N=bn,
+                     HAS_INDEX=index is not None, ROUND=_rounding(dtype), num_warps=4, enable_fp_fusion=False))
         row0 += rows
     return out

@@ -121,7 +121,10 @@ class _GGUFWeight(nn.Module):
         parts = self.gguf_parts
         TG, tparts = _triton_parts(parts, self.in_features)
         if TG is not None:  # one kernel launch a part, each row written to its output position
-            return TG.gguf_dequantize(tparts, self.in_features, dtype)
+            try:
+                return TG.gguf_dequantize(tparts, self.in_features, dtype)
+            except TG.KernelFailed as e:
+                _triton_failed(e)
         device = parts[0].raw.device
         out = torch.empty(self.out_features, self.in_features, dtype=dtype, device=device)
         start = 0
@@ -172,10 +175,17 @@ def _triton_parts(parts: list[GGUFPart], k: int):
     return TG, [(p.raw, p.type, p.rows, p.out_index) for p in parts]
 
 
+def _triton_failed(e: Exception) -> None:
+    warnings.warn(f"{e}; that type is dequantized by torch ops instead (slower)", RuntimeWarning, stacklevel=3)
+
+
 def _dequantize(p: GGUFPart, k: int, dtype: torch.dtype) -> torch.Tensor:
     TG, tparts = _triton_parts([GGUFPart(p.raw, p.type, p.rows)], k)
     if TG is not None:
-        return TG.gguf_dequantize(tparts, k, dtype)
+        try:
+            return TG.gguf_dequantize(tparts, k, dtype)
+        except TG.KernelFailed as e:  # (the type is out of TG.supports now)
+            _triton_failed(e)
     ext = K.cpu_extension() if p.raw.device.type == "cpu" else None
     if ext is not None and hasattr(ext, "gguf_dequantize") and p.type in _native_types(ext):
         return ext.gguf_dequantize(p.raw, p.type, p.rows, k, None).to(dtype)
@@ -245,7 +255,11 @@ class GGUFLinear(_GGUFWeight):
         how, ext = self._method(x2)
         if how == "triton":
             parts = [(p.raw, p.type, p.rows, p.out_index) for p in self.gguf_parts]
-            out = ext.gguf_rows(x2, parts, self.out_features)
+            try:
+                out = ext.gguf_rows(x2, parts, self.out_features)
+            except ext.KernelFailed as e:
+                _triton_failed(e)
+                return self.forward(x)  # its type is no longer the kernel's: the torch-ops path
             if self.bias is not None:
                 out = out + self.bias
         elif how in ("rows", "prompt", "amx"):

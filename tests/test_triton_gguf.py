@@ -133,6 +133,37 @@ def test_gguf_linear_dispatch(triton_here, monkeypatch):
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.fixture(autouse=True)
+def _fresh_failures(monkeypatch):
+    """Each test starts with no type marked failed and every launch unchecked (TG.FAILED is process-wide)."""
+    monkeypatch.setattr(TG, "FAILED", set())
+    monkeypatch.setattr(TG, "_RAN", set())
+
+
+def test_a_kernel_that_fails_here_falls_back_to_torch_ops(triton_here, monkeypatch):
+    """A kernel Triton cannot build on this machine (another compiler version, say) is not fatal: the first launch's
+    error marks its type failed, GGUFLinear warns and dequantizes that type by torch ops from then on."""
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("PTXAS error: something this compiler refuses")
+            return launch
+
+    monkeypatch.setattr(TG, "_rows_kernel", Broken())
+    monkeypatch.setattr(gguf_linear.K, "cpu_extension", lambda: None)  # (on a CPU: the torch ops, not the C++ rows)
+    raw, ref = blocks(23, 8, 256, seed=4)  # IQ4_XS
+    lin = GGUFLinear([GGUFPart(raw, 23, 8)], 256)
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with pytest.raises(TG.KernelFailed, match="GGUF type 23 failed here: RuntimeError: PTXAS error"):
+        TG.gguf_rows(x, [(raw, 23, 8, None)], 8)
+    TG.FAILED.clear()
+    with pytest.warns(RuntimeWarning, match="dequantized by torch ops instead"):
+        got = lin(x).cpu()
+    assert TG.FAILED == {23} and lin.method(x) == "dequantize"
+    want = reference(x.cpu(), ref)
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_switch_off_keeps_torch_ops(monkeypatch):
     monkeypatch.setattr(gguf_linear, "TRITON_GGUF", False)
     assert gguf_linear.triton_gguf(torch.device("cuda")) is None
@@ -190,6 +221,7 @@ def test_model_through_the_kernels_against_float(mix_files, triton_here, monkeyp
             outs.append((model(ids[:, :-1], cache, 0), model(ids[:, -1:], cache, 20)))
     for got, want in zip(outs[0], outs[1]):
         assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    assert not TG.FAILED  # every product ran the kernels (none fell back)
 
 
 @cuda
@@ -222,6 +254,7 @@ def test_cuda_model_as_stored_against_float(mix_files, name):
     assert (pre_a - pre_f).abs().max() <= 1e-3 * pre_f.abs().max()
     scale = step_f.abs().max()
     assert (step_a - step_f).abs().max() <= 0.03 * scale  # decode: other summation order, bf16 activations
+    assert not TG.FAILED  # every type's kernels built on this GPU (none fell back to torch ops)
 
 
 @cuda
