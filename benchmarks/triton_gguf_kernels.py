@@ -54,9 +54,9 @@ def main() -> None:
     dev = torch.device("cpu" if args.dry else "cuda")
     shapes = {"tiny 16x256": (16, 256)} if args.dry else SHAPES
     rng = np.random.default_rng(0)
-    out = {"command": " ".join(sys.argv), "gpu": "" if args.dry else torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "host": platform.node(),
-           "rows": []}
+    out = {"command": " ".join(sys.argv), "gpu": "" if args.dry else torch.cuda.get_device_name(),
+           "torch": torch.__version__, "triton": triton.__version__, "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+           "host": platform.node(), "rows": []}
     for type_id, name in NAMES.items():
         for label, (n, k) in shapes.items():
             raw = torch.from_numpy(random_blocks(gguf.GGMLQuantizationType[name], n, k, rng)).to(dev)

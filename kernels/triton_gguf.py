@@ -5,7 +5,8 @@ Every type here is read 256 values of a row at a time, as a [S, V] tile of its b
 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL), one Q4_K / Q5_K / IQ4_XS super-block as its 8 sub-blocks of 32, or one
 Q2_K / Q3_K / Q6_K super-block as its 16 sub-blocks of 16, so a sub-block's scale is a [BLOCK_N, S, 1] broadcast
 (IQ4_NL / IQ4_XS codes index 16 levels, loaded from a 64-byte table). Measured on an H200: the first eight; Q2_K,
-Q3_K, IQ4_NL and IQ4_XS are checked under the interpreter only (tests/test_triton_gguf.py). Each value is computed with the
+Q3_K, IQ4_NL and IQ4_XS are checked under the interpreter only (tests/test_triton_gguf.py), and a kernel that fails
+to build at its first launch drops its type to the caller's torch ops (`KernelFailed`). Each value is computed with the
 float32 operations of `gguf.quants.dequantize` in its order (the dequantization kernel is compiled without fused
 multiply-adds, so its output is bit for bit gguf.quants', then rounded to nearest in the output dtype); the product
 multiplies the float32 weights by x in float32 (finer than the float model, whose weights are in the compute dtype:
@@ -143,8 +144,8 @@ def _round(w, ROUND: tl.constexpr):
 
 @triton.jit
 def _rows_kernel(x, raw, levels, out, index, M, N, K, stride_xm, row_bytes, stride_om, col0,
-                 TYPE: tl.constexpr, BYTES: tl.constexpr, S: tl.constexpr, V: tl.constexpr, U: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, HAS_INDEX: tl.constexpr):
+                 TYPE: tl.constexpr, BYTES: tl.constexpr, S: tl.constexpr, V: tl.constexpr, U: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_INDEX: tl.constexpr):
     """out[m, col(r)] = sum_k x[m, k] w[r, k] for this program's BLOCK_N rows r of the blocks, every m < M."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -188,8 +189,8 @@ _LEVELS: dict[torch.device, torch.Tensor] = {}
 
 
 def _levels(device: torch.device) -> torch.Tensor:
-    """IQ4_NL / IQ4_XS's 16 int8 levels as float32 on `device`, made once (by fills and shifts, no host copy: the first
-    call may be inside a CUDA graph's capture)."""
+    """IQ4_NL / IQ4_XS's 16 int8 levels as float32 on `device`, made once, at the first (eager) call: a CUDA graph's
+    capture comes after its warm-up pass."""
     if device not in _LEVELS:
         _LEVELS[device] = iq4_levels(device).contiguous()
     return _LEVELS[device]
@@ -205,7 +206,7 @@ class KernelFailed(RuntimeError):
 
 
 FAILED: set[int] = set()  # types whose kernel failed here
-_RAN: set[tuple] = set()  # (kernel, type, rows of x, x / out dtype, indexed): launched once without error
+_RAN: set[tuple] = set()  # (kernel, type, launch constants, dtypes, indexed): launched once without error
 
 
 def _checked(key: tuple, type_id: int, launch) -> None:
