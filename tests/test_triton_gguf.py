@@ -180,9 +180,12 @@ def mix_files(tmp_path_factory):
     from tests.test_gguf_as_stored import IQ4_MIX, K_MIX, LEGACY_MIX, LOW_MIX, SHAPE
 
     root = tmp_path_factory.mktemp("triton-gguf")
-    return {name: make_gguf(make_hf_model(root / name, "llama_gqa", seed=3, **SHAPE), root / f"{name}.gguf",
+    tied = {k: v for k, v in K_MIX.items() if k != "output.weight"}  # the head multiplies the embedding's blocks
+    return {name: make_gguf(make_hf_model(root / name, variant, seed=3, **SHAPE), root / f"{name}.gguf",
                             quant_types=types, seed=7)
-            for name, types in (("kmix", K_MIX), ("legacy", LEGACY_MIX), ("lowmix", LOW_MIX), ("iq4mix", IQ4_MIX))}
+            for name, variant, types in (("kmix", "llama_gqa", K_MIX), ("legacy", "llama_gqa", LEGACY_MIX),
+                                         ("lowmix", "llama_gqa", LOW_MIX), ("iq4mix", "llama_gqa", IQ4_MIX),
+                                         ("tied", "llama_tied", tied), ("qwen2", "qwen2_bias", K_MIX))}
 
 
 def test_loader_keeps_exact_types_as_blocks_where_triton_takes_them(mix_files, triton_here):
@@ -197,12 +200,12 @@ def test_loader_keeps_exact_types_as_blocks_where_triton_takes_them(mix_files, t
     assert not any(isinstance(m, QuantLinear) for m in model.modules())
 
 
-@pytest.mark.parametrize("name", ["kmix", "legacy", "lowmix", "iq4mix"])
+@pytest.mark.parametrize("name", ["kmix", "legacy", "lowmix", "iq4mix", "tied", "qwen2"])
 def test_model_through_the_kernels_against_float(mix_files, triton_here, monkeypatch, name):
     """What a CUDA model runs, on this device (interpreted on a CPU): every linear of a GGUF model multiplies its
     stored blocks with the Triton kernels (a 20-token prompt through the dequantization kernel, then one token
-    through the row kernel, fused parts, permuted Q/K rows); its logits are the float model's (the same file with
-    `--weights fp`) to float32 rounding."""
+    through the row kernel, fused parts, permuted Q/K rows, a head tied to the embedding, Qwen2's biases); its logits
+    are the float model's (the same file with `--weights fp`) to float32 rounding."""
     from edgellm.cache import KVCache
     from edgellm.loading import load_model
 
