@@ -32,17 +32,29 @@ def write_copy(reader: gguf.GGUFReader, out: str | Path, values: dict[str, Any] 
                replace: Replace | None = None) -> None:
     """`reader`'s file written to `out`: its metadata with `values` in place of theirs, its tensors as `replace`
     gives them."""
-    values = values or {}
-    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
-    for key, f in reader.fields.items():
-        if not key.startswith("GGUF.") and key != "general.architecture":
-            writer.add_key_value(key, values.get(key, f.contents()), f.types[0],
-                                 f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    writer = metadata_writer(reader, out, values)
     for t in reader.tensors:
         new = replace(t) if replace is not None else None
         if new is None:
             new = np.asarray(t.data), None if t.tensor_type in FLOAT_TYPES else t.tensor_type
         writer.add_tensor(t.name, new[0], raw_dtype=new[1])
+    finish(writer)
+
+
+def metadata_writer(reader: gguf.GGUFReader, out: str | Path, values: dict[str, Any] | None = None,
+                    skip: tuple[str, ...] = ()) -> gguf.GGUFWriter:
+    """A writer to `out` holding `reader`'s metadata (`values` in place of theirs, the keys in `skip` left out)."""
+    values = values or {}
+    writer = gguf.GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for key, f in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture" and key not in skip:
+            writer.add_key_value(key, values.get(key, f.contents()), f.types[0],
+                                 f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    return writer
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
+    """Write the header, the metadata and the tensors added, and close."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

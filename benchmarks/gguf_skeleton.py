@@ -16,32 +16,23 @@ import json
 import gguf
 import numpy as np
 
-from gguf_copy import FLOAT_TYPES, random_blocks  # benchmarks/, this script's folder
+from gguf_copy import FLOAT_TYPES, finish, metadata_writer, random_blocks  # benchmarks/, this script's folder
 
 KEY = "edgellm.skeleton.tensors"  # [[name, [rows, k] (numpy order), type name], ...] as JSON
 
 
-def _writer_with_metadata(reader: gguf.GGUFReader, out: str) -> gguf.GGUFWriter:
-    writer = gguf.GGUFWriter(out, reader.fields["general.architecture"].contents())
-    for key, f in reader.fields.items():
-        if not key.startswith("GGUF.") and key not in ("general.architecture", KEY):
-            writer.add_key_value(key, f.contents(), f.types[0],
-                                 f.types[1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
-    return writer
-
-
 def shrink(source: str, out: str) -> None:
     reader = gguf.GGUFReader(source)
-    writer = _writer_with_metadata(reader, out)
+    writer = metadata_writer(reader, out, skip=(KEY,))
     tensors = [[t.name, [int(d) for d in reversed(t.shape)], t.tensor_type.name] for t in reader.tensors]
     writer.add_string(KEY, json.dumps(tensors))
-    _finish(writer)
+    finish(writer)
 
 
 def grow(skeleton: str, out: str, seed: int = 0) -> None:
     reader = gguf.GGUFReader(skeleton)
     tensors = json.loads(reader.fields[KEY].contents())
-    writer = _writer_with_metadata(reader, out)
+    writer = metadata_writer(reader, out, skip=(KEY,))
     rng = np.random.default_rng(seed)
     T = gguf.GGMLQuantizationType
     for name, shape, type_name in tensors:
@@ -51,14 +42,7 @@ def grow(skeleton: str, out: str, seed: int = 0) -> None:
         else:
             rows, k = int(np.prod(shape[:-1])), shape[-1]
             writer.add_tensor(name, random_blocks(qtype, rows, k, rng, d=0.0005), raw_dtype=qtype)
-    _finish(writer)
-
-
-def _finish(writer: gguf.GGUFWriter) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 def main() -> None:

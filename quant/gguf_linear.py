@@ -253,20 +253,18 @@ class GGUFLinear(_GGUFWeight):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         how, ext = self._method(x2)
-        if how == "triton":
+        if how in ("triton", "rows", "prompt", "amx"):
             parts = [(p.raw, p.type, p.rows, p.out_index) for p in self.gguf_parts]
-            try:
-                out = ext.gguf_rows(x2, parts, self.out_features)
-            except ext.KernelFailed as e:
-                _triton_failed(e)
-                return self.forward(x)  # its type is no longer the kernel's: the torch-ops path
-            if self.bias is not None:
-                out = out + self.bias
-        elif how in ("rows", "prompt", "amx"):
-            fn = {"rows": ext.gguf_linear, "prompt": ext.gguf_linear_prompt, "amx": ext.gguf_linear_amx}[how]
-            parts = [(p.raw, p.type, p.rows, p.out_index) for p in self.gguf_parts]
-            xin = x2 if how == "amx" and x2.dtype == torch.bfloat16 else x2.float()
-            out = fn(xin.contiguous(), parts, self.out_features).to(x.dtype)
+            if how == "triton":
+                try:
+                    out = ext.gguf_rows(x2, parts, self.out_features)
+                except ext.KernelFailed as e:
+                    _triton_failed(e)
+                    return self.forward(x)  # its type is no longer the kernel's: the torch-ops path
+            else:
+                fn = {"rows": ext.gguf_linear, "prompt": ext.gguf_linear_prompt, "amx": ext.gguf_linear_amx}[how]
+                xin = x2 if how == "amx" and x2.dtype == torch.bfloat16 else x2.float()
+                out = fn(xin.contiguous(), parts, self.out_features).to(x.dtype)
             if self.bias is not None:
                 out = out + self.bias
         else:
