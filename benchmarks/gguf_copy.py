@@ -8,7 +8,8 @@ from typing import Any, Callable
 import gguf
 import numpy as np
 
-SCALE_OFFSET = {"Q6_K": 208, "Q3_K": 108, "Q2_K": 80}  # byte offset of a block's fp16 d where it is not 0
+SCALE_OFFSET = {"Q6_K": 208, "Q3_K": 108, "Q2_K": 80, "TQ1_0": 52, "TQ2_0": 64}  # byte offset of a block's fp16 d
+# where it is not 0
 MIN_OFFSET = {"Q4_1": 2, "Q5_1": 2, "Q4_K": 2, "Q5_K": 2, "Q2_K": 82}  # and of its fp16 min (scale), if it has one
 FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16)
 

@@ -83,9 +83,9 @@ def gguf_type(type_id: int) -> GGUFType:
 
 
 def row_bytes(type_id: int, k: int) -> int:
-    """Bytes of one row of `k` weights of a block type."""
-    t = gguf_type(type_id)
-    return k // t.block_values * t.block_bytes
+    """Bytes of one row of `k` weights of a block type (any a file may hold)."""
+    _, values, nbytes = GGML_BLOCKS[int(type_id)]
+    return k // values * nbytes
 
 
 # ------------------------------------------------------------------------------------------------

@@ -437,13 +437,18 @@ at::Tensor gguf_grid_convert(const at::Tensor& raw, int64_t type, int64_t N, int
   return out;
 }
 
-// IQ2_XXS / IQ3_XXS / IQ3_S rows -> the same values as GGUF_L4 blocks (type + 100; cpu_gguf.h), or straight in
-// their x8 layout (x8: N % 8 == 0).
-py::object gguf_grid_l4(const at::Tensor& raw, int64_t type, int64_t N, int64_t K, bool x8) {
-  TORCH_CHECK(type == 16 || type == 18 || type == 21, "edgellm gguf_grid_to_l4: type ", type,
-              " is not IQ2_XXS, IQ3_XXS or IQ3_S");
+// IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S / TQ1_0 / TQ2_0 rows -> the same values as GGUF_L4 blocks (type + 100; cpu_gguf.h),
+// or straight in their x8 layout (x8: N % 8 == 0). grid: IQ1_S's as int8 [2048, 8] (gguf.quants'; empty for the
+// others, whose codebooks the build has).
+py::object gguf_grid_l4(const at::Tensor& raw, int64_t type, int64_t N, int64_t K, bool x8,
+                        const std::optional<at::Tensor>& grid) {
+  TORCH_CHECK(edgellm::gguf_l4_base((int)type), "edgellm gguf_grid_to_l4: type ", type,
+              " is not IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S, TQ1_0 or TQ2_0");
   TORCH_CHECK(N >= 0 && K > 0 && K % 256 == 0, "edgellm gguf_grid_to_l4: K=", K, " must be a multiple of 256");
-  const int64_t rb = edgellm::gguf_row_bytes((int)type, K);
+  TORCH_CHECK(type != 19 || (grid && grid->device().is_cpu() && grid->scalar_type() == at::kChar &&
+                             grid->is_contiguous() && grid->numel() == 2048 * 8),
+              "edgellm gguf_grid_to_l4: IQ1_S needs its grid as int8 [2048, 8] (gguf.quants')");
+  const int64_t rb = edgellm::gguf_grid_row_bytes((int)type, K);
   TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == N * rb,
               "edgellm gguf_grid_to_l4: expected a contiguous uint8 CPU tensor of ", N * rb, " bytes, got ",
               raw.scalar_type(), " ", raw.sizes());
@@ -451,11 +456,13 @@ py::object gguf_grid_l4(const at::Tensor& raw, int64_t type, int64_t N, int64_t 
   TORCH_CHECK(!x8 || (N % 8 == 0 && edgellm::gguf_x8_supported(l4)), "edgellm gguf_grid_to_l4: the x8 layout needs "
               "a multiple of 8 rows (got ", N, ") and a build with x8 kernels");
   at::Tensor out = at::empty({N, edgellm::gguf_row_bytes(x8 ? l4 + edgellm::GGUF_X8 : l4, K)}, raw.options());
+  edgellm::GridTables tables;
+  if (type == 19) tables.grid = grid->data_ptr<int8_t>();
   bool done;
   {
     py::gil_scoped_release nogil;
-    done = x8 ? edgellm::gguf_grid_to_l4_x8(raw.data_ptr<uint8_t>(), (int)type, N, K, out.data_ptr<uint8_t>())
-              : edgellm::gguf_grid_to_l4(raw.data_ptr<uint8_t>(), (int)type, N, K, out.data_ptr<uint8_t>());
+    done = x8 ? edgellm::gguf_grid_to_l4_x8(raw.data_ptr<uint8_t>(), (int)type, N, K, tables, out.data_ptr<uint8_t>())
+              : edgellm::gguf_grid_to_l4(raw.data_ptr<uint8_t>(), (int)type, N, K, tables, out.data_ptr<uint8_t>());
   }
   return done ? py::cast(out) : py::none();
 }
@@ -796,10 +803,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a grid / ternary type's blocks [n, row bytes] (no product kernel) -> fp32 [n, k] as gguf.quants.dequantize, "
         "or (q8_0) Q8_0 blocks [n, k / 32 * 34] as gguf.quants.quantize rounds those values");
   m.def("gguf_to_l4", &gguf_grid_l4, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
-        py::arg("x8") = false,
-        "IQ2_XXS / IQ3_XXS / IQ3_S blocks [n, row bytes] -> the same values as L4 blocks (type + 100: IQ4_XS blocks "
-        "whose codes index the type's levels) [n, k / 256 * 136], or (x8) in that type's x8 layout (type + 1100)");
-  m.def("gguf_l4_types", [] { return std::vector<int>{16, 18, 21}; }, "the GGML type ids gguf_to_l4 recodes");
+        py::arg("x8") = false, py::arg("grid") = py::none(),
+        "IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S / TQ1_0 / TQ2_0 blocks [n, row bytes] -> the same values as L4 blocks (type "
+        "+ 100: IQ4_XS blocks whose codes index the type's levels) [n, k / 256 * 136], or (x8) in that type's x8 "
+        "layout (type + 1100); IQ1_S needs its grid (int8 [2048, 8], gguf.quants')");
+  m.def("gguf_l4_types", [] { return gguf_types_where(edgellm::gguf_l4_base); }, "the GGML type ids gguf_to_l4 recodes");
   m.def("gguf_x8_types", [] { return gguf_types_where(edgellm::gguf_x8_supported, edgellm::GGUF_L4 + 64); }, "the GGML type ids (and L4 ids, cpu_gguf.h) this build also multiplies repacked 8 rows at a time "
         "(their type id + 1000)");
   m.def("gguf_repack", [](const at::Tensor& raw, int64_t type, int64_t n, int64_t k) {

@@ -124,6 +124,9 @@ template <> struct Fmt<GGUF_IQ3_S> { static constexpr int64_t QV = 256, BYTES = 
 template <> struct Fmt<GGUF_IQ2_XXS_L4> : Fmt<GGUF_IQ4_XS> {};  // (cpu_gguf.h GGUF_L4: IQ4_XS blocks, the type's levels)
 template <> struct Fmt<GGUF_IQ3_XXS_L4> : Fmt<GGUF_IQ4_XS> {};
 template <> struct Fmt<GGUF_IQ3_S_L4> : Fmt<GGUF_IQ4_XS> {};
+template <> struct Fmt<GGUF_IQ1_S_L4> : Fmt<GGUF_IQ4_XS> {};
+template <> struct Fmt<GGUF_TQ1_0_L4> : Fmt<GGUF_IQ4_XS> {};
+template <> struct Fmt<GGUF_TQ2_0_L4> : Fmt<GGUF_IQ4_XS> {};
 
 // Q6_K, Q3_K, Q2_K: an int scale per 16 values and one fp16 d per super-block; the codes' offset (32 / 4 / none) as
 // a shift.  Q2_K: and a min per 16 values (fp16 dmin times a 4-bit m).
@@ -979,6 +982,9 @@ void dispatch(int type, Args&&... args) {
     case GGUF_IQ2_XXS_L4: Op<GGUF_IQ2_XXS_L4>::run(args...); break;
     case GGUF_IQ3_XXS_L4: Op<GGUF_IQ3_XXS_L4>::run(args...); break;
     case GGUF_IQ3_S_L4: Op<GGUF_IQ3_S_L4>::run(args...); break;
+    case GGUF_IQ1_S_L4: Op<GGUF_IQ1_S_L4>::run(args...); break;
+    case GGUF_TQ1_0_L4: Op<GGUF_TQ1_0_L4>::run(args...); break;
+    case GGUF_TQ2_0_L4: Op<GGUF_TQ2_0_L4>::run(args...); break;
 #ifdef EDGELLM_G_AVX2
     case GGUF_Q5_0_R8: Op<GGUF_Q5_0_R8>::run(args...); break;
     case GGUF_Q5_1_R8: Op<GGUF_Q5_1_R8>::run(args...); break;
@@ -1003,6 +1009,9 @@ void dispatch_x8(int base_type, Args&&... args) {
     case GGUF_IQ2_XXS_L4: Op<GGUF_IQ2_XXS_L4>::run(args...); break;
     case GGUF_IQ3_XXS_L4: Op<GGUF_IQ3_XXS_L4>::run(args...); break;
     case GGUF_IQ3_S_L4: Op<GGUF_IQ3_S_L4>::run(args...); break;
+    case GGUF_IQ1_S_L4: Op<GGUF_IQ1_S_L4>::run(args...); break;
+    case GGUF_TQ1_0_L4: Op<GGUF_TQ1_0_L4>::run(args...); break;
+    case GGUF_TQ2_0_L4: Op<GGUF_TQ2_0_L4>::run(args...); break;
     default: break;
   }
 }
@@ -2010,7 +2019,7 @@ bool gguf_supported(int type) { return gguf_block_values(type) != 0; }
 int64_t gguf_block_values(int type) {
   if (type > GGUF_R8) return gguf_r8_supported(type - GGUF_R8) ? 32 : 0;
   if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? gguf_block_values(type - GGUF_X8) : 0;
-  if (type > GGUF_L4) return grid_iquant(type - GGUF_L4) ? 256 : 0;
+  if (type > GGUF_L4) return gguf_l4_base(type - GGUF_L4) ? 256 : 0;
   switch (type) {
     case GGUF_Q4_0: case GGUF_Q4_1: case GGUF_Q5_0: case GGUF_Q5_1: case GGUF_Q8_0: case GGUF_IQ4_NL: return 32;
     case GGUF_Q2_K: case GGUF_Q3_K: case GGUF_Q4_K: case GGUF_Q5_K: case GGUF_Q6_K: case GGUF_IQ4_XS:
@@ -2022,7 +2031,7 @@ int64_t gguf_block_values(int type) {
 int64_t gguf_block_bytes(int type) {
   if (type > GGUF_R8) return gguf_r8_supported(type - GGUF_R8) ? gguf_block_bytes(type - GGUF_R8) : 0;
   if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? gguf_x8_bytes(type - GGUF_X8) / 8 : 0;
-  if (type > GGUF_L4) return grid_iquant(type - GGUF_L4) ? Fmt<GGUF_IQ4_XS>::BYTES : 0;
+  if (type > GGUF_L4) return gguf_l4_base(type - GGUF_L4) ? Fmt<GGUF_IQ4_XS>::BYTES : 0;
   switch (type) {
     case GGUF_Q4_0: return Fmt<GGUF_Q4_0>::BYTES;
     case GGUF_Q4_1: return Fmt<GGUF_Q4_1>::BYTES;

@@ -1,7 +1,7 @@
 // The grid-codebook and ternary GGUF types (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; TQ1_0, TQ2_0)
 // dequantized to fp32 (`--weights fp`), or requantized straight to Q8_0 blocks for the types without a product
-// kernel, which the loader multiplies in their place (edgellm/loading.py `_as_q8_0`); and IQ2_XXS / IQ3_XXS / IQ3_S
-// recoded as L4 blocks (cpu_gguf.h GGUF_L4), the CPU loader's form of those.  Portable C++, one pass per 256-value
+// kernel, which the loader multiplies in their place (edgellm/loading.py `_as_q8_0`); and IQ2_XXS / IQ3_XXS / IQ3_S /
+// IQ1_S / TQ1_0 / TQ2_0 recoded as L4 blocks (cpu_gguf.h GGUF_L4), the CPU loader's form of those.  Portable C++, one pass per 256-value
 // block; what gguf.quants' numpy did at ~70 ns a weight (an 8B IQ3 file: minutes of load) takes a few ns.
 //
 // Values: the fp32 operations of ggml's dequantize_row_* in their order, so the results are gguf.quants.dequantize's
@@ -90,14 +90,29 @@ inline void shifted8(const int8_t* g, float dl, float delta, float* v) {
   for (int j = 0; j < 8; ++j) v[j] = dl * ((float)g[j] + delta);
 }
 
-void iq1_s(const uint8_t* b, const GridTables& t, float* v) {
-  const float d = f16(b);
+// IQ1_S: per 32 values the multiplier m = 2 s + 1, and each value's level 8 (g + delta) (g in -1, 0, 1 from the
+// grid, delta +-1/8): the value is (d m) (level / 8), as gguf.quants' dl (g + delta) bit for bit
+void iq1_s_levels(const uint8_t* b, const GridTables& t, int m[8], int8_t w[256]) {
   const uint8_t* qs = b + 2;
-  for (int ib = 0; ib < 8; ++ib) {
-    const uint16_t qh = u16(b + 34 + 2 * ib);
-    const float dl = d * (float)(2 * ((qh >> 12) & 7) + 1), delta = qh & 0x8000 ? -0.125f : 0.125f;
-    for (int l = 0; l < 4; ++l)
-      shifted8(t.grid + 8 * (qs[4 * ib + l] | ((qh >> 3 * l) & 7) << 8), dl, delta, v + 32 * ib + 8 * l);
+  for (int j = 0; j < 8; ++j) {
+    const uint16_t qh = u16(b + 34 + 2 * j);
+    m[j] = 2 * ((qh >> 12) & 7) + 1;
+    const int delta = qh & 0x8000 ? -1 : 1;
+    for (int l = 0; l < 4; ++l) {
+      const int8_t* g = t.grid + 8 * (qs[4 * j + l] | ((qh >> 3 * l) & 7) << 8);
+      for (int i = 0; i < 8; ++i) w[32 * j + 8 * l + i] = (int8_t)(8 * g[i] + delta);
+    }
+  }
+}
+
+void iq1_s(const uint8_t* b, const GridTables& t, float* v) {
+  int m[8];
+  int8_t w[256];
+  iq1_s_levels(b, t, m, w);
+  const float d = f16(b);
+  for (int j = 0; j < 8; ++j) {
+    const float dl = d * (float)m[j];
+    for (int l = 0; l < 32; ++l) v[32 * j + l] = dl * ((float)w[32 * j + l] * 0.125f);
   }
 }
 
@@ -114,25 +129,33 @@ void iq1_m(const uint8_t* b, const GridTables& t, float* v) {
   }
 }
 
-inline float ternary(uint8_t x) { return (float)((int)(((unsigned)x * 3) >> 8) - 1); }
+// TQ1_0 / TQ2_0: the 256 digits minus one (-1..1; TQ2_0's 2-bit code 3 gives 2), in value order
+inline int8_t ternary(unsigned x) { return (int8_t)((int)(((x & 255) * 3) >> 8) - 1); }
 
-void tq1_0(const uint8_t* b, const GridTables&, float* v) {
+void tq1_0_digits(const uint8_t* b, int8_t* w) {
   static constexpr uint8_t pow3[5] = {1, 3, 9, 27, 81};
   const uint8_t *qs = b, *qh = b + 48;
-  const float d = f16(b + 52);
   for (int p = 0; p < 5; ++p) {
-    for (int j = 0; j < 32; ++j) v[32 * p + j] = d * ternary((uint8_t)(qs[j] * pow3[p]));
-    for (int j = 0; j < 16; ++j) v[160 + 16 * p + j] = d * ternary((uint8_t)(qs[32 + j] * pow3[p]));
+    for (int j = 0; j < 32; ++j) w[32 * p + j] = ternary(qs[j] * pow3[p]);
+    for (int j = 0; j < 16; ++j) w[160 + 16 * p + j] = ternary(qs[32 + j] * pow3[p]);
   }
   for (int p = 0; p < 4; ++p)
-    for (int j = 0; j < 4; ++j) v[240 + 4 * p + j] = d * ternary((uint8_t)(qh[j] * pow3[p]));
+    for (int j = 0; j < 4; ++j) w[240 + 4 * p + j] = ternary(qh[j] * pow3[p]);
 }
 
-void tq2_0(const uint8_t* b, const GridTables&, float* v) {
-  const float d = f16(b + 64);
+void tq2_0_digits(const uint8_t* b, int8_t* w) {
   for (int h = 0; h < 2; ++h)
     for (int s = 0; s < 4; ++s)
-      for (int j = 0; j < 32; ++j) v[128 * h + 32 * s + j] = d * (float)((int)((b[32 * h + j] >> 2 * s) & 3) - 1);
+      for (int j = 0; j < 32; ++j) w[128 * h + 32 * s + j] = (int8_t)(((b[32 * h + j] >> 2 * s) & 3) - 1);
+}
+
+// d (stored after the codes) times each digit
+template <void (*DIGITS)(const uint8_t*, int8_t*), int D_AT>
+void ternary_block(const uint8_t* b, const GridTables&, float* v) {
+  int8_t w[256];
+  DIGITS(b, w);
+  const float d = f16(b + D_AT);
+  for (int i = 0; i < 256; ++i) v[i] = d * (float)w[i];
 }
 
 using BlockFn = void (*)(const uint8_t*, const GridTables&, float*);
@@ -151,8 +174,8 @@ GridFormat format_of(int type) {
     case IQ3_S: return {grid_iquant<IQ3_S>, 110};
     case IQ1_S: return {iq1_s, 50};
     case IQ1_M: return {iq1_m, 56};
-    case TQ1_0: return {tq1_0, 54};
-    case TQ2_0: return {tq2_0, 66};
+    case TQ1_0: return {ternary_block<tq1_0_digits, 52>, 54};
+    case TQ2_0: return {ternary_block<tq2_0_digits, 64>, 66};
     default: return {nullptr, 0};
   }
 }
@@ -176,7 +199,7 @@ void q8_0_block(const float* x, uint8_t* out) {
   }
 }
 
-// A grid value's 4-bit L4 code (cpu_gguf.h GGUF_L4): its index in the type's levels, by the value's byte
+// A level's 4-bit L4 code (cpu_gguf.h GGUF_L4): its index in the type's levels, by the level's byte
 struct L4Codes {
   uint8_t code[256] = {};
   explicit L4Codes(const int8_t levels[16]) {
@@ -184,60 +207,95 @@ struct L4Codes {
   }
 };
 
-template <int TYPE>
-void block_to_l4(const uint8_t* src, const L4Codes& codes, uint8_t* dst) {
-  const float d = f16(src);
-  std::memcpy(dst, src, 2);  // d as stored (the kernels scale d m by the type's power of two)
+// One L4 block from its parts: d as fp16 bits, the 8 multipliers m, the 256 levels
+void write_l4(uint16_t d, const int m[8], const int8_t w[256], const L4Codes& codes, uint8_t* dst) {
+  std::memcpy(dst, &d, 2);  // d as stored (the kernels scale d m by the type's power of two)
   uint16_t high = 0;
   uint8_t low[4] = {0, 0, 0, 0};
-  int8_t w[32];
   for (int j = 0; j < 8; ++j) {
-    gguf_grid_sub<TYPE>(src, j, d, w);
-    const int m = TYPE == IQ2_XXS ? 2 * (int)(gguf_ld32(src + 6 + 8 * j) >> 28) + 1
-                : TYPE == IQ3_XXS ? 2 * (int)(gguf_ld32(src + 66 + 4 * j) >> 28) + 1
-                                  : 1 + 2 * ((src[106 + j / 2] >> 4 * (j & 1)) & 15);
-    const int ls = m + 32;  // IQ4_XS's 6-bit scale, minus 32 when read
+    const int ls = m[j] + 32;  // IQ4_XS's 6-bit scale, minus 32 when read
     low[j / 2] |= (uint8_t)((ls & 15) << 4 * (j & 1));
     high |= (uint16_t)(((ls >> 4) & 3) << 2 * j);
+    const int8_t* v = w + 32 * j;
     for (int l = 0; l < 16; ++l)
-      dst[8 + 16 * j + l] = (uint8_t)(codes.code[(uint8_t)w[l]] | codes.code[(uint8_t)w[l + 16]] << 4);
+      dst[8 + 16 * j + l] = (uint8_t)(codes.code[(uint8_t)v[l]] | codes.code[(uint8_t)v[l + 16]] << 4);
   }
   std::memcpy(dst + 2, &high, 2);
   std::memcpy(dst + 4, low, 4);
 }
 
+// A block's d, multipliers and levels (as write_l4 takes them) for each type with an L4 form
+template <int TYPE>
+void l4_parts(const uint8_t* src, const GridTables& t, uint16_t& d, int m[8], int8_t w[256]) {
+  if constexpr (TYPE == IQ2_XXS || TYPE == IQ3_XXS || TYPE == IQ3_S) {
+    d = u16(src);
+    for (int j = 0; j < 8; ++j) {
+      gguf_grid_sub<TYPE>(src, j, half_to_float(d), w + 32 * j);
+      m[j] = TYPE == IQ2_XXS ? 2 * (int)(gguf_ld32(src + 6 + 8 * j) >> 28) + 1
+           : TYPE == IQ3_XXS ? 2 * (int)(gguf_ld32(src + 66 + 4 * j) >> 28) + 1
+                             : 1 + 2 * ((src[106 + j / 2] >> 4 * (j & 1)) & 15);
+    }
+  } else if constexpr (TYPE == IQ1_S) {
+    d = u16(src);
+    iq1_s_levels(src, t, m, w);
+  } else {  // TQ1_0 / TQ2_0: the digits minus one, d per block, m = 1
+    (TYPE == TQ1_0 ? tq1_0_digits : tq2_0_digits)(src, w);
+    d = u16(src + (TYPE == TQ1_0 ? 52 : 64));
+    for (int j = 0; j < 8; ++j) m[j] = 1;
+  }
+}
+
+template <int TYPE>
+void block_to_l4(const uint8_t* src, const GridTables& t, const L4Codes& codes, uint8_t* dst) {
+  uint16_t d;
+  int m[8];
+  int8_t w[256];
+  l4_parts<TYPE>(src, t, d, m, w);
+  write_l4(d, m, w, codes, dst);
+}
+
 // rows' blocks [n0 * nb, n1 * nb) to L4, serially
-void rows_to_l4(const uint8_t* blocks, int type, int64_t n0, int64_t n1, int64_t nb, uint8_t* out) {
-  static const L4Codes iq2xxs(GGUF_L4_IQ2XXS), iq3xxs(GGUF_L4_IQ3XXS), iq3s(GGUF_L4_IQ3S);
+void rows_to_l4(const uint8_t* blocks, int type, const GridTables& t, int64_t n0, int64_t n1, int64_t nb,
+                uint8_t* out) {
+  static const L4Codes iq2xxs(GGUF_L4_IQ2XXS), iq3xxs(GGUF_L4_IQ3XXS), iq3s(GGUF_L4_IQ3S), iq1s(GGUF_L4_IQ1S),
+      tq(GGUF_L4_TQ);
   const int64_t bytes = format_of(type).bytes;
   for (int64_t i = n0 * nb; i < n1 * nb; ++i) {
     const uint8_t* src = blocks + i * bytes;
     uint8_t* dst = out + (i - n0 * nb) * 136;
-    if (type == IQ2_XXS) block_to_l4<IQ2_XXS>(src, iq2xxs, dst);
-    else if (type == IQ3_XXS) block_to_l4<IQ3_XXS>(src, iq3xxs, dst);
-    else block_to_l4<IQ3_S>(src, iq3s, dst);
+    switch (type) {
+      case IQ2_XXS: block_to_l4<IQ2_XXS>(src, t, iq2xxs, dst); break;
+      case IQ3_XXS: block_to_l4<IQ3_XXS>(src, t, iq3xxs, dst); break;
+      case IQ3_S: block_to_l4<IQ3_S>(src, t, iq3s, dst); break;
+      case IQ1_S: block_to_l4<IQ1_S>(src, t, iq1s, dst); break;
+      case TQ1_0: block_to_l4<TQ1_0>(src, t, tq, dst); break;
+      default: block_to_l4<TQ2_0>(src, t, tq, dst); break;
+    }
   }
 }
 
+// Whether a type has an L4 form and what it needs to make it (IQ1_S: its grid)
+bool l4_convertible(int type, const GridTables& t) { return gguf_l4_base(type) && (type != IQ1_S || t.grid); }
+
 }  // namespace
 
-bool gguf_grid_to_l4(const uint8_t* blocks, int type, int64_t N, int64_t K, uint8_t* out) {
-  if (type != IQ2_XXS && type != IQ3_XXS && type != IQ3_S) return false;
+bool gguf_grid_to_l4(const uint8_t* blocks, int type, int64_t N, int64_t K, const GridTables& tables, uint8_t* out) {
+  if (!l4_convertible(type, tables)) return false;
   const int64_t nb = K / 256;
   parallel_run(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
-    rows_to_l4(blocks, type, n0, n1, nb, out + n0 * nb * 136);
+    rows_to_l4(blocks, type, tables, n0, n1, nb, out + n0 * nb * 136);
   });
   return true;
 }
 
-bool gguf_grid_to_l4_x8(const uint8_t* blocks, int type, int64_t N, int64_t K, uint8_t* x8) {
-  if ((type != IQ2_XXS && type != IQ3_XXS && type != IQ3_S) || N % 8 || !gguf_x8_supported(type + GGUF_L4))
-    return false;
+bool gguf_grid_to_l4_x8(const uint8_t* blocks, int type, int64_t N, int64_t K, const GridTables& tables,
+                        uint8_t* x8) {
+  if (!l4_convertible(type, tables) || N % 8 || !gguf_x8_supported(type + GGUF_L4)) return false;
   const int64_t nb = K / 256, group_bytes = 8 * gguf_row_bytes(type + GGUF_L4 + GGUF_X8, K);
   parallel_run(0, N / 8, 1, [&](int64_t g0, int64_t g1) {
     std::vector<uint8_t> l4((size_t)(8 * nb * 136));  // one group's rows as L4 (not the whole tensor at once)
     for (int64_t g = g0; g < g1; ++g) {
-      rows_to_l4(blocks, type, 8 * g, 8 * g + 8, nb, l4.data());
+      rows_to_l4(blocks, type, tables, 8 * g, 8 * g + 8, nb, l4.data());
       gguf_repack_x8(l4.data(), type + GGUF_L4, 8, K, x8 + g * group_bytes);
     }
   });

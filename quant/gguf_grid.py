@@ -16,11 +16,12 @@ import torch
 
 from .gguf_tensor import grid_tables
 
-__all__ = ["GRID_TYPES", "convert"]
+__all__ = ["GRID_TYPES", "convert", "grid_of"]
 
 # GGML type id -> gguf.quants class name
 GRID_TYPES = {16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 21: "IQ3_S", 22: "IQ2_S", 29: "IQ1_M",
               34: "TQ1_0", 35: "TQ2_0"}
+IQ1_S = 19
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
@@ -33,6 +34,11 @@ def _tables(type_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return _EMPTY, _EMPTY
     grid, ksigns = grid_tables(name, torch.device("cpu"))
     return grid.to(torch.int8).contiguous(), ksigns
+
+
+def grid_of(type_id: int) -> torch.Tensor:
+    """A grid type's codebook as the extension takes it: int8 [entries, 8 or 4] (gguf.quants')."""
+    return _tables(type_id)[0]
 
 
 def convert(raw: np.ndarray | torch.Tensor, type_id: int, rows: int, k: int, q8_0: bool) -> torch.Tensor | None:

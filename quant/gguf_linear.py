@@ -36,10 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gguf_file import gguf_type, row_bytes
+from ..gguf_file import GGML_BLOCKS, row_bytes
 from ..kernels import matmul as K
 from ..kernels import gguf_ops
 from ..kernels.gguf_ops import L4, R8, X8  # a type id + X8 / R8 / L4: repacked for the CPU kernels (cpu_gguf.h)
+from . import gguf_grid
 from .gguf_tensor import dequantize_blocks
 from .linear import _move_packed
 
@@ -47,8 +48,8 @@ __all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "raw_tensor", "install_ggu
 
 # the x8 layout's unit per base type: (values, bytes of 8 rows x those values)
 X8_UNITS = {10: (256, 672), 11: (256, 912), 12: (256, 1184), 13: (256, 1440), 14: (256, 1680),  # Q2_K .. Q6_K
-            23: (256, 1104), 6: (32, 176), 7: (32, 192), 20: (32, 144),  # IQ4_XS, Q5_0, Q5_1, IQ4_NL
-            L4 + 16: (256, 1104), L4 + 18: (256, 1104), L4 + 21: (256, 1104)}  # the L4 types (IQ4_XS's layout)
+            23: (256, 1104), 6: (32, 176), 7: (32, 192), 20: (32, 144)}  # IQ4_XS, Q5_0, Q5_1, IQ4_NL
+X8_UNITS.update({L4 + t: X8_UNITS[23] for t in (16, 18, 21, 19, 34, 35)})  # the L4 types (IQ4_XS's layout)
 
 
 def part_row_bytes(type_id: int, k: int) -> int:
@@ -142,7 +143,7 @@ class _GGUFWeight(nn.Module):
         return sum(p.raw.numel() for p in self.gguf_parts)
 
     def type_names(self) -> list[str]:
-        return [gguf_type(stored_type(t)).name for t in self.part_types]
+        return [GGML_BLOCKS[stored_type(t)][0] for t in self.part_types]
 
     def _fmt(self) -> str:
         return "+".join(dict.fromkeys(self.type_names()))
@@ -307,8 +308,20 @@ Q5_LAYOUT = "x8"
 # How repack_for_cpu lays out IQ4_NL parts (A/B switch): "x8" or "stored".
 IQ4_NL_LAYOUT = "x8"
 # How repack_for_cpu lays out IQ2_XXS / IQ3_XXS / IQ3_S parts (A/B switch): "l4" (recoded as IQ4_XS blocks over the
-# type's levels) or "stored" (multiplied through the grids).
+# type's levels) or "stored" (multiplied through the grids). IQ1_S / TQ1_0 / TQ2_0, which have no kernel as stored,
+# take the L4 form where it is on (`cpu_recoded_types`), else the loader's Q8_0 route.
 GRID_LAYOUT = "l4"
+
+
+def cpu_recoded_types(device: torch.device) -> frozenset[str]:
+    """The GGUF types without a kernel as stored that the CPU loader keeps as their blocks, to be recoded as L4 by
+    repack_for_cpu (IQ1_S, TQ1_0, TQ2_0: 4.25 bits a weight, their values bit for bit, where Q8_0 takes 8.5 and
+    rounds): on the CPU with the extension's recoding and GRID_LAYOUT "l4"; none elsewhere."""
+    ext = K.cpu_extension() if device.type == "cpu" and GRID_LAYOUT == "l4" else None
+    if ext is None:
+        return frozenset()
+    native = set(gguf_ops.GGUF_NATIVE_TYPES.values())
+    return frozenset(GGML_BLOCKS[t][0] for t in getattr(ext, "gguf_l4_types", list)() if t not in native)
 
 
 def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int],
@@ -321,12 +334,15 @@ def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int
         # time straight into the x8 layout where the build has it, the rest as L4
         n8 = p.rows // 8 * 8 if p.type + L4 in x8_types else 0
         out = []
+        grid = None
+        if p.type == gguf_grid.IQ1_S:  # (the others' codebooks are the extension's own)
+            grid = gguf_grid.grid_of(p.type)
         if n8:
-            out.append(GGUFPart(ext.gguf_to_l4(p.raw[:n8].contiguous(), p.type, n8, k, x8=True), p.type + L4 + X8,
-                                n8, None if index is None else index[:n8].contiguous()))
+            out.append(GGUFPart(ext.gguf_to_l4(p.raw[:n8].contiguous(), p.type, n8, k, x8=True, grid=grid),
+                                p.type + L4 + X8, n8, None if index is None else index[:n8].contiguous()))
         if n8 < p.rows:
-            out.append(GGUFPart(ext.gguf_to_l4(p.raw[n8:].contiguous(), p.type, p.rows - n8, k), p.type + L4,
-                                p.rows - n8, index if index is None or not n8 else index[n8:].contiguous()))
+            out.append(GGUFPart(ext.gguf_to_l4(p.raw[n8:].contiguous(), p.type, p.rows - n8, k, grid=grid),
+                                p.type + L4, p.rows - n8, index if index is None or not n8 else index[n8:].contiguous()))
         return out
     n8 = p.rows // 8 * 8 if p.type in x8_types and k % X8_UNITS[p.type][0] == 0 else 0
     out = []

@@ -1,6 +1,6 @@
 """Writes kernels/gguf_grids.h: the codebooks of the i-quant types the C++ kernels multiply as stored (IQ2_XXS, IQ3_XXS,
-IQ3_S) and the 128 sign bytes, taken from gguf.quants (which decodes them from llama.cpp's tables), so the kernels
-carry no hand-copied table. tests/test_gguf_grid.py checks the header against gguf.quants.
+IQ3_S), the 128 sign bytes and the levels of the types recoded as L4 blocks, taken from gguf.quants (which decodes
+them from llama.cpp's tables), so the kernels carry no hand-copied table. tests/test_gguf_grid.py checks the header against gguf.quants.
 
     python scripts/gguf_grids_header.py [--out kernels/gguf_grids.h]
 """
@@ -33,15 +33,28 @@ def ksigns() -> list[int]:
 
 
 # (C name, gguf.quants class): the 16 signed levels a recoded block's 4-bit codes index (GGUF_L4 in cpu_gguf.h): code
-# i < 8 is the type's i-th grid value, 8 + i its negative (unused codes 0)
-LEVELS = (("GGUF_L4_IQ2XXS", "IQ2_XXS"), ("GGUF_L4_IQ3XXS", "IQ3_XXS"), ("GGUF_L4_IQ3S", "IQ3_S"))
+# i < 8 is the type's i-th magnitude, 8 + i its negative (unused codes 0)
+LEVELS = (("GGUF_L4_IQ2XXS", "IQ2_XXS"), ("GGUF_L4_IQ3XXS", "IQ3_XXS"), ("GGUF_L4_IQ3S", "IQ3_S"),
+          ("GGUF_L4_IQ1S", "IQ1_S"), ("GGUF_L4_TQ", "TQ2_0"))
+
+
+def magnitudes(type_name: str) -> list[int]:
+    """The grid types': their grid values; IQ1_S's: 8 (g + delta) for its grid values g (-1, 0, 1) and delta +-1/8
+    (the kernels scale d (2 s + 1) by 1/8); TQ1_0 / TQ2_0's: the digits minus one (TQ2_0's 2-bit code 3 gives 2)."""
+    import gguf.quants
+
+    if type_name == "TQ2_0":
+        return [1, 2]
+    cls = getattr(gguf.quants, type_name)
+    if type_name == "IQ1_S":
+        delta = 8 * float(cls.delta)
+        return sorted({abs(int(8 * g + s * delta)) for g in cls.grid_map for s in (-1, 1)})
+    return [int(v) for v in cls.grid_map]
 
 
 def levels(type_name: str) -> list[int]:
-    import gguf.quants
-
-    values = [int(v) for v in getattr(gguf.quants, type_name).grid_map]
-    pos = values + [0] * (8 - len(values))
+    pos = magnitudes(type_name)
+    pos = pos + [0] * (8 - len(pos))
     return pos + [-v for v in pos]
 
 

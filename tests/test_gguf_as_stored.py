@@ -48,6 +48,11 @@ IQ4_MIX = {"attn_q.weight": "IQ4_XS", "attn_k.weight": "IQ4_NL", "attn_v.weight"
 IQ3_MIX = {"attn_q.weight": "IQ3_XXS", "attn_k.weight": "IQ3_S", "attn_v.weight": "IQ2_XXS", "attn_output.weight": "IQ3_S",
            "ffn_gate.weight": "IQ3_XXS", "ffn_up.weight": "IQ2_XXS", "ffn_down.weight": "IQ3_S",
            "token_embd.weight": "IQ3_XXS", "output.weight": "Q6_K"}
+# The types with no kernel as stored that the CPU loader recodes as L4 (IQ1_S files, BitNet-style TQ1_0 / TQ2_0 ones),
+# fused beside each other (Q/K/V, gate/up); the embeddings of a type with kernels, as those files' are
+IQ1_MIX = {"attn_q.weight": "IQ1_S", "attn_k.weight": "TQ1_0", "attn_v.weight": "TQ2_0", "attn_output.weight": "IQ1_S",
+           "ffn_gate.weight": "TQ2_0", "ffn_up.weight": "IQ1_S", "ffn_down.weight": "TQ1_0",
+           "token_embd.weight": "Q4_K", "output.weight": "Q6_K"}
 SHAPE = dict(hidden_size=256, intermediate_size=512)  # K-quants need rows of 256
 
 
@@ -58,7 +63,8 @@ def quant_files(tmp_path_factory):
     for name, variant, types in (("kmix", "llama_gqa", K_MIX), ("legacy", "llama_gqa", LEGACY_MIX),
                                  ("tied", "llama_tied", {k: v for k, v in K_MIX.items() if k != "output.weight"}),
                                  ("qwen2", "qwen2_bias", K_MIX), ("lowmix", "llama_gqa", LOW_MIX),
-                                 ("iq4mix", "llama_gqa", IQ4_MIX), ("iq3mix", "llama_gqa", IQ3_MIX)):
+                                 ("iq4mix", "llama_gqa", IQ4_MIX), ("iq3mix", "llama_gqa", IQ3_MIX),
+                                 ("iq1mix", "llama_gqa", IQ1_MIX)):
         folder = make_hf_model(root / name, variant, seed=3, **SHAPE)
         out[name] = make_gguf(folder, root / f"{name}.gguf", quant_types=types, seed=7)
     return out
@@ -92,7 +98,7 @@ def test_torch_dequantize_is_gguf_quants_bit_for_bit(type_id):
     assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
 
 
-@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix"])
+@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix", "iq1mix"])
 def test_auto_keeps_every_block_in_place(quant_files, name):
     loaded = load_model(quant_files[name], weights="auto")
     model = loaded.model
@@ -171,7 +177,7 @@ def test_auto_equals_fp_exactly_on_the_torch_path(quant_files, name, no_kernels)
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", ["kmix", "legacy", "qwen2", "lowmix", "iq4mix", "iq3mix"])
+@pytest.mark.parametrize("name", ["kmix", "legacy", "qwen2", "lowmix", "iq4mix", "iq3mix", "iq1mix"])
 def test_auto_with_the_cpu_kernels_tracks_fp(quant_files, name):
     if matmul.cpu_extension() is None or not hasattr(matmul.cpu_extension(), "gguf_linear"):
         pytest.fail("the C++ GGUF kernels did not build")
@@ -274,14 +280,14 @@ def test_requantization_in_chunks_of_rows_equals_the_whole_tensors(monkeypatch, 
 
 
 def test_types_without_a_kernel_run_as_q8_0_with_a_warning(tmp_path):
-    """A matrix part of a GGUF type without a kernel (IQ2_XS, IQ1_S here) runs requantized to Q8_0, not as a float
+    """A matrix part of a GGUF type without a kernel (IQ2_XS, IQ2_S here) runs requantized to Q8_0, not as a float
     copy: each weight within half an int8 step of gguf.quants' dequantized value. A matrix of such parts alone takes the
-    packed int8 path; one fused with native parts (Q/K/V: IQ1_S, Q4_K, Q4_K) keeps those as stored, in one GGUF
+    packed int8 path; one fused with native parts (Q/K/V: IQ2_S, Q4_K, Q4_K) keeps those as stored, in one GGUF
     linear. The logits stay close to the float model's; `--weights fp` keeps the exact float values."""
     folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=1, **SHAPE)
-    path = make_gguf(folder, tmp_path / "q2.gguf", quant_types={"ffn_down.weight": "IQ2_XS", "attn_q.weight": "IQ1_S",
+    path = make_gguf(folder, tmp_path / "q2.gguf", quant_types={"ffn_down.weight": "IQ2_XS", "attn_q.weight": "IQ2_S",
                                                                  "attn_k.weight": "Q4_K", "attn_v.weight": "Q4_K"})
-    with pytest.warns(UserWarning, match="IQ1_S, IQ2_XS tensors have no kernel here; they were requantized to Q8_0"):
+    with pytest.warns(UserWarning, match="IQ2_S, IQ2_XS tensors have no kernel here; they were requantized to Q8_0"):
         loaded = load_model(path, weights="auto")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -322,6 +328,42 @@ def test_types_without_a_kernel_run_as_q8_0_with_a_warning(tmp_path):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
 
 
+def test_l4_types_run_as_stored_on_the_cpu_and_as_q8_0_elsewhere(quant_files, tmp_path):
+    """IQ1_S / TQ1_0 / TQ2_0 matrices have no kernel as stored: on the CPU with the extension they run recoded as L4
+    (no warning; info names their own types; 4.25 bits a weight), their values gguf.quants' bit for bit; without the
+    extension (the path CUDA / MPS take too) they take the Q8_0 route with the warning naming them. A token embedding
+    of such a type takes the Q8_0 route either way (its lookups dequantize stored rows)."""
+    import warnings as w
+
+    with w.catch_warnings():
+        w.simplefilter("error")  # no "requantized" warning
+        loaded = load_model(quant_files["iq1mix"], weights="auto")
+    assert {"IQ1_S", "TQ1_0", "TQ2_0"} <= set(loaded.runs_as) and "Q8_0" not in loaded.runs_as
+    wqkv = loaded.model.layers[0].attention.wqkv
+    assert wqkv.type_names() == ["IQ1_S", "TQ1_0", "TQ2_0"] and all(L4 < t % X8 < X8 for t in wqkv.part_types)
+    units = wqkv.out_features * wqkv.in_features // 256  # 136 bytes each (138 in the x8 layout): not Q8_0's 272
+    assert units * 136 <= wqkv.weight_nbytes <= units * 138
+    with w.catch_warnings():
+        w.simplefilter("ignore")
+        fp = load_model(quant_files["iq1mix"], weights="fp")
+    assert torch.equal(wqkv.dequantized_weight(torch.float32), fp.model.layers[0].attention.wqkv.weight)
+    saved = matmul.cpu_extension()
+    matmul.set_cpu_extension(None)
+    try:
+        with pytest.warns(UserWarning, match="IQ1_S, TQ1_0, TQ2_0 tensors have no kernel here; they were requantized"):
+            off = load_model(quant_files["iq1mix"], weights="auto")
+    finally:
+        matmul.set_cpu_extension(saved)
+    assert "IQ1_S" not in off.runs_as and off.runs_as.get("Q8_0", 0) > 0
+    folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=1, **SHAPE)
+    path = make_gguf(folder, tmp_path / "e.gguf", quant_types={"token_embd.weight": "IQ1_S", "attn_q.weight": "IQ1_S",
+                                                                "attn_k.weight": "Q4_K", "attn_v.weight": "Q4_K"})
+    with pytest.warns(UserWarning, match="IQ1_S tensors have no kernel here; they were requantized to Q8_0"):
+        emb = load_model(path, weights="auto")
+    assert emb.model.layers[0].attention.wqkv.type_names()[0] == "IQ1_S"  # the matrix recoded, the embedding Q8_0
+    assert emb.runs_as.get("Q8_0") == 1
+
+
 def test_info_says_what_each_tensor_runs_as(quant_files):
     out = subprocess.run([sys.executable, "-m", "edgellm.cli", "info", "-m", str(quant_files["kmix"]), "--json"],
                          capture_output=True, text=True, timeout=300)
@@ -336,7 +378,7 @@ def test_info_says_what_each_tensor_runs_as(quant_files):
     assert mib * 2**20 < 2 * quant_files["kmix"].stat().st_size and info["compute dtype"] == "float32"
 
 
-@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix"])
+@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix", "iq1mix"])
 def test_fused_cpu_step_runs_gguf_models(quant_files, name):
     """The one-call-per-token C++ step takes a model of GGUF parts (mixed with repacked Q4_x/Q8_0 linears)
     and gives the eager model's logits."""

@@ -72,25 +72,36 @@ def test_the_kernels_codebooks_are_gguf_quants():
     assert f"GGUF_IQ3XXS_GRID[256] = {{\n    0x{first:08x}," in text  # (the header names the entries in order)
 
 
-@pytest.mark.parametrize("type_id", [16, 18, 21], ids=lambda t: gguf_grid.GRID_TYPES[t])
+L4_BASES = [16, 18, 21, 19, 34, 35]  # IQ2_XXS, IQ3_XXS, IQ3_S; IQ1_S, TQ1_0, TQ2_0 (no kernel as stored)
+
+
+def l4_grid(type_id: int):
+    return gguf_grid.grid_of(type_id) if type_id == 19 else None  # IQ1_S: the caller's (gguf.quants') grid
+
+
+@pytest.mark.parametrize("type_id", L4_BASES, ids=lambda t: gguf_grid.GRID_TYPES[t])
 def test_l4_recoding_keeps_every_value(ext, type_id):
-    """The CPU loader's recoding of the grid i-quants (ext.gguf_to_l4: IQ4_XS blocks over the type's levels) holds
-    gguf.quants' values bit for bit: through the extension's dequantizer, and through an independent numpy reading
-    of the layout (tests/test_gguf_kernels.l4_dequant)."""
+    """The CPU loader's recoding of the grid i-quants and the ternary types (ext.gguf_to_l4: IQ4_XS blocks over the
+    type's levels) holds gguf.quants' values bit for bit: through the extension's dequantizer, and through an
+    independent numpy reading of the layout (tests/test_gguf_kernels.l4_dequant)."""
     from tests.test_gguf_kernels import L4, l4_dequant
 
     rows, k = 29, 768
     raw = grid_blocks(gguf_grid.GRID_TYPES[type_id], rows, k, seed=type_id)
-    raw[:3, 0:2] = np.frombuffer(np.float16(2.0 ** -16).tobytes(), np.uint8)  # subnormal d's (the 2^-p still exact)
+    d_at = {34: 52, 35: 64}.get(type_id, 0)
+    raw[:3, d_at:d_at + 2] = np.frombuffer(np.float16(2.0 ** -16).tobytes(), np.uint8)  # subnormal d's (the 2^-p
+    # still exact)
+    if type_id == 35:  # TQ2_0's 2-bit code 3 (digit 2), which its quantizer never writes, decoded as gguf.quants does
+        raw[3:5, :64] = 0xFF
     want = gguf.quants.dequantize(raw, T(type_id)).reshape(rows, k)
-    l4 = ext.gguf_to_l4(torch.from_numpy(raw), type_id, rows, k)
+    l4 = ext.gguf_to_l4(torch.from_numpy(raw), type_id, rows, k, grid=l4_grid(type_id))
     assert l4.shape == (rows, k // 256 * 136)
     got = ext.gguf_dequantize(l4, type_id + 100, rows, k).numpy()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.array_equal(l4_dequant(l4.numpy(), L4(T(type_id))).view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("type_id", [16, 18, 21], ids=lambda t: gguf_grid.GRID_TYPES[t])
+@pytest.mark.parametrize("type_id", L4_BASES, ids=lambda t: gguf_grid.GRID_TYPES[t])
 def test_l4_straight_into_x8_is_l4_then_repacked(ext, type_id):
     """gguf_to_l4(x8=True), which the loader uses so that no whole-tensor L4 copy is made on the way, writes what
     recoding and then repacking 8 rows at a time write, byte for byte."""
@@ -98,8 +109,19 @@ def test_l4_straight_into_x8_is_l4_then_repacked(ext, type_id):
         pytest.skip("this build has no x8 kernels (they need AVX2)")
     rows, k = 24, 512
     raw = torch.from_numpy(grid_blocks(gguf_grid.GRID_TYPES[type_id], rows, k, seed=type_id + 1))
-    direct = ext.gguf_to_l4(raw, type_id, rows, k, x8=True)
-    two_steps = ext.gguf_repack(ext.gguf_to_l4(raw, type_id, rows, k), type_id + 100, rows, k)
+    grid = l4_grid(type_id)
+    direct = ext.gguf_to_l4(raw, type_id, rows, k, x8=True, grid=grid)
+    two_steps = ext.gguf_repack(ext.gguf_to_l4(raw, type_id, rows, k, grid=grid), type_id + 100, rows, k)
     assert torch.equal(direct, two_steps)
     with pytest.raises(RuntimeError, match="multiple of 8 rows"):
-        ext.gguf_to_l4(raw[:12].contiguous(), type_id, 12, k, x8=True)
+        ext.gguf_to_l4(raw[:12].contiguous(), type_id, 12, k, x8=True, grid=grid)
+
+
+def test_l4_refusals(ext):
+    raw = torch.from_numpy(grid_blocks("IQ1_S", 8, 256, seed=1))
+    with pytest.raises(RuntimeError, match=r"IQ1_S needs its grid as int8 \[2048, 8\]"):
+        ext.gguf_to_l4(raw, 19, 8, 256)  # (no grid)
+    with pytest.raises(RuntimeError, match=r"IQ1_S needs its grid"):
+        ext.gguf_to_l4(raw, 19, 8, 256, grid=gguf_grid.grid_of(19)[:1024])
+    with pytest.raises(RuntimeError, match="is not IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S, TQ1_0 or TQ2_0"):
+        ext.gguf_to_l4(torch.from_numpy(grid_blocks("IQ2_XS", 8, 256, seed=1)), 17, 8, 256)
