@@ -453,8 +453,8 @@ MATRIX_NAMES = ("tok_embeddings.weight", "output.weight", "attention.wqkv.weight
                 "feed_forward.w13.weight", "feed_forward.w2.weight")
 
 
-# A matrix part of a GGUF type without a kernel here (IQ2_XS, IQ2_S, IQ1_M; IQ1_S and TQ* off the CPU kernels' L4
-# recoding, and in a token embedding) runs as Q8_0 blocks: dequantized and rounded to int8 per 32 values at load,
+# A matrix part of a GGUF type without a kernel here (IQ2_XS, IQ2_S, IQ1_M; IQ1_S off the CPU kernels' L4 recoding,
+# and in a token embedding) runs as Q8_0 blocks: dequantized and rounded to int8 per 32 values at load,
 # ~8.5 bits a weight, multiplied by the kernels like any Q8_0 (an 8B IQ2_XS file: ~8 GB instead of 32 in fp32).
 # False: such matrices are dequantized to the compute dtype (benchmarks' A/B).
 REQUANTIZE_WITHOUT_KERNEL = True
@@ -507,6 +507,17 @@ def _as_q8_0(src: GGUFSource, name: str) -> tuple[Any, int, tuple[int, int]]:
     return out, GGUF_NATIVE_TYPES["Q8_0"], (rows, k)
 
 
+def _as_q2_k(src: GGUFSource, name: str) -> tuple[Any, int, tuple[int, int]]:
+    """`src.raw(name)` for a part of a ternary type (TQ1_0, TQ2_0): the same values as Q2_K blocks, which every
+    device's kernels multiply (2.625 bits a weight); the mapped original released."""
+    from .quant import gguf_grid
+
+    data, type_id, (rows, k) = src.raw(name)
+    blocks = gguf_grid.ternary_as_q2_k(data, type_id, rows, k)
+    src.file.release(name)
+    return blocks, gguf_grid.Q2_K, (rows, k)
+
+
 def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPlan, exact: bool = True,
                    recoded: frozenset[str] = frozenset()):
     """How `--weights auto` keeps one of our matrices from a GGUF → (kind, kept, the part types requantized):
@@ -514,10 +525,11 @@ def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPla
     byte reshuffle; not with `exact` False: on CUDA the Triton kernels multiply those blocks in place, where torch's
     int4 kernel would round their fp16 scales to bf16 in a second copy and its int8 one takes no groups),
     ("blocks", [GGUFPart]) when every part is a type the GGUF kernels multiply in place. Parts of a
-    type without a kernel are first requantized to Q8_0 (REQUANTIZE_WITHOUT_KERNEL; the caller warns), but for the
-    `recoded` types (gguf_linear.cpu_recoded_types: IQ1_S, TQ* on the CPU), kept as blocks for repack_for_cpu to
-    recode, except in the token embedding (its lookups dequantize stored rows). None for a float tensor, or with the
-    switch off a type without a kernel (the caller dequantizes it and warns)."""
+    type without a kernel are first requantized to Q8_0 (REQUANTIZE_WITHOUT_KERNEL; the caller warns), but the ternary
+    ones (TQ1_0, TQ2_0) are rewritten as Q2_K blocks of the same values, and the `recoded` types
+    (gguf_linear.cpu_recoded_types: IQ1_S on the CPU) kept as blocks for repack_for_cpu to recode, except in the token
+    embedding (its lookups dequantize stored rows). None for a float tensor, or with the switch off a type without a
+    kernel (the caller dequantizes it and warns)."""
     if not ours.endswith(MATRIX_NAMES):
         return None
     types = [src.tensor_type(p) for p in parts]
@@ -528,12 +540,16 @@ def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPla
     from .quant.gguf_linear import GGUFPart, raw_tensor
     from .quant.gguf_tensor import NATIVE_TYPES
 
+    from .quant.gguf_grid import TERNARY_TYPES
+
     kept = NATIVE_TYPES | recoded if ours != "tok_embeddings.weight" else NATIVE_TYPES
-    missing = {t for t in types if t not in kept}
+    ternary = set(TERNARY_TYPES.values())
+    missing = {t for t in types if t not in kept and t not in ternary}
     if missing and not REQUANTIZE_WITHOUT_KERNEL:
         return None
-    raws = [src.raw(p) if t in kept else _as_q8_0(src, p) for p, t in zip(parts, types)]
-    types = [t if t in kept else "Q8_0" for t in types]
+    raws = [src.raw(p) if t in kept else _as_q2_k(src, p) if t in ternary else _as_q8_0(src, p)
+            for p, t in zip(parts, types)]
+    types = [t if t in kept else "Q2_K" if t in ternary else "Q8_0" for t in types]
     permute = [plan.permute.get(p) for p in parts]
     if exact and len(set(types)) == 1 and types[0] in GGUF_EXACT:
         qt = try_exact_gguf(raws, (8, 32, True), permute)

@@ -437,13 +437,13 @@ at::Tensor gguf_grid_convert(const at::Tensor& raw, int64_t type, int64_t N, int
   return out;
 }
 
-// IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S / TQ1_0 / TQ2_0 rows -> the same values as GGUF_L4 blocks (type + 100; cpu_gguf.h),
-// or straight in their x8 layout (x8: N % 8 == 0). grid: IQ1_S's as int8 [2048, 8] (gguf.quants'; empty for the
+// IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S rows -> the same values as GGUF_L4 blocks (type + 100; cpu_gguf.h), or straight
+// in their x8 layout (x8: N % 8 == 0). grid: IQ1_S's as int8 [2048, 8] (gguf.quants'; empty for the
 // others, whose codebooks the build has).
 py::object gguf_grid_l4(const at::Tensor& raw, int64_t type, int64_t N, int64_t K, bool x8,
                         const std::optional<at::Tensor>& grid) {
   TORCH_CHECK(edgellm::gguf_l4_base((int)type), "edgellm gguf_grid_to_l4: type ", type,
-              " is not IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S, TQ1_0 or TQ2_0");
+              " is not IQ2_XXS, IQ3_XXS, IQ3_S or IQ1_S");
   TORCH_CHECK(N >= 0 && K > 0 && K % 256 == 0, "edgellm gguf_grid_to_l4: K=", K, " must be a multiple of 256");
   TORCH_CHECK(type != 19 || (grid && grid->device().is_cpu() && grid->scalar_type() == at::kChar &&
                              grid->is_contiguous() && grid->numel() == 2048 * 8),
@@ -465,6 +465,22 @@ py::object gguf_grid_l4(const at::Tensor& raw, int64_t type, int64_t N, int64_t 
               : edgellm::gguf_grid_to_l4(raw.data_ptr<uint8_t>(), (int)type, N, K, tables, out.data_ptr<uint8_t>());
   }
   return done ? py::cast(out) : py::none();
+}
+
+// TQ1_0 / TQ2_0 rows [N, row bytes] -> Q2_K rows [N, K / 256 x 84] of the same values (cpu_gguf_grid.cpp).
+at::Tensor gguf_ternary_q2_k(const at::Tensor& raw, int64_t type, int64_t N, int64_t K) {
+  TORCH_CHECK(type == 34 || type == 35, "edgellm gguf_ternary_to_q2_k: type ", type, " is not TQ1_0 or TQ2_0");
+  TORCH_CHECK(N >= 0 && K > 0 && K % 256 == 0, "edgellm gguf_ternary_to_q2_k: K=", K, " must be a multiple of 256");
+  const int64_t rb = edgellm::gguf_grid_row_bytes((int)type, K);
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == N * rb,
+              "edgellm gguf_ternary_to_q2_k: expected a contiguous uint8 CPU tensor of ", N * rb, " bytes, got ",
+              raw.scalar_type(), " ", raw.sizes());
+  at::Tensor out = at::empty({N, K / 256 * 84}, raw.options());
+  {
+    py::gil_scoped_release nogil;
+    edgellm::gguf_ternary_to_q2_k(raw.data_ptr<uint8_t>(), (int)type, N * (K / 256), out.data_ptr<uint8_t>());
+  }
+  return out;
 }
 
 // x8: a K-quant's or Q5_0 / Q5_1's rows repacked 8 at a time (cpu_gguf_x8.cpp); raw [N, row bytes] -> x8 [N, x8 row bytes] and back.
@@ -804,9 +820,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "or (q8_0) Q8_0 blocks [n, k / 32 * 34] as gguf.quants.quantize rounds those values");
   m.def("gguf_to_l4", &gguf_grid_l4, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
         py::arg("x8") = false, py::arg("grid") = py::none(),
-        "IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S / TQ1_0 / TQ2_0 blocks [n, row bytes] -> the same values as L4 blocks (type "
-        "+ 100: IQ4_XS blocks whose codes index the type's levels) [n, k / 256 * 136], or (x8) in that type's x8 "
-        "layout (type + 1100); IQ1_S needs its grid (int8 [2048, 8], gguf.quants')");
+        "IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S blocks [n, row bytes] -> the same values as L4 blocks (type + 100: IQ4_XS "
+        "blocks whose codes index the type's levels) [n, k / 256 * 136], or (x8) in that type's x8 layout (type + "
+        "1100); IQ1_S needs its grid (int8 [2048, 8], gguf.quants')");
+  m.def("gguf_ternary_to_q2_k", &gguf_ternary_q2_k, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
+        "TQ1_0 / TQ2_0 blocks [n, row bytes] -> Q2_K blocks [n, k / 256 * 84] of the same values bit for bit");
   m.def("gguf_l4_types", [] { return gguf_types_where(edgellm::gguf_l4_base); }, "the GGML type ids gguf_to_l4 recodes");
   m.def("gguf_x8_types", [] { return gguf_types_where(edgellm::gguf_x8_supported, edgellm::GGUF_L4 + 64); }, "the GGML type ids (and L4 ids, cpu_gguf.h) this build also multiplies repacked 8 rows at a time "
         "(their type id + 1000)");

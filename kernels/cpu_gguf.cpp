@@ -125,8 +125,6 @@ template <> struct Fmt<GGUF_IQ2_XXS_L4> : Fmt<GGUF_IQ4_XS> {};  // (cpu_gguf.h G
 template <> struct Fmt<GGUF_IQ3_XXS_L4> : Fmt<GGUF_IQ4_XS> {};
 template <> struct Fmt<GGUF_IQ3_S_L4> : Fmt<GGUF_IQ4_XS> {};
 template <> struct Fmt<GGUF_IQ1_S_L4> : Fmt<GGUF_IQ4_XS> {};
-template <> struct Fmt<GGUF_TQ1_0_L4> : Fmt<GGUF_IQ4_XS> {};
-template <> struct Fmt<GGUF_TQ2_0_L4> : Fmt<GGUF_IQ4_XS> {};
 
 // Q6_K, Q3_K, Q2_K: an int scale per 16 values and one fp16 d per super-block; the codes' offset (32 / 4 / none) as
 // a shift.  Q2_K: and a min per 16 values (fp16 dmin times a 4-bit m).
@@ -983,8 +981,6 @@ void dispatch(int type, Args&&... args) {
     case GGUF_IQ3_XXS_L4: Op<GGUF_IQ3_XXS_L4>::run(args...); break;
     case GGUF_IQ3_S_L4: Op<GGUF_IQ3_S_L4>::run(args...); break;
     case GGUF_IQ1_S_L4: Op<GGUF_IQ1_S_L4>::run(args...); break;
-    case GGUF_TQ1_0_L4: Op<GGUF_TQ1_0_L4>::run(args...); break;
-    case GGUF_TQ2_0_L4: Op<GGUF_TQ2_0_L4>::run(args...); break;
 #ifdef EDGELLM_G_AVX2
     case GGUF_Q5_0_R8: Op<GGUF_Q5_0_R8>::run(args...); break;
     case GGUF_Q5_1_R8: Op<GGUF_Q5_1_R8>::run(args...); break;
@@ -1010,8 +1006,6 @@ void dispatch_x8(int base_type, Args&&... args) {
     case GGUF_IQ3_XXS_L4: Op<GGUF_IQ3_XXS_L4>::run(args...); break;
     case GGUF_IQ3_S_L4: Op<GGUF_IQ3_S_L4>::run(args...); break;
     case GGUF_IQ1_S_L4: Op<GGUF_IQ1_S_L4>::run(args...); break;
-    case GGUF_TQ1_0_L4: Op<GGUF_TQ1_0_L4>::run(args...); break;
-    case GGUF_TQ2_0_L4: Op<GGUF_TQ2_0_L4>::run(args...); break;
     default: break;
   }
 }

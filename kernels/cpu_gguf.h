@@ -39,22 +39,20 @@ constexpr int GGUF_X8 = 1000;
 // "r8"): the same bytes per row, any N and K % 32 == 0, a row's last (K / 32) % 8 blocks as stored.
 constexpr int GGUF_R8 = 2000;
 inline bool gguf_is_x8(int type) { return type > GGUF_X8 && type < GGUF_R8; }
-// A grid i-quant's type id (IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S) or a ternary type's (TQ1_0, TQ2_0) plus GGUF_L4: its
-// blocks recoded at load (gguf_grid_to_l4) as IQ4_XS blocks whose 4-bit codes index that type's 16 signed levels
-// (gguf_grids.h GGUF_L4_*) instead of IQ4_NL's: d as stored and per 32 values the odd multiplier m (2 s + 1; TQ: 1)
-// as IQ4_XS's 6-bit scale m + 32; the kernels take (d m) 2^-p (p = 3, 2, 0, 3, 0, 0: gguf.quants' (d (0.5 + s)) / 4,
-// / 2, d (1 + 2 s); IQ1_S's d (2 s + 1) times a level 8 (g +- 1/8); TQ's d times a digit), the same rounding, so the
-// values are gguf.quants' bit for bit.  4.25 bits a weight where the stored blocks take 1.56-3.44, multiplied by the
-// IQ4_XS kernels (one table lookup a value where a grid entry takes a load and a sign lookup per 8 or 4).
+// A grid i-quant's type id (IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S) plus GGUF_L4: its blocks recoded at load
+// (gguf_grid_to_l4) as IQ4_XS blocks whose 4-bit codes index that type's 16 signed levels (gguf_grids.h GGUF_L4_*)
+// instead of IQ4_NL's: d as stored and per 32 values the odd multiplier m (2 s + 1) as IQ4_XS's 6-bit scale m + 32;
+// the kernels take (d m) 2^-p (p = 3, 2, 0, 3: gguf.quants' (d (0.5 + s)) / 4, / 2, d (1 + 2 s); IQ1_S's d (2 s + 1)
+// times a level 8 (g +- 1/8)), the same rounding, so the values are gguf.quants' bit for bit.  4.25 bits a weight
+// where the grids take 1.56-3.44, multiplied by the IQ4_XS kernels (one table lookup a value where a grid entry takes
+// a load and a sign lookup per 8 or 4).
 // (Below the x8 ids, so an L4 type has an x8 layout of its own: its id + GGUF_X8.)
 constexpr int GGUF_L4 = 100;
 inline bool gguf_is_l4(int type) { return type > GGUF_L4 && type < GGUF_X8; }
 constexpr int GGUF_IQ2_XXS_L4 = GGUF_L4 + 16, GGUF_IQ3_XXS_L4 = GGUF_L4 + 18, GGUF_IQ3_S_L4 = GGUF_L4 + 21,
-              GGUF_IQ1_S_L4 = GGUF_L4 + 19, GGUF_TQ1_0_L4 = GGUF_L4 + 34, GGUF_TQ2_0_L4 = GGUF_L4 + 35;
+              GGUF_IQ1_S_L4 = GGUF_L4 + 19;
 // The GGML types that have an L4 form
-constexpr bool gguf_l4_base(int type) {
-  return type == 16 || type == 18 || type == 21 || type == 19 || type == 34 || type == 35;
-}
+constexpr bool gguf_l4_base(int type) { return type == 16 || type == 18 || type == 21 || type == 19; }
 // An L4 type's power of two on d m (1 for IQ4_XS), and the 16 int8 levels its 4-bit codes index (IQ4_NL's for IQ4_XS)
 template <int TYPE>
 constexpr float gguf_l4_scale() {
@@ -69,8 +67,7 @@ alignas(16) inline constexpr int8_t GGUF_IQ4_LEVELS[16] = {-127, -104, -83, -65,
 template <int TYPE>
 constexpr const int8_t* gguf_levels_of() {
   return TYPE == GGUF_IQ2_XXS_L4 ? GGUF_L4_IQ2XXS : TYPE == GGUF_IQ3_XXS_L4 ? GGUF_L4_IQ3XXS
-       : TYPE == GGUF_IQ3_S_L4 ? GGUF_L4_IQ3S : TYPE == GGUF_IQ1_S_L4 ? GGUF_L4_IQ1S
-       : TYPE == GGUF_TQ1_0_L4 || TYPE == GGUF_TQ2_0_L4 ? GGUF_L4_TQ : GGUF_IQ4_LEVELS;
+       : TYPE == GGUF_IQ3_S_L4 ? GGUF_L4_IQ3S : TYPE == GGUF_IQ1_S_L4 ? GGUF_L4_IQ1S : GGUF_IQ4_LEVELS;
 }
 
 // IQ4_XS block b's 6-bit scale of sub-block j (nibble j of bytes 4..7, bits 2j, 2j+1 of the u16 at 2 as bits 4-5),
@@ -218,12 +215,16 @@ struct GridTables {
   const int8_t* grid = nullptr;
   const uint8_t* ksigns = nullptr;
 };
-// Rows of IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S / TQ1_0 / TQ2_0 blocks -> the same rows as GGUF_L4 blocks (136 bytes per
-// 256 values), the values bit for bit; false for another type. `tables.grid`: IQ1_S's grid (the others' codebooks
+// Rows of IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S blocks -> the same rows as GGUF_L4 blocks (136 bytes per 256 values), the
+// values bit for bit; false for another type. `tables.grid`: IQ1_S's grid (the others' codebooks
 // are gguf_grids.h's).
 bool gguf_grid_to_l4(const uint8_t* blocks, int type, int64_t N, int64_t K, const GridTables& tables, uint8_t* out);
 // The same rows straight into the L4 type's x8 layout (N % 8 == 0; no whole-tensor L4 copy on the way).
 bool gguf_grid_to_l4_x8(const uint8_t* blocks, int type, int64_t N, int64_t K, const GridTables& tables, uint8_t* x8);
+// TQ1_0 / TQ2_0 blocks -> Q2_K blocks (84 bytes each) of the same values bit for bit: codes digit + 1 in Q2_K's
+// order, each 16 values' scale and min 1, d and dmin the block's d (3 d is exact in fp32 for an fp16 d); false for
+// another type.
+bool gguf_ternary_to_q2_k(const uint8_t* blocks, int type, int64_t nblocks, uint8_t* out);
 // Bytes of a row of K values of such a type (0: not one of them, or K % 256 != 0).
 int64_t gguf_grid_row_bytes(int type, int64_t K);
 // Rows of such blocks -> fp32 [N, K] (`out`; gguf.quants.dequantize's values) and / or Q8_0 blocks [N, K / 32 x 34

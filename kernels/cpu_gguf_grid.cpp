@@ -1,7 +1,7 @@
 // The grid-codebook and ternary GGUF types (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; TQ1_0, TQ2_0)
 // dequantized to fp32 (`--weights fp`), or requantized straight to Q8_0 blocks for the types without a product
 // kernel, which the loader multiplies in their place (edgellm/loading.py `_as_q8_0`); and IQ2_XXS / IQ3_XXS / IQ3_S /
-// IQ1_S / TQ1_0 / TQ2_0 recoded as L4 blocks (cpu_gguf.h GGUF_L4), the CPU loader's form of those.  Portable C++, one pass per 256-value
+// IQ1_S recoded as L4 blocks (cpu_gguf.h GGUF_L4), the CPU loader's form of those.  Portable C++, one pass per 256-value
 // block; what gguf.quants' numpy did at ~70 ns a weight (an 8B IQ3 file: minutes of load) takes a few ns.
 //
 // Values: the fp32 operations of ggml's dequantize_row_* in their order, so the results are gguf.quants.dequantize's
@@ -235,13 +235,9 @@ void l4_parts(const uint8_t* src, const GridTables& t, uint16_t& d, int m[8], in
            : TYPE == IQ3_XXS ? 2 * (int)(gguf_ld32(src + 66 + 4 * j) >> 28) + 1
                              : 1 + 2 * ((src[106 + j / 2] >> 4 * (j & 1)) & 15);
     }
-  } else if constexpr (TYPE == IQ1_S) {
+  } else {  // IQ1_S
     d = u16(src);
     iq1_s_levels(src, t, m, w);
-  } else {  // TQ1_0 / TQ2_0: the digits minus one, d per block, m = 1
-    (TYPE == TQ1_0 ? tq1_0_digits : tq2_0_digits)(src, w);
-    d = u16(src + (TYPE == TQ1_0 ? 52 : 64));
-    for (int j = 0; j < 8; ++j) m[j] = 1;
   }
 }
 
@@ -257,8 +253,7 @@ void block_to_l4(const uint8_t* src, const GridTables& t, const L4Codes& codes, 
 // rows' blocks [n0 * nb, n1 * nb) to L4, serially
 void rows_to_l4(const uint8_t* blocks, int type, const GridTables& t, int64_t n0, int64_t n1, int64_t nb,
                 uint8_t* out) {
-  static const L4Codes iq2xxs(GGUF_L4_IQ2XXS), iq3xxs(GGUF_L4_IQ3XXS), iq3s(GGUF_L4_IQ3S), iq1s(GGUF_L4_IQ1S),
-      tq(GGUF_L4_TQ);
+  static const L4Codes iq2xxs(GGUF_L4_IQ2XXS), iq3xxs(GGUF_L4_IQ3XXS), iq3s(GGUF_L4_IQ3S), iq1s(GGUF_L4_IQ1S);
   const int64_t bytes = format_of(type).bytes;
   for (int64_t i = n0 * nb; i < n1 * nb; ++i) {
     const uint8_t* src = blocks + i * bytes;
@@ -267,9 +262,7 @@ void rows_to_l4(const uint8_t* blocks, int type, const GridTables& t, int64_t n0
       case IQ2_XXS: block_to_l4<IQ2_XXS>(src, t, iq2xxs, dst); break;
       case IQ3_XXS: block_to_l4<IQ3_XXS>(src, t, iq3xxs, dst); break;
       case IQ3_S: block_to_l4<IQ3_S>(src, t, iq3s, dst); break;
-      case IQ1_S: block_to_l4<IQ1_S>(src, t, iq1s, dst); break;
-      case TQ1_0: block_to_l4<TQ1_0>(src, t, tq, dst); break;
-      default: block_to_l4<TQ2_0>(src, t, tq, dst); break;
+      default: block_to_l4<IQ1_S>(src, t, iq1s, dst); break;
     }
   }
 }
@@ -297,6 +290,33 @@ bool gguf_grid_to_l4_x8(const uint8_t* blocks, int type, int64_t N, int64_t K, c
     for (int64_t g = g0; g < g1; ++g) {
       rows_to_l4(blocks, type, tables, 8 * g, 8 * g + 8, nb, l4.data());
       gguf_repack_x8(l4.data(), type + GGUF_L4, 8, K, x8 + g * group_bytes);
+    }
+  });
+  return true;
+}
+
+bool gguf_ternary_to_q2_k(const uint8_t* blocks, int type, int64_t nblocks, uint8_t* out) {
+  if (type != TQ1_0 && type != TQ2_0) return false;
+  const int64_t bytes = format_of(type).bytes, d_at = type == TQ1_0 ? 52 : 64;
+  parallel_run(0, nblocks, 1024, [&](int64_t b0, int64_t b1) {
+    int8_t w[256];
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint8_t* src = blocks + b * bytes;
+      uint8_t* dst = out + b * 84;
+      std::memset(dst, 0x11, 16);  // each 16 values' scale 1 and min 1
+      if (type == TQ2_0) {
+        std::memcpy(dst + 16, src, 64);  // the same 2-bit codes in the same order
+      } else {
+        tq1_0_digits(src, w);
+        for (int n = 0; n < 2; ++n)  // value 128 n + 32 j + l: bits 2 j of byte 32 n + l, code digit + 1
+          for (int l = 0; l < 32; ++l) {
+            uint8_t q = 0;
+            for (int j = 0; j < 4; ++j) q |= (uint8_t)((w[128 * n + 32 * j + l] + 1) << 2 * j);
+            dst[16 + 32 * n + l] = q;
+          }
+      }
+      std::memcpy(dst + 80, src + d_at, 2);  // d
+      std::memcpy(dst + 82, src + d_at, 2);  // dmin = d
     }
   });
   return true;

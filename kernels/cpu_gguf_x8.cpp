@@ -71,8 +71,6 @@ template <> struct Raw<GGUF_IQ2_XXS_L4> : Raw<GGUF_IQ4_XS> {};  // (cpu_gguf.h G
 template <> struct Raw<GGUF_IQ3_XXS_L4> : Raw<GGUF_IQ4_XS> {};
 template <> struct Raw<GGUF_IQ3_S_L4> : Raw<GGUF_IQ4_XS> {};
 template <> struct Raw<GGUF_IQ1_S_L4> : Raw<GGUF_IQ4_XS> {};
-template <> struct Raw<GGUF_TQ1_0_L4> : Raw<GGUF_IQ4_XS> {};
-template <> struct Raw<GGUF_TQ2_0_L4> : Raw<GGUF_IQ4_XS> {};
 // IQ4_XS and the L4 types: the same layout, their own levels
 constexpr bool iq4xs_like(int type) { return type == GGUF_IQ4_XS || (type > GGUF_L4 && gguf_l4_base(type - GGUF_L4)); }
 // Q5_0 / Q5_1: HOFF = the stored qh's offset (qs after it), XH = the x8 unit's qh (nibbles after it)
@@ -95,8 +93,6 @@ void on_x8_type(int base_type, F&& f) {
     case GGUF_IQ3_XXS_L4: f(std::integral_constant<int, GGUF_IQ3_XXS_L4>()); break;
     case GGUF_IQ3_S_L4: f(std::integral_constant<int, GGUF_IQ3_S_L4>()); break;
     case GGUF_IQ1_S_L4: f(std::integral_constant<int, GGUF_IQ1_S_L4>()); break;
-    case GGUF_TQ1_0_L4: f(std::integral_constant<int, GGUF_TQ1_0_L4>()); break;
-    case GGUF_TQ2_0_L4: f(std::integral_constant<int, GGUF_TQ2_0_L4>()); break;
     case GGUF_Q5_0: f(std::integral_constant<int, GGUF_Q5_0>()); break;
     case GGUF_Q5_1: f(std::integral_constant<int, GGUF_Q5_1>()); break;
     case GGUF_IQ4_NL: f(std::integral_constant<int, GGUF_IQ4_NL>()); break;

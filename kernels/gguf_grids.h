@@ -142,7 +142,6 @@ alignas(16) inline constexpr int8_t GGUF_L4_IQ2XXS[16] = {8, 25, 43, 0, 0, 0, 0,
 alignas(16) inline constexpr int8_t GGUF_L4_IQ3XXS[16] = {4, 12, 20, 28, 36, 44, 52, 62, -4, -12, -20, -28, -36, -44, -52, -62};
 alignas(16) inline constexpr int8_t GGUF_L4_IQ3S[16] = {1, 3, 5, 7, 9, 11, 13, 15, -1, -3, -5, -7, -9, -11, -13, -15};
 alignas(16) inline constexpr int8_t GGUF_L4_IQ1S[16] = {1, 7, 9, 0, 0, 0, 0, 0, -1, -7, -9, 0, 0, 0, 0, 0};
-alignas(16) inline constexpr int8_t GGUF_L4_TQ[16] = {1, 2, 0, 0, 0, 0, 0, 0, -1, -2, 0, 0, 0, 0, 0, 0};
 
 alignas(64) inline constexpr uint8_t GGUF_KSIGNS[128] = {
     0x00, 0x81, 0x82, 0x03, 0x84, 0x05, 0x06, 0x87, 0x88, 0x09, 0x0a, 0x8b, 0x0c, 0x8d, 0x8e, 0x0f,

@@ -49,7 +49,7 @@ __all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "raw_tensor", "install_ggu
 # the x8 layout's unit per base type: (values, bytes of 8 rows x those values)
 X8_UNITS = {10: (256, 672), 11: (256, 912), 12: (256, 1184), 13: (256, 1440), 14: (256, 1680),  # Q2_K .. Q6_K
             23: (256, 1104), 6: (32, 176), 7: (32, 192), 20: (32, 144)}  # IQ4_XS, Q5_0, Q5_1, IQ4_NL
-X8_UNITS.update({L4 + t: X8_UNITS[23] for t in (16, 18, 21, 19, 34, 35)})  # the L4 types (IQ4_XS's layout)
+X8_UNITS.update({L4 + t: X8_UNITS[23] for t in (16, 18, 21, 19)})  # the L4 types (IQ4_XS's layout)
 
 
 def part_row_bytes(type_id: int, k: int) -> int:
@@ -308,15 +308,15 @@ Q5_LAYOUT = "x8"
 # How repack_for_cpu lays out IQ4_NL parts (A/B switch): "x8" or "stored".
 IQ4_NL_LAYOUT = "x8"
 # How repack_for_cpu lays out IQ2_XXS / IQ3_XXS / IQ3_S parts (A/B switch): "l4" (recoded as IQ4_XS blocks over the
-# type's levels) or "stored" (multiplied through the grids). IQ1_S / TQ1_0 / TQ2_0, which have no kernel as stored,
-# take the L4 form where it is on (`cpu_recoded_types`), else the loader's Q8_0 route.
+# type's levels) or "stored" (multiplied through the grids). IQ1_S, which has no kernel as stored, takes the L4 form
+# where it is on (`cpu_recoded_types`), else the loader's Q8_0 route.
 GRID_LAYOUT = "l4"
 
 
 def cpu_recoded_types(device: torch.device) -> frozenset[str]:
     """The GGUF types without a kernel as stored that the CPU loader keeps as their blocks, to be recoded as L4 by
-    repack_for_cpu (IQ1_S, TQ1_0, TQ2_0: 4.25 bits a weight, their values bit for bit, where Q8_0 takes 8.5 and
-    rounds): on the CPU with the extension's recoding and GRID_LAYOUT "l4"; none elsewhere."""
+    repack_for_cpu (IQ1_S: 4.25 bits a weight, its values bit for bit, where Q8_0 takes 8.5 and rounds): on the CPU
+    with the extension's recoding and GRID_LAYOUT "l4"; none elsewhere."""
     ext = K.cpu_extension() if device.type == "cpu" and GRID_LAYOUT == "l4" else None
     if ext is None:
         return frozenset()

@@ -35,16 +35,14 @@ def ksigns() -> list[int]:
 # (C name, gguf.quants class): the 16 signed levels a recoded block's 4-bit codes index (GGUF_L4 in cpu_gguf.h): code
 # i < 8 is the type's i-th magnitude, 8 + i its negative (unused codes 0)
 LEVELS = (("GGUF_L4_IQ2XXS", "IQ2_XXS"), ("GGUF_L4_IQ3XXS", "IQ3_XXS"), ("GGUF_L4_IQ3S", "IQ3_S"),
-          ("GGUF_L4_IQ1S", "IQ1_S"), ("GGUF_L4_TQ", "TQ2_0"))
+          ("GGUF_L4_IQ1S", "IQ1_S"))
 
 
 def magnitudes(type_name: str) -> list[int]:
     """The grid types': their grid values; IQ1_S's: 8 (g + delta) for its grid values g (-1, 0, 1) and delta +-1/8
-    (the kernels scale d (2 s + 1) by 1/8); TQ1_0 / TQ2_0's: the digits minus one (TQ2_0's 2-bit code 3 gives 2)."""
+    (the kernels scale d (2 s + 1) by 1/8)."""
     import gguf.quants
 
-    if type_name == "TQ2_0":
-        return [1, 2]
     cls = getattr(gguf.quants, type_name)
     if type_name == "IQ1_S":
         delta = 8 * float(cls.delta)

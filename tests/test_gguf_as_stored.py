@@ -48,11 +48,15 @@ IQ4_MIX = {"attn_q.weight": "IQ4_XS", "attn_k.weight": "IQ4_NL", "attn_v.weight"
 IQ3_MIX = {"attn_q.weight": "IQ3_XXS", "attn_k.weight": "IQ3_S", "attn_v.weight": "IQ2_XXS", "attn_output.weight": "IQ3_S",
            "ffn_gate.weight": "IQ3_XXS", "ffn_up.weight": "IQ2_XXS", "ffn_down.weight": "IQ3_S",
            "token_embd.weight": "IQ3_XXS", "output.weight": "Q6_K"}
-# The types with no kernel as stored that the CPU loader recodes as L4 (IQ1_S files, BitNet-style TQ1_0 / TQ2_0 ones),
-# fused beside each other (Q/K/V, gate/up); the embeddings of a type with kernels, as those files' are
+# The types with no kernel as stored that the loader rewrites: IQ1_S (recoded as L4 on the CPU) and the ternary TQ1_0 /
+# TQ2_0 (as Q2_K blocks, any device), fused beside each other (Q/K/V, gate/up); the embeddings of a type with kernels,
+# as IQ1_S files' are. TQ_MIX: a ternary (BitNet-style) file, its embeddings ternary too.
 IQ1_MIX = {"attn_q.weight": "IQ1_S", "attn_k.weight": "TQ1_0", "attn_v.weight": "TQ2_0", "attn_output.weight": "IQ1_S",
            "ffn_gate.weight": "TQ2_0", "ffn_up.weight": "IQ1_S", "ffn_down.weight": "TQ1_0",
            "token_embd.weight": "Q4_K", "output.weight": "Q6_K"}
+TQ_MIX = {"attn_q.weight": "TQ1_0", "attn_k.weight": "TQ2_0", "attn_v.weight": "TQ1_0", "attn_output.weight": "TQ2_0",
+          "ffn_gate.weight": "TQ2_0", "ffn_up.weight": "TQ1_0", "ffn_down.weight": "TQ2_0",
+          "token_embd.weight": "TQ2_0", "output.weight": "TQ1_0"}
 SHAPE = dict(hidden_size=256, intermediate_size=512)  # K-quants need rows of 256
 
 
@@ -64,7 +68,7 @@ def quant_files(tmp_path_factory):
                                  ("tied", "llama_tied", {k: v for k, v in K_MIX.items() if k != "output.weight"}),
                                  ("qwen2", "qwen2_bias", K_MIX), ("lowmix", "llama_gqa", LOW_MIX),
                                  ("iq4mix", "llama_gqa", IQ4_MIX), ("iq3mix", "llama_gqa", IQ3_MIX),
-                                 ("iq1mix", "llama_gqa", IQ1_MIX)):
+                                 ("iq1mix", "llama_gqa", IQ1_MIX), ("tqmix", "llama_gqa", TQ_MIX)):
         folder = make_hf_model(root / name, variant, seed=3, **SHAPE)
         out[name] = make_gguf(folder, root / f"{name}.gguf", quant_types=types, seed=7)
     return out
@@ -103,7 +107,9 @@ def test_auto_keeps_every_block_in_place(quant_files, name):
     loaded = load_model(quant_files[name], weights="auto")
     model = loaded.model
     reader = gguf.GGUFReader(str(quant_files[name]))
-    stored = {t.name: t.tensor_type.name for t in reader.tensors}
+    # (the ternary types run as Q2_K blocks of their values)
+    stored = {t.name: {"TQ1_0": "Q2_K", "TQ2_0": "Q2_K"}.get(t.tensor_type.name, t.tensor_type.name)
+              for t in reader.tensors}
     a = model.layers[0].attention
     assert isinstance(a.wqkv, GGUFLinear)
     assert a.wqkv.type_names() == [stored["blk.0.attn_q.weight"], stored["blk.0.attn_k.weight"],
@@ -123,14 +129,17 @@ def test_auto_keeps_every_block_in_place(quant_files, name):
 
 def assert_same_blocks(parts, stored: np.ndarray, type_id: int, k: int, path) -> None:
     """The parts hold `stored` (a GGUF tensor's rows) bit for bit: x8 / r8 parts through gguf_unrepack(_r8), the
-    rest as views of the file at `path`; l4 parts (a grid i-quant recoded) hold its values bit for bit."""
+    rest as views of the file at `path`; l4 parts (a grid i-quant recoded) and Q2_K ones (a ternary type rewritten)
+    hold its values bit for bit."""
     ext = matmul.cpu_extension()
     stored = stored.reshape(sum(p.rows for p in parts), -1)
     start = 0
     for p in parts:
         rows = stored[start:start + p.rows]
-        if stored_type(p.type) != p.type % X8:  # a grid i-quant recoded (l4, or l4 then x8): its values
-            assert p.type % X8 == type_id + L4 and type_id in ext.gguf_l4_types()
+        recoded = stored_type(p.type) != p.type % X8  # a grid i-quant recoded (l4, or l4 then x8)
+        if recoded or type_id in (34, 35):  # or a ternary type as Q2_K blocks (x8 or not): its values
+            assert p.type % X8 == (type_id + L4 if recoded else 10)
+            assert not recoded or type_id in ext.gguf_l4_types()
             got = ext.gguf_dequantize(p.raw, p.type, p.rows, k).numpy()
             want = gguf.quants.dequantize(np.ascontiguousarray(rows), type_id).reshape(p.rows, k)
             assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
@@ -166,7 +175,7 @@ def loaded_tensors(path):
     return gguf.GGUFReader(str(path)).tensors
 
 
-@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix"])
+@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix", "tqmix"])
 def test_auto_equals_fp_exactly_on_the_torch_path(quant_files, name, no_kernels):
     """Dequantized per layer on the device, the as-stored model computes exactly what the fp model computes
     from gguf.quants' dequantization: same floats, same GEMMs (Q/K rows routed, not moved)."""
@@ -177,7 +186,7 @@ def test_auto_equals_fp_exactly_on_the_torch_path(quant_files, name, no_kernels)
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", ["kmix", "legacy", "qwen2", "lowmix", "iq4mix", "iq3mix", "iq1mix"])
+@pytest.mark.parametrize("name", ["kmix", "legacy", "qwen2", "lowmix", "iq4mix", "iq3mix", "iq1mix", "tqmix"])
 def test_auto_with_the_cpu_kernels_tracks_fp(quant_files, name):
     if matmul.cpu_extension() is None or not hasattr(matmul.cpu_extension(), "gguf_linear"):
         pytest.fail("the C++ GGUF kernels did not build")
@@ -328,21 +337,22 @@ def test_types_without_a_kernel_run_as_q8_0_with_a_warning(tmp_path):
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
 
 
-def test_l4_types_run_as_stored_on_the_cpu_and_as_q8_0_elsewhere(quant_files, tmp_path):
-    """IQ1_S / TQ1_0 / TQ2_0 matrices have no kernel as stored: on the CPU with the extension they run recoded as L4
-    (no warning; info names their own types; 4.25 bits a weight), their values gguf.quants' bit for bit; without the
-    extension (the path CUDA / MPS take too) they take the Q8_0 route with the warning naming them. A token embedding
-    of such a type takes the Q8_0 route either way (its lookups dequantize stored rows)."""
+def test_iq1_s_and_ternary_types_run_without_q8_0(quant_files, tmp_path):
+    """IQ1_S / TQ1_0 / TQ2_0 have no kernel as stored. On the CPU with the extension, IQ1_S runs recoded as L4 (4.25
+    bits a weight) and the ternary types as Q2_K blocks (2.625): no warning, their values gguf.quants' bit for bit.
+    Without the extension (the path CUDA / MPS take too) IQ1_S takes the Q8_0 route with the warning naming it, the
+    ternary types stay Q2_K; a token embedding of IQ1_S takes the Q8_0 route either way (its lookups dequantize
+    stored rows)."""
     import warnings as w
 
     with w.catch_warnings():
         w.simplefilter("error")  # no "requantized" warning
         loaded = load_model(quant_files["iq1mix"], weights="auto")
-    assert {"IQ1_S", "TQ1_0", "TQ2_0"} <= set(loaded.runs_as) and "Q8_0" not in loaded.runs_as
+    assert {"IQ1_S", "Q2_K"} <= set(loaded.runs_as) and "Q8_0" not in loaded.runs_as
     wqkv = loaded.model.layers[0].attention.wqkv
-    assert wqkv.type_names() == ["IQ1_S", "TQ1_0", "TQ2_0"] and all(L4 < t % X8 < X8 for t in wqkv.part_types)
-    units = wqkv.out_features * wqkv.in_features // 256  # 136 bytes each (138 in the x8 layout): not Q8_0's 272
-    assert units * 136 <= wqkv.weight_nbytes <= units * 138
+    assert wqkv.type_names() == ["IQ1_S", "Q2_K", "Q2_K"] and L4 < wqkv.part_types[0] % X8 < X8
+    q_units = loaded.config.q_size * wqkv.in_features // 256  # 136 bytes each (138 in the x8 layout): not Q8_0's 272
+    assert q_units * 136 <= wqkv.gguf_parts[0].raw.numel() <= q_units * 138
     with w.catch_warnings():
         w.simplefilter("ignore")
         fp = load_model(quant_files["iq1mix"], weights="fp")
@@ -350,11 +360,11 @@ def test_l4_types_run_as_stored_on_the_cpu_and_as_q8_0_elsewhere(quant_files, tm
     saved = matmul.cpu_extension()
     matmul.set_cpu_extension(None)
     try:
-        with pytest.warns(UserWarning, match="IQ1_S, TQ1_0, TQ2_0 tensors have no kernel here; they were requantized"):
+        with pytest.warns(UserWarning, match=r"\.gguf: IQ1_S tensors have no kernel here; they were requantized"):
             off = load_model(quant_files["iq1mix"], weights="auto")
     finally:
         matmul.set_cpu_extension(saved)
-    assert "IQ1_S" not in off.runs_as and off.runs_as.get("Q8_0", 0) > 0
+    assert "IQ1_S" not in off.runs_as and off.runs_as.get("Q8_0", 0) > 0 and off.runs_as.get("Q2_K", 0) > 0
     folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=1, **SHAPE)
     path = make_gguf(folder, tmp_path / "e.gguf", quant_types={"token_embd.weight": "IQ1_S", "attn_q.weight": "IQ1_S",
                                                                 "attn_k.weight": "Q4_K", "attn_v.weight": "Q4_K"})
@@ -378,7 +388,8 @@ def test_info_says_what_each_tensor_runs_as(quant_files):
     assert mib * 2**20 < 2 * quant_files["kmix"].stat().st_size and info["compute dtype"] == "float32"
 
 
-@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix", "iq1mix"])
+@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix", "iq1mix",
+                                  "tqmix"])
 def test_fused_cpu_step_runs_gguf_models(quant_files, name):
     """The one-call-per-token C++ step takes a model of GGUF parts (mixed with repacked Q4_x/Q8_0 linears)
     and gives the eager model's logits."""

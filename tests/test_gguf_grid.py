@@ -72,7 +72,7 @@ def test_the_kernels_codebooks_are_gguf_quants():
     assert f"GGUF_IQ3XXS_GRID[256] = {{\n    0x{first:08x}," in text  # (the header names the entries in order)
 
 
-L4_BASES = [16, 18, 21, 19, 34, 35]  # IQ2_XXS, IQ3_XXS, IQ3_S; IQ1_S, TQ1_0, TQ2_0 (no kernel as stored)
+L4_BASES = [16, 18, 21, 19]  # IQ2_XXS, IQ3_XXS, IQ3_S; IQ1_S (no kernel as stored)
 
 
 def l4_grid(type_id: int):
@@ -81,18 +81,14 @@ def l4_grid(type_id: int):
 
 @pytest.mark.parametrize("type_id", L4_BASES, ids=lambda t: gguf_grid.GRID_TYPES[t])
 def test_l4_recoding_keeps_every_value(ext, type_id):
-    """The CPU loader's recoding of the grid i-quants and the ternary types (ext.gguf_to_l4: IQ4_XS blocks over the
-    type's levels) holds gguf.quants' values bit for bit: through the extension's dequantizer, and through an
-    independent numpy reading of the layout (tests/test_gguf_kernels.l4_dequant)."""
+    """The CPU loader's recoding of the grid i-quants (ext.gguf_to_l4: IQ4_XS blocks over the type's levels) holds
+    gguf.quants' values bit for bit: through the extension's dequantizer, and through an independent numpy reading
+    of the layout (tests/test_gguf_kernels.l4_dequant)."""
     from tests.test_gguf_kernels import L4, l4_dequant
 
     rows, k = 29, 768
     raw = grid_blocks(gguf_grid.GRID_TYPES[type_id], rows, k, seed=type_id)
-    d_at = {34: 52, 35: 64}.get(type_id, 0)
-    raw[:3, d_at:d_at + 2] = np.frombuffer(np.float16(2.0 ** -16).tobytes(), np.uint8)  # subnormal d's (the 2^-p
-    # still exact)
-    if type_id == 35:  # TQ2_0's 2-bit code 3 (digit 2), which its quantizer never writes, decoded as gguf.quants does
-        raw[3:5, :64] = 0xFF
+    raw[:3, 0:2] = np.frombuffer(np.float16(2.0 ** -16).tobytes(), np.uint8)  # subnormal d's (the 2^-p still exact)
     want = gguf.quants.dequantize(raw, T(type_id)).reshape(rows, k)
     l4 = ext.gguf_to_l4(torch.from_numpy(raw), type_id, rows, k, grid=l4_grid(type_id))
     assert l4.shape == (rows, k // 256 * 136)
@@ -123,5 +119,24 @@ def test_l4_refusals(ext):
         ext.gguf_to_l4(raw, 19, 8, 256)  # (no grid)
     with pytest.raises(RuntimeError, match=r"IQ1_S needs its grid"):
         ext.gguf_to_l4(raw, 19, 8, 256, grid=gguf_grid.grid_of(19)[:1024])
-    with pytest.raises(RuntimeError, match="is not IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S, TQ1_0 or TQ2_0"):
+    with pytest.raises(RuntimeError, match="is not IQ2_XXS, IQ3_XXS, IQ3_S or IQ1_S"):
         ext.gguf_to_l4(torch.from_numpy(grid_blocks("IQ2_XS", 8, 256, seed=1)), 17, 8, 256)
+
+
+@pytest.mark.parametrize("type_id", [34, 35], ids=["TQ1_0", "TQ2_0"])
+def test_ternary_types_as_q2_k_keep_every_value(ext, type_id):
+    """The loader's rewrite of TQ1_0 / TQ2_0 blocks as Q2_K blocks (numpy, every device): gguf.quants' Q2_K values of
+    the result are its TQ values of the source bit for bit, TQ2_0's code 3 (digit 2, which its quantizer never
+    writes) and subnormal d's included; and the codes are not all one value (a rewrite that drops them fails)."""
+    rows, k = 13, 512
+    raw = grid_blocks(gguf_grid.TERNARY_TYPES[type_id], rows, k, seed=type_id)
+    d_at = 52 if type_id == 34 else 64
+    raw.reshape(-1, d_at + 2)[:3, d_at:] = np.frombuffer(np.float16(2.0 ** -20).tobytes(), np.uint8)
+    want = gguf.quants.dequantize(raw, T(type_id)).reshape(rows, k)
+    assert len(np.unique(want[3:] / np.abs(want[3:]).max(axis=1, keepdims=True))) == (3 if type_id == 34 else 4)
+    q2 = gguf_grid.ternary_as_q2_k(raw, type_id, rows, k)
+    assert q2.shape == (rows, k // 256 * 84) and q2.dtype == np.uint8
+    got = gguf.quants.dequantize(q2, T.Q2_K).reshape(rows, k)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.array_equal(gguf_grid._ternary_as_q2_k_numpy(raw, type_id, rows, k), q2)  # no extension: the same
+    assert hasattr(ext, "gguf_ternary_to_q2_k")  # (the first was the C++ converter's)

@@ -35,10 +35,7 @@ class L4:
 
 
 GRID_IQUANTS = {Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S}  # codebook types (kernels/gguf_grids.h), stored layout only
-L4_TYPES = [L4(t) for t in (Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.TQ1_0, Q.TQ2_0)]
-# the types without a kernel as stored that the CPU loader recodes as L4 (random blocks made here: gguf.quants cannot
-# quantize them): where their fp16 d lies
-L4_ONLY_D_AT = {Q.IQ1_S: 0, Q.TQ1_0: 52, Q.TQ2_0: 64}
+L4_TYPES = [L4(t) for t in (Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S)]
 GGUF_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS,
               Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S]
 TYPES = GGUF_TYPES + L4_TYPES
@@ -74,12 +71,7 @@ def make_weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
         return ext.gguf_to_l4(torch.from_numpy(raw), int(qtype.base), n, k, grid=grid).numpy()
     rng = np.random.default_rng(seed)
     block_values, block_bytes = GGML_QUANT_SIZES[qtype]
-    if qtype in L4_ONLY_D_AT:  # all codes, grid indices, signs and scales random
-        nb = n * k // block_values
-        raw = rng.integers(0, 256, (nb, block_bytes), dtype=np.uint8)
-        raw[:, L4_ONLY_D_AT[qtype]:L4_ONLY_D_AT[qtype] + 2] = _f16_bytes(rng, nb, 1e-4, 2e-3)
-        return raw.reshape(n, -1)
-    if qtype not in K_QUANTS | {Q.IQ4_NL}:
+    if qtype not in K_QUANTS | {Q.IQ4_NL, Q.IQ1_S}:
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
         return quants.quantize(w, qtype)
     nb = n * k // block_values
@@ -88,7 +80,7 @@ def make_weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
         raw[:, 208:210] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # d; scales int8 random (signed)
     elif qtype == Q.Q3_K:
         raw[:, 108:110] = _f16_bytes(rng, nb, 1e-3, 2e-2)  # d; 6-bit scales (minus 32) and codes random
-    elif qtype in (Q.IQ4_NL, Q.IQ4_XS) or qtype in GRID_IQUANTS:
+    elif qtype in (Q.IQ4_NL, Q.IQ4_XS, Q.IQ1_S) or qtype in GRID_IQUANTS:
         # d; IQ4_XS's 6-bit scales (minus 32), the grid types' scales, grid indices and sign bits, all codes random
         raw[:, 0:2] = _f16_bytes(rng, nb, 1e-4, 2e-3)
     elif qtype == Q.Q2_K:
@@ -105,16 +97,15 @@ def l4_dequant(raw: np.ndarray, qtype: L4) -> np.ndarray:
     nibble value l, high l + 16 of each 32) -> fp32 as gguf.quants computes the base type: ((d m) 2^-p) level."""
     blk = np.asarray(raw).reshape(-1, 136)
     levels = {"IQ2_XXS": (8, 25, 43), "IQ3_XXS": (4, 12, 20, 28, 36, 44, 52, 62),
-              "IQ3_S": (1, 3, 5, 7, 9, 11, 13, 15), "IQ1_S": (1, 7, 9),  # IQ1_S: 8 (g +- 1/8), g in -1, 0, 1
-              "TQ1_0": (1, 2), "TQ2_0": (1, 2)}[qtype.base.name]  # TQ: the digits minus one (TQ2_0's code 3: 2)
+              "IQ3_S": (1, 3, 5, 7, 9, 11, 13, 15), "IQ1_S": (1, 7, 9)}[qtype.base.name]  # IQ1_S: 8 (g +- 1/8)
     table = np.array(list(levels) + [0] * (8 - len(levels)) + [-v for v in levels] + [0] * (8 - len(levels)),
                      dtype=np.float32)
     d = blk[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nb, 1]
     high = blk[:, 2:4].copy().view(np.uint16).astype(np.int32)
     low = np.stack((blk[:, 4:8] & 15, blk[:, 4:8] >> 4), axis=-1).reshape(-1, 8).astype(np.int32)
     m = (low | (((high >> (2 * np.arange(8))) & 3) << 4)) - 32  # [nb, 8]
-    p = {"IQ2_XXS": np.float32(0.125), "IQ3_XXS": np.float32(0.25), "IQ1_S": np.float32(0.125)}.get(
-        qtype.base.name, np.float32(1.0))
+    p = {"IQ2_XXS": np.float32(0.125), "IQ3_XXS": np.float32(0.25), "IQ3_S": np.float32(1.0),
+         "IQ1_S": np.float32(0.125)}[qtype.base.name]
     scale = (d * m.astype(np.float32)) * p
     qs = blk[:, 8:].reshape(-1, 8, 16)
     codes = np.concatenate((qs & 15, qs >> 4), axis=-1)  # [nb, 8, 32]
