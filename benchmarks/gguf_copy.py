@@ -20,9 +20,15 @@ Replace = Callable[[Any], "tuple[np.ndarray, gguf.GGMLQuantizationType | None] |
 def random_blocks(tensor_type: gguf.GGMLQuantizationType, rows: int, k: int, rng: np.random.Generator,
                   d: float = 0.002) -> np.ndarray:
     """rows x k values of random blocks of `tensor_type`, every block's fp16 d (and min scale) set to `d` (finite
-    weights)."""
+    weights); TQ2_0's 2-bit codes 0..2 only, as its quantizer writes them (code 3, digit 2, would give the weights a
+    mean of d / 4 that random models amplify layer by layer)."""
     qv, qb = gguf.GGML_QUANT_SIZES[tensor_type]
     raw = rng.integers(0, 256, size=(rows, k // qv * qb), dtype=np.uint8)
+    if tensor_type == gguf.GGMLQuantizationType.TQ2_0:
+        codes = raw.reshape(rows, -1, qb)[:, :, :64]
+        for shift in (0, 2, 4, 6):
+            three = ((codes >> shift) & 3) == 3
+            codes[three] &= np.uint8(~(2 << shift) & 255)  # 3 -> 1 (digit 0)
     for at in (SCALE_OFFSET.get(tensor_type.name, 0), MIN_OFFSET.get(tensor_type.name)):
         if at is not None:
             raw.reshape(rows, -1, qb)[:, :, at:at + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)

@@ -538,9 +538,8 @@ def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPla
     from .quant.convert import try_exact_gguf
     from .quant.groups import GGUF_EXACT
     from .quant.gguf_linear import GGUFPart, raw_tensor
-    from .quant.gguf_tensor import NATIVE_TYPES
-
     from .quant.gguf_grid import TERNARY_TYPES
+    from .quant.gguf_tensor import NATIVE_TYPES
 
     kept = NATIVE_TYPES | recoded if ours != "tok_embeddings.weight" else NATIVE_TYPES
     ternary = set(TERNARY_TYPES.values())

@@ -227,17 +227,16 @@ void write_l4(uint16_t d, const int m[8], const int8_t w[256], const L4Codes& co
 // A block's d, multipliers and levels (as write_l4 takes them) for each type with an L4 form
 template <int TYPE>
 void l4_parts(const uint8_t* src, const GridTables& t, uint16_t& d, int m[8], int8_t w[256]) {
-  if constexpr (TYPE == IQ2_XXS || TYPE == IQ3_XXS || TYPE == IQ3_S) {
-    d = u16(src);
+  d = u16(src);
+  if constexpr (TYPE == IQ1_S) {
+    iq1_s_levels(src, t, m, w);
+  } else {
     for (int j = 0; j < 8; ++j) {
       gguf_grid_sub<TYPE>(src, j, half_to_float(d), w + 32 * j);
       m[j] = TYPE == IQ2_XXS ? 2 * (int)(gguf_ld32(src + 6 + 8 * j) >> 28) + 1
            : TYPE == IQ3_XXS ? 2 * (int)(gguf_ld32(src + 66 + 4 * j) >> 28) + 1
                              : 1 + 2 * ((src[106 + j / 2] >> 4 * (j & 1)) & 15);
     }
-  } else {  // IQ1_S
-    d = u16(src);
-    iq1_s_levels(src, t, m, w);
   }
 }
 

@@ -6,8 +6,8 @@ tables, the 128 sign bytes).
 `convert` returns None where the extension is not built (no compiler, disabled): the caller then uses gguf.quants'
 numpy, which gives the same values ~20x slower.
 
-`ternary_as_q2_k` rewrites the ternary types' blocks as Q2_K blocks of the same values (numpy, any device): their
-d (q - 1) is Q2_K's d 1 q - dmin 1 with dmin = d, bit for bit (3 d is exact in float32 for an fp16 d).
+`ternary_as_q2_k` rewrites the ternary types' blocks as Q2_K blocks of the same values, which every device's kernels
+multiply: their d (q - 1) is Q2_K's d 1 q - dmin 1 with dmin = d, bit for bit (3 d is exact in float32 for an fp16 d).
 """
 from __future__ import annotations
 
