@@ -453,10 +453,10 @@ MATRIX_NAMES = ("tok_embeddings.weight", "output.weight", "attention.wqkv.weight
                 "feed_forward.w13.weight", "feed_forward.w2.weight")
 
 
-# A matrix part of a GGUF type without a kernel here (IQ2_XS, IQ2_S, IQ1_M; IQ1_S off the CPU kernels' L4 recoding,
-# and in a token embedding) runs as Q8_0 blocks: dequantized and rounded to int8 per 32 values at load,
-# ~8.5 bits a weight, multiplied by the kernels like any Q8_0 (an 8B IQ2_XS file: ~8 GB instead of 32 in fp32).
-# False: such matrices are dequantized to the compute dtype (benchmarks' A/B).
+# A matrix part of a GGUF type without a kernel here (IQ2_XS, IQ2_S; IQ1_S / IQ1_M where their Q6_K form does not fit)
+# runs as Q8_0 blocks: dequantized and rounded to int8 per 32 values at load, ~8.5 bits a weight, multiplied by the
+# kernels like any Q8_0 (an 8B IQ2_XS file: ~8 GB instead of 32 in fp32). False: such matrices are dequantized to the
+# compute dtype (benchmarks' A/B).
 REQUANTIZE_WITHOUT_KERNEL = True
 
 
@@ -518,6 +518,34 @@ def _as_q2_k(src: GGUFSource, name: str) -> tuple[Any, int, tuple[int, int]]:
     return blocks, gguf_grid.Q2_K, (rows, k)
 
 
+def _as_q6_k(src: GGUFSource, name: str) -> tuple[Any, int, tuple[int, int]] | None:
+    """`src.raw(name)` for a part of IQ1_S / IQ1_M: the same values as Q6_K blocks (6.56 bits a weight), the mapped
+    original released; None where the converter cannot (no extension, a d too small to divide by 8 in fp16)."""
+    from .quant import gguf_grid
+
+    data, type_id, (rows, k) = src.raw(name)
+    blocks = gguf_grid.iq1_as_q6_k(data, type_id, rows, k)
+    if blocks is None:
+        return None
+    src.file.release(name)
+    return blocks, gguf_grid.Q6_K, (rows, k)
+
+
+def _without_kernel(src: GGUFSource, name: str, type_name: str) -> tuple[tuple[Any, int, tuple[int, int]], str]:
+    """A part of a type no kernel here multiplies as stored → (its blocks as `src.raw` gives them, the type they run
+    as): the same values as Q2_K (TQ1_0, TQ2_0) or Q6_K (IQ1_S, IQ1_M) blocks where they fit, else requantized to
+    Q8_0."""
+    from .quant.gguf_grid import IQ1_TYPES, TERNARY_TYPES
+
+    if type_name in TERNARY_TYPES.values():
+        return _as_q2_k(src, name), "Q2_K"
+    if type_name in IQ1_TYPES.values():
+        q6 = _as_q6_k(src, name)
+        if q6 is not None:
+            return q6, "Q6_K"
+    return _as_q8_0(src, name), "Q8_0"
+
+
 def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPlan, exact: bool = True,
                    recoded: frozenset[str] = frozenset()):
     """How `--weights auto` keeps one of our matrices from a GGUF → (kind, kept, the part types requantized):
@@ -525,11 +553,11 @@ def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPla
     byte reshuffle; not with `exact` False: on CUDA the Triton kernels multiply those blocks in place, where torch's
     int4 kernel would round their fp16 scales to bf16 in a second copy and its int8 one takes no groups),
     ("blocks", [GGUFPart]) when every part is a type the GGUF kernels multiply in place. Parts of a
-    type without a kernel are first requantized to Q8_0 (REQUANTIZE_WITHOUT_KERNEL; the caller warns), but the ternary
-    ones (TQ1_0, TQ2_0) are rewritten as Q2_K blocks of the same values, and the `recoded` types
-    (gguf_linear.cpu_recoded_types: IQ1_S on the CPU) kept as blocks for repack_for_cpu to recode, except in the token
-    embedding (its lookups dequantize stored rows). None for a float tensor, or with the switch off a type without a
-    kernel (the caller dequantizes it and warns)."""
+    type without a kernel are first rewritten (`_without_kernel`: as Q2_K or Q6_K blocks of the same values where
+    they fit, else requantized to Q8_0, REQUANTIZE_WITHOUT_KERNEL; the caller warns of those), but the `recoded` types
+    (gguf_linear.cpu_recoded_types: IQ1_S on the CPU) are kept as blocks for repack_for_cpu to recode, except in the
+    token embedding (its lookups dequantize stored rows). None for a float tensor, or with the switch off a type
+    without a kernel (the caller dequantizes it and warns)."""
     if not ours.endswith(MATRIX_NAMES):
         return None
     types = [src.tensor_type(p) for p in parts]
@@ -542,13 +570,16 @@ def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPla
     from .quant.gguf_tensor import NATIVE_TYPES
 
     kept = NATIVE_TYPES | recoded if ours != "tok_embeddings.weight" else NATIVE_TYPES
-    ternary = set(TERNARY_TYPES.values())
-    missing = {t for t in types if t not in kept and t not in ternary}
-    if missing and not REQUANTIZE_WITHOUT_KERNEL:
+    if not REQUANTIZE_WITHOUT_KERNEL and any(t not in kept and t not in TERNARY_TYPES.values() for t in types):
         return None
-    raws = [src.raw(p) if t in kept else _as_q2_k(src, p) if t in ternary else _as_q8_0(src, p)
-            for p, t in zip(parts, types)]
-    types = [t if t in kept else "Q2_K" if t in ternary else "Q8_0" for t in types]
+    raws, runs, missing = [], [], set()
+    for p, t in zip(parts, types):
+        raw, run = (src.raw(p), t) if t in kept else _without_kernel(src, p, t)
+        raws.append(raw)
+        runs.append(run)
+        if run != t and run == "Q8_0":
+            missing.add(t)
+    types = runs
     permute = [plan.permute.get(p) for p in parts]
     if exact and len(set(types)) == 1 and types[0] in GGUF_EXACT:
         qt = try_exact_gguf(raws, (8, 32, True), permute)

@@ -483,6 +483,29 @@ at::Tensor gguf_ternary_q2_k(const at::Tensor& raw, int64_t type, int64_t N, int
   return out;
 }
 
+// IQ1_S / IQ1_M rows [N, row bytes] -> Q6_K rows [N, K / 256 x 210] of the same values (cpu_gguf_grid.cpp), or None
+// where a block's d / 8 is not an fp16. grid: the type's, int8 [2048, 8] (gguf.quants').
+py::object gguf_iq1_q6_k(const at::Tensor& raw, int64_t type, int64_t N, int64_t K, const at::Tensor& grid) {
+  TORCH_CHECK(type == 19 || type == 29, "edgellm gguf_iq1_to_q6_k: type ", type, " is not IQ1_S or IQ1_M");
+  TORCH_CHECK(N >= 0 && K > 0 && K % 256 == 0, "edgellm gguf_iq1_to_q6_k: K=", K, " must be a multiple of 256");
+  TORCH_CHECK(grid.device().is_cpu() && grid.scalar_type() == at::kChar && grid.is_contiguous() &&
+                  grid.numel() == 2048 * 8, "edgellm gguf_iq1_to_q6_k: needs the type's grid as int8 [2048, 8]");
+  const int64_t rb = edgellm::gguf_grid_row_bytes((int)type, K);
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == N * rb,
+              "edgellm gguf_iq1_to_q6_k: expected a contiguous uint8 CPU tensor of ", N * rb, " bytes, got ",
+              raw.scalar_type(), " ", raw.sizes());
+  at::Tensor out = at::empty({N, K / 256 * 210}, raw.options());
+  edgellm::GridTables tables;
+  tables.grid = grid.data_ptr<int8_t>();
+  bool exact;
+  {
+    py::gil_scoped_release nogil;
+    exact = edgellm::gguf_iq1_to_q6_k(raw.data_ptr<uint8_t>(), (int)type, N * (K / 256), tables,
+                                      out.data_ptr<uint8_t>());
+  }
+  return exact ? py::cast(out) : py::none();
+}
+
 // x8: a K-quant's or Q5_0 / Q5_1's rows repacked 8 at a time (cpu_gguf_x8.cpp); raw [N, row bytes] -> x8 [N, x8 row bytes] and back.
 at::Tensor gguf_x8_convert(const at::Tensor& src, int64_t type, int64_t N, int64_t K, bool to_x8) {
   TORCH_CHECK(edgellm::gguf_x8_supported((int)type), "edgellm gguf_repack: type ", type, " has no x8 kernels in this build");
@@ -825,6 +848,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "1100); IQ1_S needs its grid (int8 [2048, 8], gguf.quants')");
   m.def("gguf_ternary_to_q2_k", &gguf_ternary_q2_k, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
         "TQ1_0 / TQ2_0 blocks [n, row bytes] -> Q2_K blocks [n, k / 256 * 84] of the same values bit for bit");
+  m.def("gguf_iq1_to_q6_k", &gguf_iq1_q6_k, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
+        py::arg("grid"), "IQ1_S / IQ1_M blocks [n, row bytes] -> Q6_K blocks [n, k / 256 * 210] of the same values "
+        "bit for bit, or None where a block's d / 8 is not an fp16");
   m.def("gguf_l4_types", [] { return gguf_types_where(edgellm::gguf_l4_base); }, "the GGML type ids gguf_to_l4 recodes");
   m.def("gguf_x8_types", [] { return gguf_types_where(edgellm::gguf_x8_supported, edgellm::GGUF_L4 + 64); }, "the GGML type ids (and L4 ids, cpu_gguf.h) this build also multiplies repacked 8 rows at a time "
         "(their type id + 1000)");

@@ -225,6 +225,10 @@ bool gguf_grid_to_l4_x8(const uint8_t* blocks, int type, int64_t N, int64_t K, c
 // order, each 16 values' scale and min 1, d and dmin the block's d (3 d is exact in fp32 for an fp16 d); false for
 // another type.
 bool gguf_ternary_to_q2_k(const uint8_t* blocks, int type, int64_t nblocks, uint8_t* out);
+// IQ1_S / IQ1_M blocks -> Q6_K blocks (210 bytes each) of the same values bit for bit: codes 8 (g +- 1/8) + 32, each
+// 16 values' int8 scale 2 s + 1, d / 8 as Q6_K's d (tables.grid: the type's grid). False for another type, or where a
+// block's d / 8 is not an fp16 (below 2^-11 or so; `out` then holds nothing usable).
+bool gguf_iq1_to_q6_k(const uint8_t* blocks, int type, int64_t nblocks, const GridTables& tables, uint8_t* out);
 // Bytes of a row of K values of such a type (0: not one of them, or K % 256 != 0).
 int64_t gguf_grid_row_bytes(int type, int64_t K);
 // Rows of such blocks -> fp32 [N, K] (`out`; gguf.quants.dequantize's values) and / or Q8_0 blocks [N, K / 32 x 34

@@ -23,6 +23,7 @@
 //           8 values the nibble qh[i/2] >> 4 (i%2): its low 3 bits extend qs[i], bit 3 the delta's sign
 //   TQ1_0   qs[48], qh[4], d: base-3 digits, value (x 3^p mod 256) * 3 >> 8, minus 1
 //   TQ2_0   qs[64], d: 2-bit codes minus 1
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -85,11 +86,6 @@ void iq2_s(const uint8_t* b, const GridTables& t, float* v) {
   }
 }
 
-// dl (g + delta) for the 8 grid values of entry q (-1, 0, 1)
-inline void shifted8(const int8_t* g, float dl, float delta, float* v) {
-  for (int j = 0; j < 8; ++j) v[j] = dl * ((float)g[j] + delta);
-}
-
 // IQ1_S: per 32 values the multiplier m = 2 s + 1, and each value's level 8 (g + delta) (g in -1, 0, 1 from the
 // grid, delta +-1/8): the value is (d m) (level / 8), as gguf.quants' dl (g + delta) bit for bit
 void iq1_s_levels(const uint8_t* b, const GridTables& t, int m[8], int8_t w[256]) {
@@ -116,16 +112,28 @@ void iq1_s(const uint8_t* b, const GridTables& t, float* v) {
   }
 }
 
-void iq1_m(const uint8_t* b, const GridTables& t, float* v) {
+// IQ1_M: its fp16 d (the top nibbles of its four u16 scales), per 16 values the multiplier m = 2 s + 1, and each
+// value's level 8 (g + delta) (delta +-1/8 per 8 values): the value is (d m) (level / 8), as gguf.quants' bit for bit
+uint16_t iq1_m_levels(const uint8_t* b, const GridTables& t, int m[16], int8_t w[256]) {
   const uint8_t *qs = b, *qh = b + 32;
   uint16_t sc[4];
   std::memcpy(sc, b + 48, 8);
-  const float d = half_to_float((uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xf0) | ((sc[2] >> 4) & 0xf00) |
-                                           (sc[3] & 0xf000)));
-  for (int i = 0; i < 32; ++i) {  // 8 values; 16 values share a scale
-    const int s = (sc[i / 8] >> 3 * ((i / 2) % 4)) & 7, h = (qh[i / 2] >> 4 * (i % 2)) & 15;
-    const float dl = d * (float)(2 * s + 1), delta = h & 8 ? -0.125f : 0.125f;
-    shifted8(t.grid + 8 * (qs[i] | (h & 7) << 8), dl, delta, v + 8 * i);
+  for (int i = 0; i < 32; ++i) {  // 8 values
+    const int h = (qh[i / 2] >> 4 * (i % 2)) & 15, delta = h & 8 ? -1 : 1;
+    if (i % 2 == 0) m[i / 2] = 2 * ((sc[i / 8] >> 3 * ((i / 2) % 4)) & 7) + 1;
+    const int8_t* g = t.grid + 8 * (qs[i] | (h & 7) << 8);
+    for (int j = 0; j < 8; ++j) w[8 * i + j] = (int8_t)(8 * g[j] + delta);
+  }
+  return (uint16_t)((sc[0] >> 12) | ((sc[1] >> 8) & 0xf0) | ((sc[2] >> 4) & 0xf00) | (sc[3] & 0xf000));
+}
+
+void iq1_m(const uint8_t* b, const GridTables& t, float* v) {
+  int m[16];
+  int8_t w[256];
+  const float d = half_to_float(iq1_m_levels(b, t, m, w));
+  for (int j = 0; j < 16; ++j) {
+    const float dl = d * (float)m[j];
+    for (int l = 0; l < 16; ++l) v[16 * j + l] = dl * ((float)w[16 * j + l] * 0.125f);
   }
 }
 
@@ -319,6 +327,47 @@ bool gguf_ternary_to_q2_k(const uint8_t* blocks, int type, int64_t nblocks, uint
     }
   });
   return true;
+}
+
+bool gguf_iq1_to_q6_k(const uint8_t* blocks, int type, int64_t nblocks, const GridTables& tables, uint8_t* out) {
+  if ((type != IQ1_S && type != IQ1_M) || !tables.grid) return false;
+  const int64_t bytes = format_of(type).bytes;
+  std::atomic<bool> exact{true};
+  parallel_run(0, nblocks, 512, [&](int64_t b0, int64_t b1) {
+    int8_t w[256];
+    int m[16];
+    for (int64_t b = b0; b < b1 && exact.load(std::memory_order_relaxed); ++b) {
+      const uint8_t* src = blocks + b * bytes;
+      uint8_t* dst = out + b * 210;
+      uint16_t dh;
+      if (type == IQ1_S) {
+        int m32[8];
+        iq1_s_levels(src, tables, m32, w);
+        for (int j = 0; j < 16; ++j) m[j] = m32[j / 2];
+        dh = u16(src);
+      } else {
+        dh = iq1_m_levels(src, tables, m, w);
+      }
+      // Q6_K's d = d / 8, which must be an fp16 (not past its subnormal floor) for the values to stay exact
+      const float d = half_to_float(dh), d8 = d * 0.125f;
+      const uint16_t d8h = float_to_half(d8);
+      if (!(half_to_float(d8h) == d8)) {
+        exact.store(false, std::memory_order_relaxed);
+        return;
+      }
+      uint8_t *ql = dst, *qh = dst + 128;
+      std::memset(dst, 0, 192);
+      for (int v = 0; v < 256; ++v) {  // q = level + 32; value 128 h + 32 c + l: ql[64 h + 32 (c % 2) + l] nibble
+        // c / 2, qh[32 h + l] bits 2 c
+        const int q = w[v] + 32, h = v / 128, c = (v / 32) % 4, l = v % 32;
+        ql[64 * h + 32 * (c % 2) + l] |= (uint8_t)((q & 15) << 4 * (c / 2));
+        qh[32 * h + l] |= (uint8_t)((q >> 4) << 2 * c);
+      }
+      for (int j = 0; j < 16; ++j) dst[192 + j] = (uint8_t)(int8_t)m[j];
+      std::memcpy(dst + 208, &d8h, 2);
+    }
+  });
+  return exact.load();
 }
 
 int64_t gguf_grid_row_bytes(int type, int64_t K) { return K % 256 ? 0 : K / 256 * format_of(type).bytes; }

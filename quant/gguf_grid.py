@@ -8,6 +8,8 @@ numpy, which gives the same values ~20x slower.
 
 `ternary_as_q2_k` rewrites the ternary types' blocks as Q2_K blocks of the same values, which every device's kernels
 multiply: their d (q - 1) is Q2_K's d 1 q - dmin 1 with dmin = d, bit for bit (3 d is exact in float32 for an fp16 d).
+`iq1_as_q6_k` does the same for IQ1_S / IQ1_M as Q6_K blocks: their d (2 s + 1) (g +- 1/8) is Q6_K's (d / 8) sc (q - 32)
+with sc = 2 s + 1 and q - 32 = 8 (g +- 1/8), wherever d / 8 is an fp16.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 
 from .gguf_tensor import grid_tables
 
-__all__ = ["GRID_TYPES", "TERNARY_TYPES", "convert", "grid_of", "ternary_as_q2_k"]
+__all__ = ["GRID_TYPES", "TERNARY_TYPES", "IQ1_TYPES", "convert", "grid_of", "ternary_as_q2_k", "iq1_as_q6_k"]
 
 # GGML type id -> gguf.quants class name
 GRID_TYPES = {16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 21: "IQ3_S", 22: "IQ2_S", 29: "IQ1_M",
@@ -27,6 +29,8 @@ GRID_TYPES = {16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 21: "IQ3_
 IQ1_S = 19
 TERNARY_TYPES = {34: "TQ1_0", 35: "TQ2_0"}
 Q2_K = 10  # (GGML type id; its block: 16 bytes of 4-bit scale | 4-bit min, 64 of 2-bit codes, fp16 d, fp16 dmin)
+IQ1_TYPES = {19: "IQ1_S", 29: "IQ1_M"}
+Q6_K = 14  # (its block: 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales, fp16 d)
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
@@ -63,6 +67,22 @@ def convert(raw: np.ndarray | torch.Tensor, type_id: int, rows: int, k: int, q8_
         blocks = raw.contiguous()
     grid, ksigns = _tables(type_id)
     return ext.gguf_grid_convert(blocks.reshape(rows, -1), type_id, rows, k, grid, ksigns, q8_0)
+
+
+def iq1_as_q6_k(raw: np.ndarray, type_id: int, rows: int, k: int) -> np.ndarray | None:
+    """`rows` rows of `k` values of IQ1_S / IQ1_M blocks -> Q6_K blocks of the same values bit for bit, uint8
+    [rows, k / 256 * 210] (6.56 bits a weight; the C++ converter), or None: no extension, or a block whose d / 8 is
+    not an fp16 (d below ~2^-11: the caller then takes the Q8_0 route)."""
+    from ..kernels import matmul as K
+
+    ext = K.cpu_extension()
+    if ext is None or not hasattr(ext, "gguf_iq1_to_q6_k") or k % 256:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only view of the mapped file; the converter only reads it
+        blocks = torch.from_numpy(np.ascontiguousarray(raw)).reshape(rows, -1)
+    out = ext.gguf_iq1_to_q6_k(blocks, type_id, rows, k, grid_of(type_id))
+    return None if out is None else out.numpy()
 
 
 def _tq1_0_codes(blocks: np.ndarray) -> np.ndarray:

@@ -10,21 +10,13 @@ import torch
 
 from edgellm.quant import gguf_grid
 from tests.test_cpu_kernels import ext  # noqa: F401  (the extension fixture, shared)
-from tests.fixtures.tiny import random_blocks
+from tests.fixtures.tiny import random_blocks, set_iq1_m_d
 
 T = gguf.GGMLQuantizationType
 
 
 def grid_blocks(type_name: str, rows: int, k: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    if type_name != "IQ1_M":
-        return random_blocks(type_name, rows, k, rng)
-    # IQ1_M keeps its fp16 d in the top nibbles of its four u16 scales (bytes 48..55)
-    raw = rng.integers(0, 256, size=(rows * (k // 256), 56), dtype=np.uint8)
-    scales, d = raw[:, 48:56].view(np.uint16), int(np.float16(0.01).view(np.uint16))
-    for i in range(4):
-        scales[:, i] = (scales[:, i] & 0x0FFF) | (((d >> 4 * i) & 0xF) << 12)
-    return raw.reshape(rows, -1)
+    return random_blocks(type_name, rows, k, np.random.default_rng(seed))
 
 
 @pytest.mark.parametrize("type_id", sorted(gguf_grid.GRID_TYPES), ids=lambda t: gguf_grid.GRID_TYPES[t])
@@ -140,3 +132,28 @@ def test_ternary_types_as_q2_k_keep_every_value(ext, type_id):
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.array_equal(gguf_grid._ternary_as_q2_k_numpy(raw, type_id, rows, k), q2)  # no extension: the same
     assert hasattr(ext, "gguf_ternary_to_q2_k")  # (the first was the C++ converter's)
+
+
+@pytest.mark.parametrize("type_id", [19, 29], ids=["IQ1_S", "IQ1_M"])
+def test_iq1_types_as_q6_k_keep_every_value(ext, type_id):
+    """The loader's rewrite of IQ1_S / IQ1_M blocks as Q6_K blocks (every device; the CPU recodes IQ1_S as L4 instead,
+    but for a token embedding): gguf.quants' Q6_K values of the result are its IQ1 values of the source bit for bit,
+    d's near fp16's subnormal range included; a d whose eighth is not an fp16 gives None (the Q8_0 route then)."""
+    rows, k = 11, 512
+    raw = grid_blocks(gguf_grid.IQ1_TYPES[type_id], rows, k, seed=type_id)
+    tiny = np.float16(2.0 ** -11)  # d / 8 = 2^-14: still exact
+    if type_id == 19:
+        raw.reshape(-1, 50)[:2, 0:2] = np.frombuffer(tiny.tobytes(), np.uint8)
+    else:
+        set_iq1_m_d(raw.reshape(-1, 56)[:2], float(tiny))
+    want = gguf.quants.dequantize(raw, T(type_id)).reshape(rows, k)
+    q6 = gguf_grid.iq1_as_q6_k(raw, type_id, rows, k)
+    assert q6.shape == (rows, k // 256 * 210) and q6.dtype == np.uint8
+    got = gguf.quants.dequantize(q6, T.Q6_K).reshape(rows, k)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32)) and want.std() > 0
+    odd = np.float16(2.0 ** -14 * (1 + 2.0 ** -10))  # its eighth needs bits below fp16's last subnormal one
+    if type_id == 19:
+        raw.reshape(-1, 50)[5, 0:2] = np.frombuffer(odd.tobytes(), np.uint8)
+    else:
+        set_iq1_m_d(raw.reshape(-1, 56)[5:6], float(odd))
+    assert gguf_grid.iq1_as_q6_k(raw, type_id, rows, k) is None
