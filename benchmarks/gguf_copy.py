@@ -29,6 +29,11 @@ def random_blocks(tensor_type: gguf.GGMLQuantizationType, rows: int, k: int, rng
         for shift in (0, 2, 4, 6):
             three = ((codes >> shift) & 3) == 3
             codes[three] &= np.uint8(~(2 << shift) & 255)  # 3 -> 1 (digit 0)
+    if tensor_type == gguf.GGMLQuantizationType.IQ1_M:  # its fp16 d: the top nibbles of its four u16 scales
+        scales, bits = raw.reshape(rows, -1, qb)[:, :, 48:56].view(np.uint16), int(np.float16(d).view(np.uint16))
+        for i in range(4):
+            scales[..., i] = (scales[..., i] & 0x0FFF) | (((bits >> 4 * i) & 0xF) << 12)
+        return raw
     for at in (SCALE_OFFSET.get(tensor_type.name, 0), MIN_OFFSET.get(tensor_type.name)):
         if at is not None:
             raw.reshape(rows, -1, qb)[:, :, at:at + 2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)

@@ -748,12 +748,13 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
     with torch.device("meta"):
         model = Transformer(cfg)
     try:
-        if gguf_parts:
+        has_blocks = bool(gguf_parts)
+        if has_blocks:
             from .quant.gguf_linear import install_gguf
 
-            install_gguf(model, gguf_parts, state, dtype, device,
+            install_gguf(model, gguf_parts, state, dtype, device,  # (it empties gguf_parts)
                          release=getattr(getattr(src, "file", None), "release_view", None))
-        if qtensors or gguf_parts:
+        if qtensors or has_blocks:
             from .quant.convert import install_quantized
 
             install_quantized(model, qtensors, state, dtype, device)

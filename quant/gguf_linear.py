@@ -392,10 +392,13 @@ def install_gguf(model: nn.Module, parts: dict[str, list[GGUFPart]], state: dict
                  dtype: torch.dtype, device: torch.device,
                  release: Callable[[torch.Tensor], None] | None = None) -> None:
     """Swap GGUFLinear / GGUFEmbedding modules in for the parameters kept as GGUF blocks (taking their
-    biases out of `state`). A tied LM head multiplies the embedding's own blocks (on a CPU with the x8 kernels, a
-    repacked copy of them: the embedding's lookups read the mapped file, a row at a time). `release(raw)`: the
-    loader's hook for blocks copied into the x8 layout."""
-    for name, ps in parts.items():
+    biases out of `state`, and each entry out of `parts` as it is installed: blocks the loader made in memory, a type
+    rewritten at load, are freed once repacked, not held to the end of the load). A tied LM head multiplies the
+    embedding's own blocks (on a CPU with the x8 kernels, a repacked copy of them: the embedding's lookups read the
+    mapped file, a row at a time). `release(raw)`: the loader's hook for blocks copied into the x8 layout."""
+    tied = model.config.tie_embeddings and "tok_embeddings.weight" in parts
+    while parts:
+        name, ps = parts.popitem()
         module_name = name.rsplit(".", 1)[0]
         parent_name, _, attr = module_name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -410,7 +413,7 @@ def install_gguf(model: nn.Module, parts: dict[str, list[GGUFPart]], state: dict
                 ps = repack_for_cpu(ps, old.in_features, release)
             new = GGUFLinear(ps, old.in_features, bias)
         setattr(parent, attr, new)
-    if model.config.tie_embeddings and "tok_embeddings.weight" in parts:
+    if tied:
         ps, dim = model.tok_embeddings.gguf_parts, model.tok_embeddings.embedding_dim
         if device.type == "cpu":
             ps = repack_for_cpu(ps, dim, release)
