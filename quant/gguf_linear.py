@@ -309,7 +309,7 @@ Q5_LAYOUT = "x8"
 IQ4_NL_LAYOUT = "x8"
 # How repack_for_cpu lays out IQ2_XXS / IQ3_XXS / IQ3_S parts (A/B switch): "l4" (recoded as IQ4_XS blocks over the
 # type's levels) or "stored" (multiplied through the grids). IQ1_S, which has no kernel as stored, takes the L4 form
-# where it is on (`cpu_recoded_types`), else the loader's Q8_0 route.
+# where it is on (`cpu_recoded_types`), else the loader's Q6_K form of its values.
 GRID_LAYOUT = "l4"
 
 
@@ -334,15 +334,14 @@ def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int
         # time straight into the x8 layout where the build has it, the rest as L4
         n8 = p.rows // 8 * 8 if p.type + L4 in x8_types else 0
         out = []
-        grid = None
-        if p.type == gguf_grid.IQ1_S:  # (the others' codebooks are the extension's own)
-            grid = gguf_grid.grid_of(p.type)
+        grid = gguf_grid.grid_of(p.type) if p.type == gguf_grid.IQ1_S else None  # (the others': the extension's)
         if n8:
             out.append(GGUFPart(ext.gguf_to_l4(p.raw[:n8].contiguous(), p.type, n8, k, x8=True, grid=grid),
                                 p.type + L4 + X8, n8, None if index is None else index[:n8].contiguous()))
         if n8 < p.rows:
+            tail_index = index if index is None or not n8 else index[n8:].contiguous()
             out.append(GGUFPart(ext.gguf_to_l4(p.raw[n8:].contiguous(), p.type, p.rows - n8, k, grid=grid),
-                                p.type + L4, p.rows - n8, index if index is None or not n8 else index[n8:].contiguous()))
+                                p.type + L4, p.rows - n8, tail_index))
         return out
     n8 = p.rows // 8 * 8 if p.type in x8_types and k % X8_UNITS[p.type][0] == 0 else 0
     out = []

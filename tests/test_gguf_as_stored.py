@@ -142,7 +142,8 @@ def assert_same_blocks(parts, stored: np.ndarray, type_id: int, k: int, path) ->
     for p in parts:
         rows = stored[start:start + p.rows]
         recoded = stored_type(p.type) != p.type % X8  # a grid i-quant recoded (l4, or l4 then x8)
-        rewritten = gguf.GGMLQuantizationType[REWRITTEN[type_name(type_id)]] if type_name(type_id) in REWRITTEN else None
+        name = type_name(type_id)
+        rewritten = gguf.GGMLQuantizationType[REWRITTEN[name]] if name in REWRITTEN else None
         if recoded or rewritten:  # or a type rewritten as Q2_K / Q6_K blocks (x8 or not): its values
             assert p.type % X8 == (type_id + L4 if recoded else int(rewritten))
             assert not recoded or type_id in ext.gguf_l4_types()
@@ -370,7 +371,7 @@ def test_iq1_and_ternary_types_run_without_q8_0(quant_files, tmp_path):
     saved = matmul.cpu_extension()
     matmul.set_cpu_extension(None)
     try:
-        with pytest.warns(UserWarning, match=r"\.gguf: IQ1_M, IQ1_S tensors have no kernel here; they were requantized"):
+        with pytest.warns(UserWarning, match=r"\.gguf: IQ1_M, IQ1_S tensors have no kernel here; they were requan"):
             off = load_model(quant_files["iq1mix"], weights="auto")
     finally:
         matmul.set_cpu_extension(saved)
