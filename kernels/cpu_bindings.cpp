@@ -404,18 +404,33 @@ at::Tensor gguf_dequantize(const at::Tensor& raw, int64_t type, int64_t N, int64
   return out;
 }
 
+// A grid / ternary type's rows as the converters below take them: K a multiple of 256, raw a contiguous uint8 CPU
+// tensor of N rows of that type; returns the bytes of a row.
+int64_t check_grid_rows(const at::Tensor& raw, int64_t type, int64_t N, int64_t K, const char* what) {
+  TORCH_CHECK(N >= 0 && K > 0 && K % 256 == 0, what, ": K=", K, " must be a multiple of 256");
+  const int64_t rb = edgellm::gguf_grid_row_bytes((int)type, K);
+  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == N * rb,
+              what, ": expected a contiguous uint8 CPU tensor of ", N * rb, " bytes, got ", raw.scalar_type(), " ",
+              raw.sizes());
+  return rb;
+}
+
+// IQ1_S's / IQ1_M's grid as gguf.quants gives it: int8 [2048, 8]
+bool is_iq1_grid(const at::Tensor& grid) {
+  return grid.defined() && grid.device().is_cpu() && grid.scalar_type() == at::kChar && grid.is_contiguous() &&
+         grid.numel() == 2048 * 8;
+}
+
 // The grid / ternary types without a kernel (cpu_gguf_grid.cpp): raw [N, row bytes] -> fp32 [N, K] (q8_0 false)
 // or Q8_0 blocks uint8 [N, K / 32 x 34] (q8_0 true). grid: int8 [entries, width] or empty, ksigns: uint8 [128] or
 // empty, as the type needs them (gguf.quants' tables; edgellm/quant/gguf_grid.py passes them).
 at::Tensor gguf_grid_convert(const at::Tensor& raw, int64_t type, int64_t N, int64_t K, const at::Tensor& grid,
                              const at::Tensor& ksigns, bool q8_0) {
   const char* what = "edgellm gguf_grid_convert";
-  const int64_t rb = edgellm::gguf_grid_row_bytes((int)type, K);
-  TORCH_CHECK(rb > 0, what, ": GGML type ", type, " with rows of ", K, " values is not one this converts (IQ1_S, "
-              "IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0; K a multiple of 256)");
-  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() && N >= 0 &&
-                  raw.numel() == N * rb, what, ": expected a contiguous uint8 CPU tensor of ", N * rb, " bytes, got ",
-              raw.scalar_type(), " ", raw.sizes());
+  TORCH_CHECK(edgellm::gguf_grid_row_bytes((int)type, K) > 0, what, ": GGML type ", type, " with rows of ", K,
+              " values is not one this converts (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0; "
+              "K a multiple of 256)");
+  check_grid_rows(raw, type, N, K, what);
   const bool ternary = type == 34 || type == 35, signed_grid = type == 16 || type == 17 || type == 18;
   const int64_t entries = type == 22 ? 1024 : (type == 19 || type == 29) ? 2048 : (type == 17 || type == 21) ? 512 : 256;
   const int64_t width = (type == 18 || type == 21) ? 4 : 8;
@@ -444,14 +459,9 @@ py::object gguf_grid_l4(const at::Tensor& raw, int64_t type, int64_t N, int64_t 
                         const std::optional<at::Tensor>& grid) {
   TORCH_CHECK(edgellm::gguf_l4_base((int)type), "edgellm gguf_grid_to_l4: type ", type,
               " is not IQ2_XXS, IQ3_XXS, IQ3_S or IQ1_S");
-  TORCH_CHECK(N >= 0 && K > 0 && K % 256 == 0, "edgellm gguf_grid_to_l4: K=", K, " must be a multiple of 256");
-  TORCH_CHECK(type != 19 || (grid && grid->device().is_cpu() && grid->scalar_type() == at::kChar &&
-                             grid->is_contiguous() && grid->numel() == 2048 * 8),
+  check_grid_rows(raw, type, N, K, "edgellm gguf_grid_to_l4");
+  TORCH_CHECK(type != 19 || (grid && is_iq1_grid(*grid)),
               "edgellm gguf_grid_to_l4: IQ1_S needs its grid as int8 [2048, 8] (gguf.quants')");
-  const int64_t rb = edgellm::gguf_grid_row_bytes((int)type, K);
-  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == N * rb,
-              "edgellm gguf_grid_to_l4: expected a contiguous uint8 CPU tensor of ", N * rb, " bytes, got ",
-              raw.scalar_type(), " ", raw.sizes());
   const int l4 = (int)type + edgellm::GGUF_L4;
   TORCH_CHECK(!x8 || (N % 8 == 0 && edgellm::gguf_x8_supported(l4)), "edgellm gguf_grid_to_l4: the x8 layout needs "
               "a multiple of 8 rows (got ", N, ") and a build with x8 kernels");
@@ -470,11 +480,7 @@ py::object gguf_grid_l4(const at::Tensor& raw, int64_t type, int64_t N, int64_t 
 // TQ1_0 / TQ2_0 rows [N, row bytes] -> Q2_K rows [N, K / 256 x 84] of the same values (cpu_gguf_grid.cpp).
 at::Tensor gguf_ternary_q2_k(const at::Tensor& raw, int64_t type, int64_t N, int64_t K) {
   TORCH_CHECK(type == 34 || type == 35, "edgellm gguf_ternary_to_q2_k: type ", type, " is not TQ1_0 or TQ2_0");
-  TORCH_CHECK(N >= 0 && K > 0 && K % 256 == 0, "edgellm gguf_ternary_to_q2_k: K=", K, " must be a multiple of 256");
-  const int64_t rb = edgellm::gguf_grid_row_bytes((int)type, K);
-  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == N * rb,
-              "edgellm gguf_ternary_to_q2_k: expected a contiguous uint8 CPU tensor of ", N * rb, " bytes, got ",
-              raw.scalar_type(), " ", raw.sizes());
+  check_grid_rows(raw, type, N, K, "edgellm gguf_ternary_to_q2_k");
   at::Tensor out = at::empty({N, K / 256 * 84}, raw.options());
   {
     py::gil_scoped_release nogil;
@@ -487,13 +493,8 @@ at::Tensor gguf_ternary_q2_k(const at::Tensor& raw, int64_t type, int64_t N, int
 // where a block's d / 8 is not an fp16. grid: the type's, int8 [2048, 8] (gguf.quants').
 py::object gguf_iq1_q6_k(const at::Tensor& raw, int64_t type, int64_t N, int64_t K, const at::Tensor& grid) {
   TORCH_CHECK(type == 19 || type == 29, "edgellm gguf_iq1_to_q6_k: type ", type, " is not IQ1_S or IQ1_M");
-  TORCH_CHECK(N >= 0 && K > 0 && K % 256 == 0, "edgellm gguf_iq1_to_q6_k: K=", K, " must be a multiple of 256");
-  TORCH_CHECK(grid.device().is_cpu() && grid.scalar_type() == at::kChar && grid.is_contiguous() &&
-                  grid.numel() == 2048 * 8, "edgellm gguf_iq1_to_q6_k: needs the type's grid as int8 [2048, 8]");
-  const int64_t rb = edgellm::gguf_grid_row_bytes((int)type, K);
-  TORCH_CHECK(raw.device().is_cpu() && raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == N * rb,
-              "edgellm gguf_iq1_to_q6_k: expected a contiguous uint8 CPU tensor of ", N * rb, " bytes, got ",
-              raw.scalar_type(), " ", raw.sizes());
+  check_grid_rows(raw, type, N, K, "edgellm gguf_iq1_to_q6_k");
+  TORCH_CHECK(is_iq1_grid(grid), "edgellm gguf_iq1_to_q6_k: needs the type's grid as int8 [2048, 8]");
   at::Tensor out = at::empty({N, K / 256 * 210}, raw.options());
   edgellm::GridTables tables;
   tables.grid = grid.data_ptr<int8_t>();

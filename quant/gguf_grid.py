@@ -50,38 +50,44 @@ def grid_of(type_id: int) -> torch.Tensor:
     return _tables(type_id)[0]
 
 
-def convert(raw: np.ndarray | torch.Tensor, type_id: int, rows: int, k: int, q8_0: bool) -> torch.Tensor | None:
-    """`rows` rows of `k` values of a grid / ternary type -> fp32 [rows, k] (gguf.quants.dequantize's values, bit
-    for bit) or, with q8_0, Q8_0 blocks uint8 [rows, k / 32 * 34] (gguf.quants.quantize's rounding of them); None
-    where the C++ converter is not there for this type and shape."""
+def _converter(name: str, raw: np.ndarray | torch.Tensor, rows: int):
+    """(the extension's function `name`, the blocks as a uint8 tensor [rows, row bytes]), or (None, None) where the
+    extension is not built or has no such function."""
     from ..kernels import matmul as K
 
-    ext = K.cpu_extension()
-    if ext is None or not hasattr(ext, "gguf_grid_convert") or type_id not in GRID_TYPES or k % 256:
-        return None
+    fn = getattr(K.cpu_extension(), name, None)
+    if fn is None:
+        return None, None
     if isinstance(raw, np.ndarray):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a read-only view of the mapped file; the converter only reads it
             blocks = torch.from_numpy(np.ascontiguousarray(raw))
     else:
         blocks = raw.contiguous()
+    return fn, blocks.reshape(rows, -1)
+
+
+def convert(raw: np.ndarray | torch.Tensor, type_id: int, rows: int, k: int, q8_0: bool) -> torch.Tensor | None:
+    """`rows` rows of `k` values of a grid / ternary type -> fp32 [rows, k] (gguf.quants.dequantize's values, bit
+    for bit) or, with q8_0, Q8_0 blocks uint8 [rows, k / 32 * 34] (gguf.quants.quantize's rounding of them); None
+    where the C++ converter is not there for this type and shape."""
+    if type_id not in GRID_TYPES or k % 256:
+        return None
+    fn, blocks = _converter("gguf_grid_convert", raw, rows)
+    if fn is None:
+        return None
     grid, ksigns = _tables(type_id)
-    return ext.gguf_grid_convert(blocks.reshape(rows, -1), type_id, rows, k, grid, ksigns, q8_0)
+    return fn(blocks, type_id, rows, k, grid, ksigns, q8_0)
 
 
 def iq1_as_q6_k(raw: np.ndarray, type_id: int, rows: int, k: int) -> np.ndarray | None:
     """`rows` rows of `k` values of IQ1_S / IQ1_M blocks -> Q6_K blocks of the same values bit for bit, uint8
     [rows, k / 256 * 210] (6.56 bits a weight; the C++ converter), or None: no extension, or a block whose d / 8 is
     not an fp16 (d below ~2^-11: the caller then takes the Q8_0 route)."""
-    from ..kernels import matmul as K
-
-    ext = K.cpu_extension()
-    if ext is None or not hasattr(ext, "gguf_iq1_to_q6_k") or k % 256:
+    fn, blocks = _converter("gguf_iq1_to_q6_k", raw, rows) if k % 256 == 0 else (None, None)
+    if fn is None:
         return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a read-only view of the mapped file; the converter only reads it
-        blocks = torch.from_numpy(np.ascontiguousarray(raw)).reshape(rows, -1)
-    out = ext.gguf_iq1_to_q6_k(blocks, type_id, rows, k, grid_of(type_id))
+    out = fn(blocks, type_id, rows, k, grid_of(type_id))
     return None if out is None else out.numpy()
 
 
@@ -103,15 +109,10 @@ def ternary_as_q2_k(raw: np.ndarray, type_id: int, rows: int, k: int) -> np.ndar
     [rows, k / 256 * 84]: each 16 values' scale and min 1, d and dmin the block's d, the codes q = digit + 1 in Q2_K's
     order (value 128 n + 32 j + l: bits 2 j of byte 32 n + l), which is TQ2_0's own. Through the C++ converter where
     it is built (~20x numpy's speed on TQ1_0), else numpy, the same bytes."""
-    from ..kernels import matmul as K
-
-    ext = K.cpu_extension()
-    if ext is not None and hasattr(ext, "gguf_ternary_to_q2_k"):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # a read-only view of the mapped file; the converter only reads it
-            blocks = torch.from_numpy(np.ascontiguousarray(raw)).reshape(rows, -1)
-        return ext.gguf_ternary_to_q2_k(blocks, type_id, rows, k).numpy()
-    return _ternary_as_q2_k_numpy(raw, type_id, rows, k)
+    fn, blocks = _converter("gguf_ternary_to_q2_k", raw, rows)
+    if fn is None:
+        return _ternary_as_q2_k_numpy(raw, type_id, rows, k)
+    return fn(blocks, type_id, rows, k).numpy()
 
 
 def _ternary_as_q2_k_numpy(raw: np.ndarray, type_id: int, rows: int, k: int) -> np.ndarray:
