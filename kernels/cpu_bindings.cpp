@@ -421,9 +421,27 @@ bool is_iq1_grid(const at::Tensor& grid) {
          grid.numel() == 2048 * 8;
 }
 
+// A grid / ternary type's tables from the caller (gguf.quants'; edgellm/quant/gguf_grid.py passes them), checked:
+// grid int8 [entries, width] (none for TQ1_0 / TQ2_0), ksigns uint8 [128] (IQ2_XXS, IQ2_XS, IQ3_XXS); an undefined
+// tensor where the type needs none.
+edgellm::GridTables grid_tables(int64_t type, const at::Tensor& grid, const at::Tensor& ksigns, const char* what) {
+  const bool ternary = type == 34 || type == 35, signed_grid = type == 16 || type == 17 || type == 18;
+  const int64_t entries = type == 22 ? 1024 : (type == 19 || type == 29) ? 2048 : (type == 17 || type == 21) ? 512 : 256;
+  const int64_t width = (type == 18 || type == 21) ? 4 : 8;
+  TORCH_CHECK(ternary || (grid.defined() && grid.device().is_cpu() && grid.scalar_type() == at::kChar &&
+                          grid.is_contiguous() && grid.numel() == entries * width),
+              what, ": type ", type, " needs its grid as int8 [", entries, ", ", width, "] (a contiguous CPU tensor)");
+  TORCH_CHECK(!signed_grid || (ksigns.defined() && ksigns.device().is_cpu() && ksigns.scalar_type() == at::kByte &&
+                               ksigns.is_contiguous() && ksigns.numel() == 128),
+              what, ": type ", type, " needs the 128 sign bytes as a contiguous uint8 CPU tensor");
+  edgellm::GridTables tables;
+  if (!ternary) tables.grid = grid.data_ptr<int8_t>();
+  if (signed_grid) tables.ksigns = ksigns.data_ptr<uint8_t>();
+  return tables;
+}
+
 // The grid / ternary types without a kernel (cpu_gguf_grid.cpp): raw [N, row bytes] -> fp32 [N, K] (q8_0 false)
-// or Q8_0 blocks uint8 [N, K / 32 x 34] (q8_0 true). grid: int8 [entries, width] or empty, ksigns: uint8 [128] or
-// empty, as the type needs them (gguf.quants' tables; edgellm/quant/gguf_grid.py passes them).
+// or Q8_0 blocks uint8 [N, K / 32 x 34] (q8_0 true). grid, ksigns: as grid_tables takes them.
 at::Tensor gguf_grid_convert(const at::Tensor& raw, int64_t type, int64_t N, int64_t K, const at::Tensor& grid,
                              const at::Tensor& ksigns, bool q8_0) {
   const char* what = "edgellm gguf_grid_convert";
@@ -431,18 +449,7 @@ at::Tensor gguf_grid_convert(const at::Tensor& raw, int64_t type, int64_t N, int
               " values is not one this converts (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, TQ1_0, TQ2_0; "
               "K a multiple of 256)");
   check_grid_rows(raw, type, N, K, what);
-  const bool ternary = type == 34 || type == 35, signed_grid = type == 16 || type == 17 || type == 18;
-  const int64_t entries = type == 22 ? 1024 : (type == 19 || type == 29) ? 2048 : (type == 17 || type == 21) ? 512 : 256;
-  const int64_t width = (type == 18 || type == 21) ? 4 : 8;
-  TORCH_CHECK(ternary || (grid.device().is_cpu() && grid.scalar_type() == at::kChar && grid.is_contiguous() &&
-                          grid.numel() == entries * width), what, ": type ", type, " needs its grid as int8 [",
-              entries, ", ", width, "], got ", grid.scalar_type(), " ", grid.sizes());
-  TORCH_CHECK(!signed_grid || (ksigns.device().is_cpu() && ksigns.scalar_type() == at::kByte &&
-                               ksigns.is_contiguous() && ksigns.numel() == 128),
-              what, ": type ", type, " needs the 128 sign bytes as uint8, got ", ksigns.scalar_type(), " ", ksigns.sizes());
-  edgellm::GridTables tables;
-  if (!ternary) tables.grid = grid.data_ptr<int8_t>();
-  if (signed_grid) tables.ksigns = ksigns.data_ptr<uint8_t>();
+  const edgellm::GridTables tables = grid_tables(type, grid, ksigns, what);
   at::Tensor out = q8_0 ? at::empty({N, K / 32 * 34}, raw.options()) : at::empty({N, K}, raw.options().dtype(at::kFloat));
   {
     py::gil_scoped_release nogil;
@@ -452,22 +459,23 @@ at::Tensor gguf_grid_convert(const at::Tensor& raw, int64_t type, int64_t N, int
   return out;
 }
 
-// IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S rows -> the same values as GGUF_L4 blocks (type + 100; cpu_gguf.h), or straight
-// in their x8 layout (x8: N % 8 == 0). grid: IQ1_S's as int8 [2048, 8] (gguf.quants'; empty for the
-// others, whose codebooks the build has).
+// IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S rows -> the same values as GGUF_L4 blocks (type + 100; cpu_gguf.h), IQ2_XS /
+// IQ2_S rows as L4-per-16 blocks, or either straight in their x8 layout (x8: N % 8 == 0). grid, ksigns: IQ1_S's,
+// IQ2_XS's, IQ2_S's tables as grid_tables takes them (none for the others, whose codebooks the build has).
 py::object gguf_grid_l4(const at::Tensor& raw, int64_t type, int64_t N, int64_t K, bool x8,
-                        const std::optional<at::Tensor>& grid) {
-  TORCH_CHECK(edgellm::gguf_l4_base((int)type), "edgellm gguf_grid_to_l4: type ", type,
-              " is not IQ2_XXS, IQ3_XXS, IQ3_S or IQ1_S");
-  check_grid_rows(raw, type, N, K, "edgellm gguf_grid_to_l4");
-  TORCH_CHECK(type != 19 || (grid && is_iq1_grid(*grid)),
-              "edgellm gguf_grid_to_l4: IQ1_S needs its grid as int8 [2048, 8] (gguf.quants')");
+                        const std::optional<at::Tensor>& grid, const std::optional<at::Tensor>& ksigns) {
+  const char* what = "edgellm gguf_grid_to_l4";
+  TORCH_CHECK(edgellm::gguf_l4_base((int)type), what, ": type ", type,
+              " is not IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S or IQ1_S");
+  check_grid_rows(raw, type, N, K, what);
+  const bool tables_given = type == 19 || type == 17 || type == 22;
+  const edgellm::GridTables tables = tables_given ? grid_tables(type, grid.value_or(at::Tensor()),
+                                                                ksigns.value_or(at::Tensor()), what)
+                                                  : edgellm::GridTables();
   const int l4 = (int)type + edgellm::GGUF_L4;
   TORCH_CHECK(!x8 || (N % 8 == 0 && edgellm::gguf_x8_supported(l4)), "edgellm gguf_grid_to_l4: the x8 layout needs "
               "a multiple of 8 rows (got ", N, ") and a build with x8 kernels");
   at::Tensor out = at::empty({N, edgellm::gguf_row_bytes(x8 ? l4 + edgellm::GGUF_X8 : l4, K)}, raw.options());
-  edgellm::GridTables tables;
-  if (type == 19) tables.grid = grid->data_ptr<int8_t>();
   bool done;
   {
     py::gil_scoped_release nogil;
@@ -843,10 +851,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a grid / ternary type's blocks [n, row bytes] (no product kernel) -> fp32 [n, k] as gguf.quants.dequantize, "
         "or (q8_0) Q8_0 blocks [n, k / 32 * 34] as gguf.quants.quantize rounds those values");
   m.def("gguf_to_l4", &gguf_grid_l4, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
-        py::arg("x8") = false, py::arg("grid") = py::none(),
+        py::arg("x8") = false, py::arg("grid") = py::none(), py::arg("ksigns") = py::none(),
         "IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S blocks [n, row bytes] -> the same values as L4 blocks (type + 100: IQ4_XS "
-        "blocks whose codes index the type's levels) [n, k / 256 * 136], or (x8) in that type's x8 layout (type + "
-        "1100); IQ1_S needs its grid (int8 [2048, 8], gguf.quants')");
+        "blocks whose codes index the type's levels) [n, k / 256 * 136]; IQ2_XS / IQ2_S -> L4-per-16 blocks [n, k / "
+        "256 * 146]; or (x8) in that type's x8 layout (type + 1100). IQ1_S, IQ2_S need their grid, IQ2_XS its grid "
+        "and sign bytes (gguf.quants')");
   m.def("gguf_ternary_to_q2_k", &gguf_ternary_q2_k, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
         "TQ1_0 / TQ2_0 blocks [n, row bytes] -> Q2_K blocks [n, k / 256 * 84] of the same values bit for bit");
   m.def("gguf_iq1_to_q6_k", &gguf_iq1_q6_k, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),

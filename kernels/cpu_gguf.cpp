@@ -125,19 +125,26 @@ template <> struct Fmt<GGUF_IQ2_XXS_L4> : Fmt<GGUF_IQ4_XS> {};  // (cpu_gguf.h G
 template <> struct Fmt<GGUF_IQ3_XXS_L4> : Fmt<GGUF_IQ4_XS> {};
 template <> struct Fmt<GGUF_IQ3_S_L4> : Fmt<GGUF_IQ4_XS> {};
 template <> struct Fmt<GGUF_IQ1_S_L4> : Fmt<GGUF_IQ4_XS> {};
+template <> struct Fmt<GGUF_IQ2_XS_L4> { static constexpr int64_t QV = 256, BYTES = GGUF_L4_16_BYTES; static constexpr bool MIN = false; };
+template <> struct Fmt<GGUF_IQ2_S_L4> : Fmt<GGUF_IQ2_XS_L4> {};
 
-// Q6_K, Q3_K, Q2_K: an int scale per 16 values and one fp16 d per super-block; the codes' offset (32 / 4 / none) as
-// a shift.  Q2_K: and a min per 16 values (fp16 dmin times a 4-bit m).
-constexpr bool per16(int type) { return type == GGUF_Q6_K || type == GGUF_Q3_K || type == GGUF_Q2_K; }
+// Q6_K, Q3_K, Q2_K, the L4-per-16 types: an int scale per 16 values and one fp16 d per super-block; the codes'
+// offset (32 / 4 / none / 64) as a shift.  Q2_K: and a min per 16 values (fp16 dmin times a 4-bit m).
+constexpr bool per16(int type) {
+  return type == GGUF_Q6_K || type == GGUF_Q3_K || type == GGUF_Q2_K || gguf_l4_16(type);
+}
 // Types whose codes are signed int8 (Q8_0's, the IQ4 types' looked-up levels): dot products by sign transfer
 // (|w| against x with w's sign) where the others' unsigned codes go straight into maddubs
-constexpr bool is_l4(int type) { return type > GGUF_L4 && type < GGUF_X8; }  // (cpu_gguf.h GGUF_L4)
+// (cpu_gguf.h GGUF_L4: the IQ4_XS-shaped ones; the L4-per-16 types take the per16 paths)
+constexpr bool is_l4(int type) { return type > GGUF_L4 && type < GGUF_X8 && !gguf_l4_16(type); }
 constexpr bool grid_iquant(int type) { return type == GGUF_IQ2_XXS || type == GGUF_IQ3_XXS || type == GGUF_IQ3_S; }
 constexpr bool signed_codes(int type) {
   return type == GGUF_Q8_0 || type == GGUF_IQ4_NL || type == GGUF_IQ4_XS || grid_iquant(type) || is_l4(type);
 }
 constexpr bool min16(int type) { return type == GGUF_Q2_K; }
-constexpr int per16_off_shift(int type) { return type == GGUF_Q6_K ? 5 : type == GGUF_Q3_K ? 2 : -1; }
+constexpr int per16_off_shift(int type) {
+  return type == GGUF_Q6_K ? 5 : type == GGUF_Q3_K ? 2 : gguf_l4_16(type) ? 6 : -1;
+}
 
 // r8 (gguf_convert_r8): each run of 8 blocks of a Q5_0 / Q5_1 row regrouped into one chunk of the same bytes: the 8
 // fp16 d's (Q5_1: then the 8 m's), 32 bytes of fifth bits (bit j of byte l: lane l of the chunk's code vector j, as
@@ -165,11 +172,11 @@ inline void kquant_scales(const uint8_t* s, uint8_t out[16]) {
   std::memcpy(out, u, 16);
 }
 
-// The 16 scales of a Q6_K / Q3_K super-block as int8 (Q3_K's: gguf_q3k_scales), and its d.
+// The 16 scales of a per16 super-block as int8 (Q3_K's: gguf_q3k_scales), and its d (L4 per 16: d / 8).
 template <int TYPE>
 inline void per16_scales(const uint8_t* b, int8_t out[16]) {
-  if (TYPE == GGUF_Q6_K) {
-    std::memcpy(out, b + 192, 16);
+  if (TYPE == GGUF_Q6_K || gguf_l4_16(TYPE)) {
+    std::memcpy(out, b + (TYPE == GGUF_Q6_K ? 192 : 2), 16);
   } else if (TYPE == GGUF_Q2_K) {
     for (int i = 0; i < 16; ++i) out[i] = (int8_t)(b[i] & 15);
   } else {
@@ -178,7 +185,10 @@ inline void per16_scales(const uint8_t* b, int8_t out[16]) {
 }
 
 template <int TYPE>
-inline float per16_d(const uint8_t* b) { return f16(b + (TYPE == GGUF_Q6_K ? 208 : TYPE == GGUF_Q3_K ? 108 : 80)); }
+inline float per16_d(const uint8_t* b) {
+  if (gguf_l4_16(TYPE)) return f16(b) * 0.125f;  // (exact)
+  return f16(b + (TYPE == GGUF_Q6_K ? 208 : TYPE == GGUF_Q3_K ? 108 : 80));
+}
 
 // A Q2_K super-block as gguf.quants dequantizes it: per 16 values (d sc) q - (dmin m), each product rounded on its
 // own.  Sub-blocks of 16 in the order (half n, shift j, part h) of llama.cpp's dequantize_row_q2_K: the codes of
@@ -234,6 +244,15 @@ inline void decode_sub(const uint8_t* b, int j, int8_t w[32], float* fs, float* 
     }
     *fs = TYPE == GGUF_IQ4_NL ? f16(b) : f16(b) * (float)gguf_iq4xs_scale(b, j);
     if (gguf_l4_scale<TYPE>() != 1.0f) *fs *= gguf_l4_scale<TYPE>();
+  } else if (gguf_l4_16(TYPE)) {
+    const uint8_t* qs = b + 18 + 16 * j;
+    for (int l = 0; l < 16; ++l) {
+      w[l] = GGUF_L4_IQ2XXS[qs[l] & 15];
+      w[l + 16] = GGUF_L4_IQ2XXS[qs[l] >> 4];
+    }
+    sc2[0] = (int8_t)b[2 + 2 * j];
+    sc2[1] = (int8_t)b[3 + 2 * j];
+    *fs = per16_d<TYPE>(b);
   } else if (grid_iquant(TYPE)) {
     *fs = gguf_grid_sub<TYPE>(b, j, f16(b), w);
   } else if (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
@@ -356,14 +375,14 @@ inline int32_t dot32(const int8_t* w, const int8_t* x) {
 #endif
 }
 
-inline int32_t dot16(const int8_t* w, const int8_t* x) {  // (the per16 types' codes: |w| <= 32)
+inline int32_t dot16(const int8_t* w, const int8_t* x) {  // (the per16 types' codes: |w| <= 43)
 #if defined(EDGELLM_G_NEON)
   const int8x16_t a = vld1q_s8(w), b = vld1q_s8(x);
 #if defined(__ARM_FEATURE_DOTPROD)
   return vaddvq_s32(vdotq_s32(vdupq_n_s32(0), a, b));
 #else
   const int16x8_t p = vmlal_s8(vmull_s8(vget_low_s8(a), vget_low_s8(b)), vget_high_s8(a), vget_high_s8(b));
-  return vaddlvq_s16(p);  // two products a lane: |.| <= 2 * 32 * 127
+  return vaddlvq_s16(p);  // two products a lane: |.| <= 2 * 43 * 128
 #endif
 #else
   int32_t s = 0;
@@ -670,7 +689,8 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     ch.mall = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s, 4), m4s));
     ch.fm = _mm256_set1_ps(-f16(b + 82));
   } else {
-    sc = TYPE == GGUF_Q6_K ? _mm_loadu_si128((const __m128i*)(b + 192)) : q3k_scales(b);
+    sc = TYPE == GGUF_Q6_K ? _mm_loadu_si128((const __m128i*)(b + 192))
+       : gguf_l4_16(TYPE) ? _mm_loadu_si128((const __m128i*)(b + 2)) : q3k_scales(b);
   }
   ch.scall = _mm256_cvtepi8_epi16(sc);
   const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
@@ -685,6 +705,11 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     const __m256i hm = _mm256_loadu_si256((const __m256i*)b);
     codes_q3k<0>(hm, _mm256_loadu_si256((const __m256i*)(b + 32)), ch.u);
     codes_q3k<1>(hm, _mm256_loadu_si256((const __m256i*)(b + 64)), ch.u + 4);
+    return;
+  }
+  if (gguf_l4_16(TYPE)) {  // level + 64 of each code (one in-lane lookup)
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_L4_16_U.u));
+    for (int j = 0; j < 8; ++j) ch.u[j] = _mm256_shuffle_epi8(table, nibbles32(b + 18 + 16 * j));
     return;
   }
   const __m256i m3 = _mm256_set1_epi8(0x30);
@@ -855,6 +880,7 @@ inline __m256 dequant8(__m128i q8, __m256 d, __m256 m) {
   if (TYPE == GGUF_Q5_0) return _mm256_mul_ps(_mm256_sub_ps(q, _mm256_set1_ps(16.0f)), d);
   if (TYPE == GGUF_Q6_K) return _mm256_mul_ps(d, _mm256_sub_ps(q, _mm256_set1_ps(32.0f)));
   if (TYPE == GGUF_Q3_K) return _mm256_mul_ps(d, _mm256_sub_ps(q, _mm256_set1_ps(4.0f)));
+  if (gguf_l4_16(TYPE)) return _mm256_mul_ps(d, _mm256_sub_ps(q, _mm256_set1_ps(64.0f)));
   if (signed_codes(TYPE)) return _mm256_mul_ps(q, d);
   __m256 p = _mm256_mul_ps(d, q);
 #if defined(__GNUC__) || defined(__clang__)
@@ -981,6 +1007,8 @@ void dispatch(int type, Args&&... args) {
     case GGUF_IQ3_XXS_L4: Op<GGUF_IQ3_XXS_L4>::run(args...); break;
     case GGUF_IQ3_S_L4: Op<GGUF_IQ3_S_L4>::run(args...); break;
     case GGUF_IQ1_S_L4: Op<GGUF_IQ1_S_L4>::run(args...); break;
+    case GGUF_IQ2_XS_L4: Op<GGUF_IQ2_XS_L4>::run(args...); break;
+    case GGUF_IQ2_S_L4: Op<GGUF_IQ2_S_L4>::run(args...); break;
 #ifdef EDGELLM_G_AVX2
     case GGUF_Q5_0_R8: Op<GGUF_Q5_0_R8>::run(args...); break;
     case GGUF_Q5_1_R8: Op<GGUF_Q5_1_R8>::run(args...); break;
@@ -1006,6 +1034,8 @@ void dispatch_x8(int base_type, Args&&... args) {
     case GGUF_IQ3_XXS_L4: Op<GGUF_IQ3_XXS_L4>::run(args...); break;
     case GGUF_IQ3_S_L4: Op<GGUF_IQ3_S_L4>::run(args...); break;
     case GGUF_IQ1_S_L4: Op<GGUF_IQ1_S_L4>::run(args...); break;
+    case GGUF_IQ2_XS_L4: Op<GGUF_IQ2_XS_L4>::run(args...); break;
+    case GGUF_IQ2_S_L4: Op<GGUF_IQ2_S_L4>::run(args...); break;
     default: break;
   }
 }
@@ -1112,7 +1142,7 @@ template <int TYPE>
 constexpr int prompt_off() {
 #ifdef EDGELLM_G_AVX2
   return TYPE == GGUF_Q4_0 ? 8 : TYPE == GGUF_Q5_0 ? 16 : TYPE == GGUF_Q6_K ? 32 : TYPE == GGUF_Q3_K ? 4
-       : (signed_codes(TYPE) && P_Q8_U8) ? 128 : 0;
+       : gguf_l4_16(TYPE) ? 64 : (signed_codes(TYPE) && P_Q8_U8) ? 128 : 0;
 #else
   return 0;  // the portable panel holds the codes as int8 with the offsets already taken off
 #endif
@@ -1559,6 +1589,16 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
             }
             wc += 64;
             xq += 8 * MR;
+          }
+        } else if (gguf_l4_16(TYPE)) {  // codes <= 107: each group's pair sums widened on their own (2 * 107 * 127)
+          for (int g = 0; g < 4; ++g) {
+            const __m256i w = _mm256_load_si256((const __m256i*)wc);
+            const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
+            for (int i = 0; i < RT; ++i)
+              ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(ld32(x0 + 4 * i))),
+                                                                _mm256_set1_epi16(1)));
+            wc += 32;
+            xq += 4 * MR;
           }
         } else {  // Q3_K / Q2_K: the four groups' pair sums in int16 (8 products of codes <= 7)
           dot_4groups<RT>(wc, xq, ia);
@@ -2025,7 +2065,8 @@ int64_t gguf_block_values(int type) {
 int64_t gguf_block_bytes(int type) {
   if (type > GGUF_R8) return gguf_r8_supported(type - GGUF_R8) ? gguf_block_bytes(type - GGUF_R8) : 0;
   if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? gguf_x8_bytes(type - GGUF_X8) / 8 : 0;
-  if (type > GGUF_L4) return gguf_l4_base(type - GGUF_L4) ? Fmt<GGUF_IQ4_XS>::BYTES : 0;
+  if (type > GGUF_L4)
+    return !gguf_l4_base(type - GGUF_L4) ? 0 : gguf_l4_16(type) ? GGUF_L4_16_BYTES : Fmt<GGUF_IQ4_XS>::BYTES;
   switch (type) {
     case GGUF_Q4_0: return Fmt<GGUF_Q4_0>::BYTES;
     case GGUF_Q4_1: return Fmt<GGUF_Q4_1>::BYTES;

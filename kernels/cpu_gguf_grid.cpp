@@ -1,7 +1,7 @@
 // The grid-codebook and ternary GGUF types (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; TQ1_0, TQ2_0)
 // dequantized to fp32 (`--weights fp`), or requantized straight to Q8_0 blocks for the types without a product
 // kernel, which the loader multiplies in their place (edgellm/loading.py `_as_q8_0`); and IQ2_XXS / IQ3_XXS / IQ3_S /
-// IQ1_S recoded as L4 blocks (cpu_gguf.h GGUF_L4), the CPU loader's form of those.  Portable C++, one pass per 256-value
+// IQ1_S recoded as L4 blocks (cpu_gguf.h GGUF_L4), IQ2_XS / IQ2_S as L4-per-16 blocks, the CPU loader's form of those.  Portable C++, one pass per 256-value
 // block; what gguf.quants' numpy did at ~70 ns a weight (an 8B IQ3 file: minutes of load) takes a few ns.
 //
 // Values: the fp32 operations of ggml's dequantize_row_* in their order, so the results are gguf.quants.dequantize's
@@ -207,6 +207,28 @@ void q8_0_block(const float* x, uint8_t* out) {
   }
 }
 
+// IQ2_XS / IQ2_S: each 16 values' multiplier m = 2 s + 1 and each value's grid value with its sign: the value is
+// ((d / 8) m) w, gguf.quants' (d (0.5 + s) / 4) g (+-1) bit for bit (cpu_gguf.h GGUF_IQ2_XS_L4)
+template <int TYPE>
+void iq2_levels(const uint8_t* b, const GridTables& t, int m[16], int8_t w[256]) {
+  for (int i = 0; i < 32; ++i) {  // 8 values
+    int q;
+    uint8_t signs;
+    if (TYPE == IQ2_XS) {
+      const uint16_t v = u16(b + 2 + 2 * i);
+      q = v & 511;
+      signs = t.ksigns[v >> 9];
+    } else {
+      q = b[2 + i] | ((b[66 + i / 4] >> 2 * (i % 4)) & 3) << 8;
+      signs = b[34 + i];
+    }
+    const int8_t* g = t.grid + 8 * q;
+    for (int j = 0; j < 8; ++j) w[8 * i + j] = (int8_t)((signs >> j) & 1 ? -g[j] : g[j]);
+  }
+  const uint8_t* scales = b + (TYPE == IQ2_XS ? 66 : 74);
+  for (int k = 0; k < 16; ++k) m[k] = 2 * ((scales[k / 2] >> 4 * (k % 2)) & 15) + 1;
+}
+
 // A level's 4-bit L4 code (cpu_gguf.h GGUF_L4): its index in the type's levels, by the level's byte
 struct L4Codes {
   uint8_t code[256] = {};
@@ -214,6 +236,15 @@ struct L4Codes {
     for (int i = 15; i >= 0; --i) code[(uint8_t)levels[i]] = (uint8_t)i;  // (0: only unused codes hold it)
   }
 };
+
+// The 256 levels' codes as IQ4_XS packs them (sub-block j: qs[16 j + l] = value l | value 16 + l << 4)
+void write_l4_codes(const int8_t w[256], const L4Codes& codes, uint8_t* qs) {
+  for (int j = 0; j < 8; ++j) {
+    const int8_t* v = w + 32 * j;
+    for (int l = 0; l < 16; ++l)
+      qs[16 * j + l] = (uint8_t)(codes.code[(uint8_t)v[l]] | codes.code[(uint8_t)v[l + 16]] << 4);
+  }
+}
 
 // One L4 block from its parts: d as fp16 bits, the 8 multipliers m, the 256 levels
 void write_l4(uint16_t d, const int m[8], const int8_t w[256], const L4Codes& codes, uint8_t* dst) {
@@ -224,12 +255,21 @@ void write_l4(uint16_t d, const int m[8], const int8_t w[256], const L4Codes& co
     const int ls = m[j] + 32;  // IQ4_XS's 6-bit scale, minus 32 when read
     low[j / 2] |= (uint8_t)((ls & 15) << 4 * (j & 1));
     high |= (uint16_t)(((ls >> 4) & 3) << 2 * j);
-    const int8_t* v = w + 32 * j;
-    for (int l = 0; l < 16; ++l)
-      dst[8 + 16 * j + l] = (uint8_t)(codes.code[(uint8_t)v[l]] | codes.code[(uint8_t)v[l + 16]] << 4);
   }
   std::memcpy(dst + 2, &high, 2);
   std::memcpy(dst + 4, low, 4);
+  write_l4_codes(w, codes, dst + 8);
+}
+
+// One L4-per-16 block (IQ2_XS / IQ2_S): d as stored, the 16 multipliers as int8, the codes
+template <int TYPE>
+void block_to_l4_16(const uint8_t* src, const GridTables& t, const L4Codes& codes, uint8_t* dst) {
+  int m[16];
+  int8_t w[256];
+  iq2_levels<TYPE>(src, t, m, w);
+  std::memcpy(dst, src, 2);
+  for (int k = 0; k < 16; ++k) dst[2 + k] = (uint8_t)m[k];
+  write_l4_codes(w, codes, dst + 18);
 }
 
 // A block's d, multipliers and levels (as write_l4 takes them) for each type with an L4 form
@@ -261,11 +301,13 @@ void block_to_l4(const uint8_t* src, const GridTables& t, const L4Codes& codes, 
 void rows_to_l4(const uint8_t* blocks, int type, const GridTables& t, int64_t n0, int64_t n1, int64_t nb,
                 uint8_t* out) {
   static const L4Codes iq2xxs(GGUF_L4_IQ2XXS), iq3xxs(GGUF_L4_IQ3XXS), iq3s(GGUF_L4_IQ3S), iq1s(GGUF_L4_IQ1S);
-  const int64_t bytes = format_of(type).bytes;
+  const int64_t bytes = format_of(type).bytes, out_bytes = gguf_block_bytes(type + GGUF_L4);
   for (int64_t i = n0 * nb; i < n1 * nb; ++i) {
     const uint8_t* src = blocks + i * bytes;
-    uint8_t* dst = out + (i - n0 * nb) * 136;
+    uint8_t* dst = out + (i - n0 * nb) * out_bytes;
     switch (type) {
+      case IQ2_XS: block_to_l4_16<IQ2_XS>(src, t, iq2xxs, dst); break;  // (the same levels as IQ2_XXS)
+      case IQ2_S: block_to_l4_16<IQ2_S>(src, t, iq2xxs, dst); break;
       case IQ2_XXS: block_to_l4<IQ2_XXS>(src, t, iq2xxs, dst); break;
       case IQ3_XXS: block_to_l4<IQ3_XXS>(src, t, iq3xxs, dst); break;
       case IQ3_S: block_to_l4<IQ3_S>(src, t, iq3s, dst); break;
@@ -274,8 +316,11 @@ void rows_to_l4(const uint8_t* blocks, int type, const GridTables& t, int64_t n0
   }
 }
 
-// Whether a type has an L4 form and what it needs to make it (IQ1_S: its grid)
-bool l4_convertible(int type, const GridTables& t) { return gguf_l4_base(type) && (type != IQ1_S || t.grid); }
+// Whether a type has an L4 form and what it needs to make it (IQ1_S, IQ2_S: its grid; IQ2_XS: and its sign bytes)
+bool l4_convertible(int type, const GridTables& t) {
+  return gguf_l4_base(type) && (type != IQ1_S || t.grid) && (type != IQ2_S || t.grid) &&
+         (type != IQ2_XS || (t.grid && t.ksigns));
+}
 
 }  // namespace
 
@@ -283,7 +328,7 @@ bool gguf_grid_to_l4(const uint8_t* blocks, int type, int64_t N, int64_t K, cons
   if (!l4_convertible(type, tables)) return false;
   const int64_t nb = K / 256;
   parallel_run(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
-    rows_to_l4(blocks, type, tables, n0, n1, nb, out + n0 * nb * 136);
+    rows_to_l4(blocks, type, tables, n0, n1, nb, out + n0 * nb * gguf_block_bytes(type + GGUF_L4));
   });
   return true;
 }
@@ -293,7 +338,8 @@ bool gguf_grid_to_l4_x8(const uint8_t* blocks, int type, int64_t N, int64_t K, c
   if (!l4_convertible(type, tables) || N % 8 || !gguf_x8_supported(type + GGUF_L4)) return false;
   const int64_t nb = K / 256, group_bytes = 8 * gguf_row_bytes(type + GGUF_L4 + GGUF_X8, K);
   parallel_run(0, N / 8, 1, [&](int64_t g0, int64_t g1) {
-    std::vector<uint8_t> l4((size_t)(8 * nb * 136));  // one group's rows as L4 (not the whole tensor at once)
+    // one group's rows as L4 (not the whole tensor at once)
+    std::vector<uint8_t> l4((size_t)(8 * nb * gguf_block_bytes(type + GGUF_L4)));
     for (int64_t g = g0; g < g1; ++g) {
       rows_to_l4(blocks, type, tables, 8 * g, 8 * g + 8, nb, l4.data());
       gguf_repack_x8(l4.data(), type + GGUF_L4, 8, K, x8 + g * group_bytes);

@@ -22,6 +22,8 @@
 //   IQ4_XS (1104): d[r] fp16 | sc[j][r] int8 (the 6-bit scales of sub-blocks j unpacked, minus 32) | then for each
 //        sub-block j and group g (0..3), 32 bytes: row r's qs[16 j + 4g + i] (low nibble: value 4g + i, high: 16 +
 //        4g + i), codes that index the 16 int8 levels; 16 bytes more than the 8 stored blocks (1.5%)
+//   L4 per 16 (1168; cpu_gguf.h GGUF_IQ2_XS_L4): d[r] fp16 | m[t][r] int8 (t = 16-value sub-block) | then IQ4_XS's
+//        codes from byte 144; the stored size
 // The unpacked Q4_K / Q5_K scales cost 32 bytes per 8 super-blocks (2.8%) and save the 6-bit unpacking per row.
 // The 32-value types (Q5_0 / Q5_1 with their fifth bits, IQ4_NL) take the same idea per 32-value block ("x8 unit" =
 // 32 values of 8 rows; their tensors are the ones whose K is not a multiple of 256, e.g. most of a Qwen2.5-0.5B or
@@ -71,8 +73,15 @@ template <> struct Raw<GGUF_IQ2_XXS_L4> : Raw<GGUF_IQ4_XS> {};  // (cpu_gguf.h G
 template <> struct Raw<GGUF_IQ3_XXS_L4> : Raw<GGUF_IQ4_XS> {};
 template <> struct Raw<GGUF_IQ3_S_L4> : Raw<GGUF_IQ4_XS> {};
 template <> struct Raw<GGUF_IQ1_S_L4> : Raw<GGUF_IQ4_XS> {};
+template <> struct Raw<GGUF_IQ2_XS_L4> { static constexpr int64_t QV = 256, BYTES = GGUF_L4_16_BYTES, XB = 1168, QS = 18; };
+template <> struct Raw<GGUF_IQ2_S_L4> : Raw<GGUF_IQ2_XS_L4> {};
 // IQ4_XS and the L4 types: the same layout, their own levels
-constexpr bool iq4xs_like(int type) { return type == GGUF_IQ4_XS || (type > GGUF_L4 && gguf_l4_base(type - GGUF_L4)); }
+constexpr bool iq4xs_like(int type) {
+  return type == GGUF_IQ4_XS || (type > GGUF_L4 && gguf_l4_base(type - GGUF_L4) && !gguf_l4_16(type));
+}
+// Where a type's codes start in its x8 unit (IQ4_XS's layout: after d and the 8 or 16 scales of each row)
+template <int TYPE>
+constexpr int64_t x8_codes_at() { return gguf_l4_16(TYPE) ? 144 : 80; }
 // Q5_0 / Q5_1: HOFF = the stored qh's offset (qs after it), XH = the x8 unit's qh (nibbles after it)
 template <> struct Raw<GGUF_Q5_0> { static constexpr int64_t QV = 32, BYTES = 22, XB = 176, HOFF = 2, XH = 16; };
 template <> struct Raw<GGUF_Q5_1> { static constexpr int64_t QV = 32, BYTES = 24, XB = 192, HOFF = 4, XH = 32; };
@@ -93,6 +102,8 @@ void on_x8_type(int base_type, F&& f) {
     case GGUF_IQ3_XXS_L4: f(std::integral_constant<int, GGUF_IQ3_XXS_L4>()); break;
     case GGUF_IQ3_S_L4: f(std::integral_constant<int, GGUF_IQ3_S_L4>()); break;
     case GGUF_IQ1_S_L4: f(std::integral_constant<int, GGUF_IQ1_S_L4>()); break;
+    case GGUF_IQ2_XS_L4: f(std::integral_constant<int, GGUF_IQ2_XS_L4>()); break;
+    case GGUF_IQ2_S_L4: f(std::integral_constant<int, GGUF_IQ2_S_L4>()); break;
     case GGUF_Q5_0: f(std::integral_constant<int, GGUF_Q5_0>()); break;
     case GGUF_Q5_1: f(std::integral_constant<int, GGUF_Q5_1>()); break;
     case GGUF_IQ4_NL: f(std::integral_constant<int, GGUF_IQ4_NL>()); break;
@@ -253,12 +264,13 @@ void convert_sb(uint8_t* const raw[8], uint8_t* o) {
         for (int t = 0; t < 16; ++t) sc[t] = (int8_t)o[16 + t * 8 + r];
         q3k_pack_scales(sc, b + 96);
       }
-    } else if (TYPE == GGUF_Q6_K) {
-      if (TO_X8) std::memcpy(o + 2 * r, b + 208, 2);
-      else std::memcpy(b + 208, o + 2 * r, 2);
+    } else if (TYPE == GGUF_Q6_K || gguf_l4_16(TYPE)) {
+      constexpr int64_t D = TYPE == GGUF_Q6_K ? 208 : 0, SC = TYPE == GGUF_Q6_K ? 192 : 2;
+      if (TO_X8) std::memcpy(o + 2 * r, b + D, 2);
+      else std::memcpy(b + D, o + 2 * r, 2);
       for (int t = 0; t < 16; ++t) {
-        if (TO_X8) o[16 + t * 8 + r] = b[192 + t];
-        else b[192 + t] = o[16 + t * 8 + r];
+        if (TO_X8) o[16 + t * 8 + r] = b[SC + t];
+        else b[SC + t] = o[16 + t * 8 + r];
       }
     } else if (TO_X8) {
       std::memcpy(o + 2 * r, b, 2);
@@ -280,8 +292,9 @@ void convert_sb(uint8_t* const raw[8], uint8_t* o) {
       kquant_pack6(sc, mn, b + 4);
     }
   }
-  if (iq4xs_like(TYPE)) {  // [j][g]: the 16 qs bytes of sub-block j as 4 groups (two sub-blocks a transpose)
-    for (int p = 0; p < 4; ++p) groups8<TO_X8>(o + 80 + 256 * p, raw, Raw<TYPE>::QS + 32 * p);
+  if (iq4xs_like(TYPE) || gguf_l4_16(TYPE)) {  // [j][g]: the 16 qs bytes of sub-block j as 4 groups (two sub-blocks
+    // a transpose)
+    for (int p = 0; p < 4; ++p) groups8<TO_X8>(o + x8_codes_at<TYPE>() + 256 * p, raw, Raw<TYPE>::QS + 32 * p);
     return;
   }
   if (TYPE == GGUF_Q2_K) {  // [g]: qs (n = 0), qs (n = 1), 32 bytes each
@@ -346,7 +359,7 @@ inline __m256 u8x8_ps(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-// acc += the int32 dot of 4 u8 codes (<= 63) and 4 int8 values, per lane
+// acc += the int32 dot of 4 u8 codes (<= 127: each pair sum widened on its own) and 4 int8 values, per lane
 inline __m256i dot4(__m256i acc, __m256i u, __m256i x) {
 #ifdef EDGELLM_X8_VNNI
   return _mm256_dpbusd_epi32(acc, u, x);
@@ -630,6 +643,49 @@ void group_iq4xs(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T])
   for (int t = 0; t < T; ++t) out[t] = acc[t];
 }
 
+// L4 per 16 (cpu_gguf.h GGUF_IQ2_XS_L4): IQ4_XS's codes under Q6_K's arithmetic.  The codes looked up as level + 64
+// (u8 <= 107), per 16 values each row's int dot in one int32 lane, minus 64 sum(q_x), times the row's multiplier m;
+// then d_x per sub-block and d / 8 per super-block.
+template <int TYPE, int T>
+void group_l4_16(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
+  constexpr int64_t XB = Raw<TYPE>::XB;
+  const int64_t nsb = a.K / 256;
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_L4_16_U.u));
+  __m256 acc[T];
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < nsb; ++s) {
+    const uint8_t* o = w + s * XB;
+    prefetch_sb<XB>(o);
+    __m256 sacc[T];
+    for (int t = 0; t < T; ++t) sacc[t] = _mm256_setzero_ps();
+    for (int j = 0; j < 8; ++j) {
+      __m256i ilo[T], ihi[T];  // values 0..15 / 16..31 of sub-block j
+      for (int t = 0; t < T; ++t) ilo[t] = ihi[t] = _mm256_setzero_si256();
+      for (int g = 0; g < 4; ++g) {
+        __m256i lo, hi;
+        levels4(o + x8_codes_at<TYPE>() + 128 * j + 32 * g, table, lo, hi);
+        for (int t = 0; t < T; ++t) {
+          const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 32 * j + 4 * g;
+          ilo[t] = dot4(ilo[t], lo, bcast4(xq));
+          ihi[t] = dot4(ihi[t], hi, bcast4(xq + 16));
+        }
+      }
+      const __m256i mlo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(o + 16 + 16 * j)));
+      const __m256i mhi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(o + 24 + 16 * j)));
+      for (int t = 0; t < T; ++t) {
+        const int64_t b = (m0 + t) * a.nb + s * 8 + j;
+        const __m256i v = _mm256_add_epi32(
+            _mm256_mullo_epi32(_mm256_sub_epi32(ilo[t], _mm256_set1_epi32(64 * a.sum16[2 * b])), mlo),
+            _mm256_mullo_epi32(_mm256_sub_epi32(ihi[t], _mm256_set1_epi32(64 * a.sum16[2 * b + 1])), mhi));
+        sacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(a.d[b]), sacc[t]);
+      }
+    }
+    const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o)), _mm256_set1_ps(0.125f));
+    for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(sacc[t], d, acc[t]);
+  }
+  for (int t = 0; t < T; ++t) out[t] = acc[t];
+}
+
 // Code vector g (value 4g + i of row r at byte 4r + i, fifth bit included) of a Q5_0 / Q5_1 x8 unit, its qh loaded.
 template <int TYPE>
 inline __m256i codes_q5(const uint8_t* o, __m256i qh, int g) {
@@ -723,6 +779,7 @@ inline void group_rows(const GgufActs& a, int64_t m0, const uint8_t* w, float* y
   else if constexpr (is_q5(TYPE)) group_q5<TYPE, T>(a, m0, w, out);
   else if constexpr (TYPE == GGUF_IQ4_NL) group_iq4nl<T>(a, m0, w, out);
   else if constexpr (iq4xs_like(TYPE)) group_iq4xs<TYPE, T>(a, m0, w, out);
+  else if constexpr (gguf_l4_16(TYPE)) group_l4_16<TYPE, T>(a, m0, w, out);
   else group_k<TYPE, T>(a, m0, w, out);
   for (int t = 0; t < T; ++t) {
     float* yr = y + (m0 + t) * ldy;
@@ -797,6 +854,21 @@ void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, floa
         _mm256_storeu_si256((__m256i*)(codes + (j * 8 + 4 + g) * cstride), hi);
       }
     }
+    return;
+  }
+  if (gguf_l4_16(TYPE)) {  // per 16 values: (d / 8) m; the codes as level + 64 (the per16 offset)
+    const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o)), _mm256_set1_ps(0.125f));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_L4_16_U.u));
+    for (int t = 0; t < 16; ++t)
+      _mm256_storeu_ps(ws + t * wstride, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                              _mm_loadl_epi64((const __m128i*)(o + 16 + 8 * t))))));
+    for (int j = 0; j < 8; ++j)
+      for (int g = 0; g < 4; ++g) {
+        __m256i lo, hi;
+        levels4(o + x8_codes_at<TYPE>() + 128 * j + 32 * g, table, lo, hi);
+        _mm256_storeu_si256((__m256i*)(codes + (j * 8 + g) * cstride), lo);
+        _mm256_storeu_si256((__m256i*)(codes + (j * 8 + 4 + g) * cstride), hi);
+      }
     return;
   }
   if (TYPE == GGUF_Q2_K) {  // per 16 values: d sc, -(dmin m); codes as half_q2k decodes them

@@ -8,8 +8,8 @@ of M rows the int-dot row kernel re-decodes each weight row for every 4 activati
 (the portable and NEON builds) dequantize + an fp32 GEMM takes the long prompts, past the row counts below.
 Parts repacked at load for the AVX2 / AVX-512 kernels carry their type id + X8 (K-quants, IQ4_XS, Q5_0, Q5_1: 8 rows
 interleaved) or + R8 (Q5_0 / Q5_1 rows left over from groups of 8: each row's runs of 8 blocks regrouped); IQ2_XXS /
-IQ3_XXS / IQ3_S / IQ1_S parts are recoded as L4 blocks (+ L4, and + L4 + X8 for their 8-row groups): see
-quant/gguf_linear.repack_for_cpu.
+IQ3_XXS / IQ3_S / IQ1_S parts are recoded as L4 blocks, IQ2_XS / IQ2_S parts as L4 blocks with a scale per 16 values
+(+ L4, and + L4 + X8 for their 8-row groups): see quant/gguf_linear.repack_for_cpu.
 """
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ GGUF_KERNEL_MAX_ROWS = {"Q4_K": 64, "Q5_K": 32, "Q6_K": 32}
 _DEFAULT_MAX_ROWS = 16  # the decode / verification passes (<= 16 rows) take the kernel in any case
 X8 = 1000  # a K-quant's, IQ4_XS's, Q5_0's or Q5_1's type id + X8: rows repacked 8 at a time (kernels/cpu_gguf_x8.cpp)
 R8 = 2000  # a Q5_0 / Q5_1 type id + R8: each row's runs of 8 blocks regrouped (kernels/cpu_gguf.cpp)
-L4 = 100  # an IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S type id + L4: recoded as IQ4_XS blocks indexing its levels
-# (cpu_gguf.h); its x8 form: + L4 + X8
+L4 = 100  # an IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S type id + L4: recoded as IQ4_XS blocks indexing its levels (IQ2_XS /
+# IQ2_S: with a scale per 16 values; cpu_gguf.h); its x8 form: + L4 + X8
 
 
 # Where the prompt GEMM is vectorized it takes every product of more than this many rows: it beat the row kernel

@@ -21,7 +21,8 @@ import torch
 
 from .gguf_tensor import grid_tables
 
-__all__ = ["GRID_TYPES", "TERNARY_TYPES", "IQ1_TYPES", "convert", "grid_of", "ternary_as_q2_k", "iq1_as_q6_k"]
+__all__ = ["GRID_TYPES", "TERNARY_TYPES", "IQ1_TYPES", "convert", "grid_of", "l4_tables", "ternary_as_q2_k",
+           "iq1_as_q6_k"]
 
 # GGML type id -> gguf.quants class name
 GRID_TYPES = {16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 21: "IQ3_S", 22: "IQ2_S", 29: "IQ1_M",
@@ -48,6 +49,18 @@ def _tables(type_id: int) -> tuple[torch.Tensor, torch.Tensor]:
 def grid_of(type_id: int) -> torch.Tensor:
     """A grid type's codebook as the extension takes it: int8 [entries, 8 or 4] (gguf.quants')."""
     return _tables(type_id)[0]
+
+
+# The L4 bases whose tables the caller gives ext.gguf_to_l4 (the build has IQ2_XXS' / IQ3_XXS' / IQ3_S' codebooks)
+_L4_TABLES_GIVEN = (19, 17, 22)  # IQ1_S, IQ2_XS, IQ2_S
+
+
+def l4_tables(type_id: int) -> dict[str, torch.Tensor]:
+    """The keyword arguments ext.gguf_to_l4 needs for a type: its grid (and IQ2_XS's sign bytes), or none."""
+    if type_id not in _L4_TABLES_GIVEN:
+        return {}
+    grid, ksigns = _tables(type_id)
+    return {"grid": grid, "ksigns": ksigns}
 
 
 def _converter(name: str, raw: np.ndarray | torch.Tensor, rows: int):

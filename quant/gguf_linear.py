@@ -50,6 +50,8 @@ __all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "raw_tensor", "install_ggu
 X8_UNITS = {10: (256, 672), 11: (256, 912), 12: (256, 1184), 13: (256, 1440), 14: (256, 1680),  # Q2_K .. Q6_K
             23: (256, 1104), 6: (32, 176), 7: (32, 192), 20: (32, 144)}  # IQ4_XS, Q5_0, Q5_1, IQ4_NL
 X8_UNITS.update({L4 + t: X8_UNITS[23] for t in (16, 18, 21, 19)})  # the L4 types (IQ4_XS's layout)
+X8_UNITS.update({L4 + t: (256, 1168) for t in (17, 22)})  # IQ2_XS / IQ2_S's L4 per 16 (a scale per 16 values)
+L4_BLOCK_BYTES = {17: 146, 22: 146}  # an L4 type's bytes per 256 values where not IQ4_XS's 136
 
 
 def part_row_bytes(type_id: int, k: int) -> int:
@@ -58,7 +60,7 @@ def part_row_bytes(type_id: int, k: int) -> int:
         values, group_bytes = X8_UNITS[type_id - X8]
         return k // values * group_bytes // 8
     if L4 < type_id < X8:
-        return k // 256 * 136  # IQ4_XS blocks
+        return k // 256 * L4_BLOCK_BYTES.get(type_id - L4, 136)  # IQ4_XS-shaped blocks
     return row_bytes(stored_type(type_id), k)
 
 
@@ -308,15 +310,16 @@ Q5_LAYOUT = "x8"
 # How repack_for_cpu lays out IQ4_NL parts (A/B switch): "x8" or "stored".
 IQ4_NL_LAYOUT = "x8"
 # How repack_for_cpu lays out IQ2_XXS / IQ3_XXS / IQ3_S parts (A/B switch): "l4" (recoded as IQ4_XS blocks over the
-# type's levels) or "stored" (multiplied through the grids). IQ1_S, which has no kernel as stored, takes the L4 form
-# where it is on (`cpu_recoded_types`), else the loader's Q6_K form of its values.
+# type's levels) or "stored" (multiplied through the grids). IQ1_S, IQ2_XS and IQ2_S, which have no kernel as stored,
+# take their L4 forms where it is on (`cpu_recoded_types`), else the loader's Q6_K form of IQ1_S' values and the Q8_0
+# route of the IQ2 types'.
 GRID_LAYOUT = "l4"
 
 
 def cpu_recoded_types(device: torch.device) -> frozenset[str]:
     """The GGUF types without a kernel as stored that the CPU loader keeps as their blocks, to be recoded as L4 by
-    repack_for_cpu (IQ1_S: 4.25 bits a weight, its values bit for bit, where Q8_0 takes 8.5 and rounds): on the CPU
-    with the extension's recoding and GRID_LAYOUT "l4"; none elsewhere."""
+    repack_for_cpu (IQ1_S: 4.25 bits a weight, IQ2_XS / IQ2_S: 4.56, their values bit for bit, where Q8_0 takes 8.5
+    and rounds): on the CPU with the extension's recoding and GRID_LAYOUT "l4"; none elsewhere."""
     ext = K.cpu_extension() if device.type == "cpu" and GRID_LAYOUT == "l4" else None
     if ext is None:
         return frozenset()
@@ -326,7 +329,7 @@ def cpu_recoded_types(device: torch.device) -> frozenset[str]:
 
 def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int],
                  l4_types: set[int]) -> list[GGUFPart]:
-    """One part as the CPU kernels multiply it fastest: a grid i-quant's rows recoded (l4: 4.25 bits a weight, ~3x
+    """One part as the CPU kernels multiply it fastest: a grid i-quant's rows recoded (l4: 4.25 / 4.56 bits a weight, ~3x
     faster than its grid lookups); else its first rows // 8 * 8 rows in the x8 layout where there is one for its
     type, the others (Q5_0 / Q5_1) in the r8 layout, the rest as stored (with their out_index entries)."""
     index = p.out_index
@@ -334,13 +337,13 @@ def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int
         # time straight into the x8 layout where the build has it, the rest as L4
         n8 = p.rows // 8 * 8 if p.type + L4 in x8_types else 0
         out = []
-        grid = gguf_grid.grid_of(p.type) if p.type == gguf_grid.IQ1_S else None  # (the others': the extension's)
+        tables = gguf_grid.l4_tables(p.type)
         if n8:
-            out.append(GGUFPart(ext.gguf_to_l4(p.raw[:n8].contiguous(), p.type, n8, k, x8=True, grid=grid),
+            out.append(GGUFPart(ext.gguf_to_l4(p.raw[:n8].contiguous(), p.type, n8, k, x8=True, **tables),
                                 p.type + L4 + X8, n8, None if index is None else index[:n8].contiguous()))
         if n8 < p.rows:
             tail_index = index if index is None or not n8 else index[n8:].contiguous()
-            out.append(GGUFPart(ext.gguf_to_l4(p.raw[n8:].contiguous(), p.type, p.rows - n8, k, grid=grid),
+            out.append(GGUFPart(ext.gguf_to_l4(p.raw[n8:].contiguous(), p.type, p.rows - n8, k, **tables),
                                 p.type + L4, p.rows - n8, tail_index))
         return out
     n8 = p.rows // 8 * 8 if p.type in x8_types and k % X8_UNITS[p.type][0] == 0 else 0

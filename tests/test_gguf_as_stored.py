@@ -54,6 +54,11 @@ IQ3_MIX = {"attn_q.weight": "IQ3_XXS", "attn_k.weight": "IQ3_S", "attn_v.weight"
 IQ1_MIX = {"attn_q.weight": "IQ1_S", "attn_k.weight": "TQ1_0", "attn_v.weight": "TQ2_0", "attn_output.weight": "IQ1_M",
            "ffn_gate.weight": "TQ2_0", "ffn_up.weight": "IQ1_S", "ffn_down.weight": "TQ1_0",
            "token_embd.weight": "Q4_K", "output.weight": "Q6_K"}
+# IQ2_XS / IQ2_S files' mix (llama.cpp's: the two types for most matrices, attn_v and the head bumped), recoded on
+# the CPU as L4 blocks with a scale per 16 values, fused beside each other and a K-quant (Q/K/V, gate/up)
+IQ2_MIX = {"attn_q.weight": "IQ2_XS", "attn_k.weight": "IQ2_S", "attn_v.weight": "Q4_K", "attn_output.weight": "IQ2_S",
+           "ffn_gate.weight": "IQ2_XS", "ffn_up.weight": "IQ2_S", "ffn_down.weight": "IQ2_XS",
+           "token_embd.weight": "Q4_K", "output.weight": "Q6_K"}
 TQ_MIX = {"attn_q.weight": "TQ1_0", "attn_k.weight": "TQ2_0", "attn_v.weight": "TQ1_0", "attn_output.weight": "TQ2_0",
           "ffn_gate.weight": "TQ2_0", "ffn_up.weight": "TQ1_0", "ffn_down.weight": "TQ2_0",
           "token_embd.weight": "TQ2_0", "output.weight": "TQ1_0"}
@@ -74,7 +79,8 @@ def quant_files(tmp_path_factory):
                                  ("tied", "llama_tied", {k: v for k, v in K_MIX.items() if k != "output.weight"}),
                                  ("qwen2", "qwen2_bias", K_MIX), ("lowmix", "llama_gqa", LOW_MIX),
                                  ("iq4mix", "llama_gqa", IQ4_MIX), ("iq3mix", "llama_gqa", IQ3_MIX),
-                                 ("iq1mix", "llama_gqa", IQ1_MIX), ("tqmix", "llama_gqa", TQ_MIX)):
+                                 ("iq1mix", "llama_gqa", IQ1_MIX), ("tqmix", "llama_gqa", TQ_MIX),
+                                 ("iq2mix", "llama_gqa", IQ2_MIX)):
         folder = make_hf_model(root / name, variant, seed=3, **SHAPE)
         out[name] = make_gguf(folder, root / f"{name}.gguf", quant_types=types, seed=7)
     return out
@@ -108,7 +114,8 @@ def test_torch_dequantize_is_gguf_quants_bit_for_bit(type_id):
     assert np.array_equal(ref.view(np.uint32), got.view(np.uint32))
 
 
-@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix", "iq1mix"])
+@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix", "iq1mix",
+                                  "iq2mix"])
 def test_auto_keeps_every_block_in_place(quant_files, name):
     loaded = load_model(quant_files[name], weights="auto")
     model = loaded.model
@@ -193,7 +200,8 @@ def test_auto_equals_fp_exactly_on_the_torch_path(quant_files, name, no_kernels)
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", ["kmix", "legacy", "qwen2", "lowmix", "iq4mix", "iq3mix", "iq1mix", "tqmix"])
+@pytest.mark.parametrize("name", ["kmix", "legacy", "qwen2", "lowmix", "iq4mix", "iq3mix", "iq1mix", "tqmix",
+                                  "iq2mix"])
 def test_auto_with_the_cpu_kernels_tracks_fp(quant_files, name):
     if matmul.cpu_extension() is None or not hasattr(matmul.cpu_extension(), "gguf_linear"):
         pytest.fail("the C++ GGUF kernels did not build")
@@ -298,11 +306,12 @@ def test_requantization_in_chunks_of_rows_equals_the_whole_tensors(monkeypatch, 
         loading._as_q8_0(Source(raw, gguf.GGMLQuantizationType.Q8_1, (rows, k)), "t")
 
 
-def test_types_without_a_kernel_run_as_q8_0_with_a_warning(tmp_path):
-    """A matrix part of a GGUF type without a kernel (IQ2_XS, IQ2_S here) runs requantized to Q8_0, not as a float
-    copy: each weight within half an int8 step of gguf.quants' dequantized value. A matrix of such parts alone takes the
-    packed int8 path; one fused with native parts (Q/K/V: IQ2_S, Q4_K, Q4_K) keeps those as stored, in one GGUF
-    linear. The logits stay close to the float model's; `--weights fp` keeps the exact float values."""
+def test_types_without_a_kernel_run_as_q8_0_with_a_warning(tmp_path, no_kernels):
+    """A matrix part of a GGUF type without a kernel (IQ2_XS, IQ2_S here, where the CPU does not recode them: CUDA,
+    MPS, or no extension, as here) runs requantized to Q8_0, not as a float copy: each weight within half an int8 step
+    of gguf.quants' dequantized value. A matrix of such parts alone takes the packed int8 path; one fused with native
+    parts (Q/K/V: IQ2_S, Q4_K, Q4_K) keeps those as stored, in one GGUF linear. The logits stay close to the float
+    model's; `--weights fp` keeps the exact float values."""
     folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=1, **SHAPE)
     path = make_gguf(folder, tmp_path / "q2.gguf", quant_types={"ffn_down.weight": "IQ2_XS", "attn_q.weight": "IQ2_S",
                                                                  "attn_k.weight": "Q4_K", "attn_v.weight": "Q4_K"})
@@ -391,6 +400,31 @@ def test_iq1_and_ternary_types_run_without_q8_0(quant_files, tmp_path):
     assert torch.equal(emb.model.tok_embeddings(ids)[0], want.float())
 
 
+def test_iq2_xs_and_iq2_s_run_recoded_on_the_cpu(quant_files, tmp_path):
+    """IQ2_XS / IQ2_S (scales per 16 values) run on the CPU as L4-per-16 blocks: no warning, no Q8_0, 146 bytes a
+    256 values (the x8 layout's too) where Q8_0 takes 272, the values gguf.quants' bit for bit. A token embedding of
+    IQ2_XS still takes the Q8_0 route, with the warning naming it (its lookups dequantize rows)."""
+    import warnings as w
+
+    with w.catch_warnings():
+        w.simplefilter("error")  # no "requantized" warning
+        loaded = load_model(quant_files["iq2mix"], weights="auto")
+        fp = load_model(quant_files["iq2mix"], weights="fp")
+    assert {"IQ2_XS", "IQ2_S", "Q4_K"} <= set(loaded.runs_as) and "Q8_0" not in loaded.runs_as
+    wqkv = loaded.model.layers[0].attention.wqkv
+    assert wqkv.type_names() == ["IQ2_XS", "IQ2_S", "Q4_K"]
+    for part in wqkv.gguf_parts[:2]:
+        assert L4 < part.type % X8 < X8 and part.raw.numel() == part.rows * wqkv.in_features // 256 * 146
+    assert torch.equal(wqkv.dequantized_weight(torch.float32), fp.model.layers[0].attention.wqkv.weight)
+    folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=1, **SHAPE)
+    path = make_gguf(folder, tmp_path / "e.gguf", quant_types={"token_embd.weight": "IQ2_XS", "attn_q.weight": "IQ2_XS",
+                                                                "attn_k.weight": "Q4_K", "attn_v.weight": "Q4_K"})
+    with pytest.warns(UserWarning, match=r"\.gguf: IQ2_XS tensors have no kernel here; they were requantized"):
+        emb = load_model(path, weights="auto")
+    assert emb.model.layers[0].attention.wqkv.type_names()[0] == "IQ2_XS"  # the matrix recoded
+    assert emb.runs_as.get("Q8_0") == 1 and emb.model.tok_embeddings.bits == 8  # (the packed int8 embedding)
+
+
 def test_blocks_made_at_load_are_freed_once_repacked(quant_files):
     """A type rewritten at load (IQ1_M as Q6_K blocks, in memory) and then repacked for the CPU kernels (x8) is not
     held to the end of the load: install_gguf takes each entry out of the loader's dict as it installs it, so the
@@ -433,7 +467,7 @@ def test_info_says_what_each_tensor_runs_as(quant_files):
 
 
 @pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix", "iq1mix",
-                                  "tqmix"])
+                                  "tqmix", "iq2mix"])
 def test_fused_cpu_step_runs_gguf_models(quant_files, name):
     """The one-call-per-token C++ step takes a model of GGUF parts (mixed with repacked Q4_x/Q8_0 linears)
     and gives the eager model's logits."""

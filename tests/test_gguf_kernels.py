@@ -23,9 +23,10 @@ from edgellm.kernels import cpu_ext
 from tests.test_cpu_kernels import VNNI_MISSING, ext, start_builds, stop_builds  # noqa: F401  (ext: the extension fixture, shared)
 
 class L4:
-    """A grid i-quant's blocks recoded as IQ4_XS blocks over its levels (kernels/cpu_gguf.h GGUF_L4, type id + 100),
-    as the loader runs them on the CPU: made from random blocks of the base type by the extension's converter, and
-    dequantized for the references by l4_dequant below (numpy, from the documented layout)."""
+    """A grid i-quant's blocks recoded as IQ4_XS blocks over its levels (kernels/cpu_gguf.h GGUF_L4, type id + 100;
+    IQ2_XS / IQ2_S: the L4-per-16 blocks, a scale per 16 values), as the loader runs them on the CPU: made from random
+    blocks of the base type by the extension's converter, and dequantized for the references by l4_dequant below
+    (numpy, from the documented layout)."""
 
     def __init__(self, base: Q):
         self.base, self.name = base, base.name + "_L4"
@@ -35,7 +36,8 @@ class L4:
 
 
 GRID_IQUANTS = {Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S}  # codebook types (kernels/gguf_grids.h), stored layout only
-L4_TYPES = [L4(t) for t in (Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S)]
+L4_TYPES = [L4(t) for t in (Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ2_XS, Q.IQ2_S)]
+L4_PER16 = {Q.IQ2_XS, Q.IQ2_S}  # (their L4 form's base types)
 GGUF_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS,
               Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S]
 TYPES = GGUF_TYPES + L4_TYPES
@@ -62,16 +64,14 @@ def make_weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
         ext = matmul.cpu_extension()
         if ext is None:
             pytest.skip("the L4 blocks are made by the C++ extension, not built here")
-        raw = make_weights(qtype.base, n, k, seed)
-        grid = None
-        if qtype.base == Q.IQ1_S:  # (the other types' codebooks are the extension's own)
-            from edgellm.quant import gguf_grid
+        from edgellm.quant import gguf_grid
 
-            grid = gguf_grid.grid_of(int(Q.IQ1_S))
-        return ext.gguf_to_l4(torch.from_numpy(raw), int(qtype.base), n, k, grid=grid).numpy()
+        raw = make_weights(qtype.base, n, k, seed)
+        # (IQ1_S, IQ2_XS, IQ2_S: gguf.quants' tables; the other types' codebooks are the extension's own)
+        return ext.gguf_to_l4(torch.from_numpy(raw), int(qtype.base), n, k, **gguf_grid.l4_tables(int(qtype.base))).numpy()
     rng = np.random.default_rng(seed)
     block_values, block_bytes = GGML_QUANT_SIZES[qtype]
-    if qtype not in K_QUANTS | {Q.IQ4_NL, Q.IQ1_S}:
+    if qtype not in K_QUANTS | {Q.IQ4_NL, Q.IQ1_S} | L4_PER16:
         w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
         return quants.quantize(w, qtype)
     nb = n * k // block_values
@@ -80,7 +80,7 @@ def make_weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
         raw[:, 208:210] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # d; scales int8 random (signed)
     elif qtype == Q.Q3_K:
         raw[:, 108:110] = _f16_bytes(rng, nb, 1e-3, 2e-2)  # d; 6-bit scales (minus 32) and codes random
-    elif qtype in (Q.IQ4_NL, Q.IQ4_XS, Q.IQ1_S) or qtype in GRID_IQUANTS:
+    elif qtype in (Q.IQ4_NL, Q.IQ4_XS, Q.IQ1_S) or qtype in GRID_IQUANTS | L4_PER16:
         # d; IQ4_XS's 6-bit scales (minus 32), the grid types' scales, grid indices and sign bits, all codes random
         raw[:, 0:2] = _f16_bytes(rng, nb, 1e-4, 2e-3)
     elif qtype == Q.Q2_K:
@@ -94,12 +94,21 @@ def make_weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
 
 def l4_dequant(raw: np.ndarray, qtype: L4) -> np.ndarray:
     """L4 blocks (IQ4_XS's layout: d fp16, the 6-bit scales' high bits u16 and low nibbles, 128 bytes of codes, low
-    nibble value l, high l + 16 of each 32) -> fp32 as gguf.quants computes the base type: ((d m) 2^-p) level."""
-    blk = np.asarray(raw).reshape(-1, 136)
+    nibble value l, high l + 16 of each 32) -> fp32 as gguf.quants computes the base type: ((d m) 2^-p) level.
+    L4 per 16 (IQ2_XS, IQ2_S): d fp16, 16 int8 multipliers m (one per 16 values), then the same 128 bytes of codes."""
     levels = {"IQ2_XXS": (8, 25, 43), "IQ3_XXS": (4, 12, 20, 28, 36, 44, 52, 62),
-              "IQ3_S": (1, 3, 5, 7, 9, 11, 13, 15), "IQ1_S": (1, 7, 9)}[qtype.base.name]  # IQ1_S: 8 (g +- 1/8)
+              "IQ3_S": (1, 3, 5, 7, 9, 11, 13, 15), "IQ1_S": (1, 7, 9), "IQ2_XS": (8, 25, 43),
+              "IQ2_S": (8, 25, 43)}[qtype.base.name]  # IQ1_S: 8 (g +- 1/8)
     table = np.array(list(levels) + [0] * (8 - len(levels)) + [-v for v in levels] + [0] * (8 - len(levels)),
                      dtype=np.float32)
+    if qtype.base in L4_PER16:
+        blk = np.asarray(raw).reshape(-1, 146)
+        d = blk[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nb, 1]
+        m = blk[:, 2:18].copy().view(np.int8).astype(np.float32)  # [nb, 16]
+        qs = blk[:, 18:].reshape(-1, 8, 16)
+        codes = np.concatenate((qs & 15, qs >> 4), axis=-1).reshape(-1, 16, 16)  # [nb, 16 values' group, 16]
+        return (((d * m) * np.float32(0.125))[:, :, None] * table[codes]).reshape(raw.shape[0], -1)
+    blk = np.asarray(raw).reshape(-1, 136)
     d = blk[:, 0:2].copy().view(np.float16).astype(np.float32)  # [nb, 1]
     high = blk[:, 2:4].copy().view(np.uint16).astype(np.int32)
     low = np.stack((blk[:, 4:8] & 15, blk[:, 4:8] >> 4), axis=-1).reshape(-1, 8).astype(np.int32)
