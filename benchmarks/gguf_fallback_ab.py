@@ -13,8 +13,9 @@ matrix: benchmarks/random_blocks_gguf.py.
 `--variants native,native-grid`: IQ2_XXS / IQ3_XXS / IQ3_S recoded at load as IQ4_XS blocks over their levels (l4,
 quant/gguf_linear.GRID_LAYOUT, the default) against multiplied through their grids.
 
-`--variants native,q8_0` on an IQ1_S / IQ1_M / TQ1_0 / TQ2_0 file: IQ1_S recoded at load as L4 blocks (the CPU
-default), IQ1_M rewritten as Q6_K blocks, the ternary types as Q2_K blocks, against all requantized to Q8_0 (before).
+`--variants native,q8_0` on an IQ1_S / IQ1_M / TQ1_0 / TQ2_0 / IQ2_XS / IQ2_S file: IQ1_S recoded at load as L4
+blocks (the CPU default), IQ2_XS / IQ2_S as L4 blocks with a scale per 16 values, IQ1_M rewritten as Q6_K blocks, the
+ternary types as Q2_K blocks, against all requantized to Q8_0 (before).
 
 `--as-without Q3_K --variants native,q8_0`: a type that has kernels run as stored ("native") against treated as one
 without (its parts requantized to Q8_0 as before it had kernels; through gguf.quants' numpy, so that variant's load
