@@ -133,11 +133,11 @@ template <> struct Fmt<GGUF_IQ2_S_L4> : Fmt<GGUF_IQ2_XS_L4> {};
 constexpr bool per16(int type) {
   return type == GGUF_Q6_K || type == GGUF_Q3_K || type == GGUF_Q2_K || gguf_l4_16(type);
 }
-// Types whose codes are signed int8 (Q8_0's, the IQ4 types' looked-up levels): dot products by sign transfer
-// (|w| against x with w's sign) where the others' unsigned codes go straight into maddubs
-// (cpu_gguf.h GGUF_L4: the IQ4_XS-shaped ones; the L4-per-16 types take the per16 paths)
+// The L4 types of IQ4_XS's shape (cpu_gguf.h GGUF_L4; the L4-per-16 ones take the per16 paths)
 constexpr bool is_l4(int type) { return type > GGUF_L4 && type < GGUF_X8 && !gguf_l4_16(type); }
 constexpr bool grid_iquant(int type) { return type == GGUF_IQ2_XXS || type == GGUF_IQ3_XXS || type == GGUF_IQ3_S; }
+// Types whose codes are signed int8 (Q8_0's, the IQ4 types' looked-up levels): dot products by sign transfer
+// (|w| against x with w's sign) where the others' unsigned codes go straight into maddubs
 constexpr bool signed_codes(int type) {
   return type == GGUF_Q8_0 || type == GGUF_IQ4_NL || type == GGUF_IQ4_XS || grid_iquant(type) || is_l4(type);
 }
@@ -708,7 +708,7 @@ inline void decode_chunk(const uint8_t* row, int64_t c, Chunk& ch) {
     return;
   }
   if (gguf_l4_16(TYPE)) {  // level + 64 of each code (one in-lane lookup)
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_L4_16_U.u));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_LEVELS_U8<TYPE>.u));
     for (int j = 0; j < 8; ++j) ch.u[j] = _mm256_shuffle_epi8(table, nibbles32(b + 18 + 16 * j));
     return;
   }

@@ -59,7 +59,7 @@ constexpr int GGUF_IQ2_XXS_L4 = GGUF_L4 + 16, GGUF_IQ3_XXS_L4 = GGUF_L4 + 18, GG
 // take it on Q6_K's "per16" paths (cpu_gguf.cpp): codes looked up as level + 64, unsigned, the 64 off the int sums.
 constexpr int GGUF_IQ2_XS_L4 = GGUF_L4 + 17, GGUF_IQ2_S_L4 = GGUF_L4 + 22;
 constexpr bool gguf_l4_16(int type) { return type == GGUF_IQ2_XS_L4 || type == GGUF_IQ2_S_L4; }
-constexpr int64_t GGUF_L4_BYTES = 136, GGUF_L4_16_BYTES = 146;  // per 256 values
+constexpr int64_t GGUF_L4_16_BYTES = 146;  // per 256 values (the IQ4_XS-shaped L4 blocks: 136)
 // The GGML types that have an L4 form (IQ2_XS, IQ2_S: the per-16 one)
 constexpr bool gguf_l4_base(int type) {
   return type == 16 || type == 18 || type == 21 || type == 19 || type == 17 || type == 22;
@@ -82,14 +82,18 @@ constexpr const int8_t* gguf_levels_of() {
        : TYPE == GGUF_IQ3_S_L4 ? GGUF_L4_IQ3S : TYPE == GGUF_IQ1_S_L4 ? GGUF_L4_IQ1S : GGUF_IQ4_LEVELS;
 }
 
-// The L4-per-16 levels plus 64, as u8 (the per16 paths' unsigned codes; an unused code is 64, a zero)
-struct GgufL4x16Codes {
+// An L4 type's levels plus 64, as u8 (|level| <= 62: unsigned codes <= 126, which maddubs takes without saturating a
+// pair sum; the 64 comes off through the activations' sums). The L4-per-16 types' codes on the per16 paths, and the
+// x8 decode's for the others (no sign transfer).
+template <int TYPE>
+struct GgufLevelsU8 {
   alignas(16) uint8_t u[16] = {};
-  constexpr GgufL4x16Codes() {
-    for (int i = 0; i < 16; ++i) u[i] = (uint8_t)(GGUF_L4_IQ2XXS[i] + 64);
+  constexpr GgufLevelsU8() {
+    for (int i = 0; i < 16; ++i) u[i] = (uint8_t)(gguf_levels_of<TYPE>()[i] + 64);
   }
 };
-inline constexpr GgufL4x16Codes GGUF_L4_16_U{};
+template <int TYPE>
+inline constexpr GgufLevelsU8<TYPE> GGUF_LEVELS_U8{};
 
 // IQ4_XS block b's 6-bit scale of sub-block j (nibble j of bytes 4..7, bits 2j, 2j+1 of the u16 at 2 as bits 4-5),
 // minus 32

@@ -604,12 +604,18 @@ inline void levels_iq4xs(const uint8_t* o, int j, int g, __m256i table, __m256i&
 
 // IQ4_XS: per sub-block, each row's int dot in one int32 lane (signed levels: |w| against x with w's sign, as the
 // per-row kernels take Q8_0; the pair sums reach 2 * 127 * 127, so each maddubs is widened on its own), then
-// (dot d_x) sc per sub-block and d per super-block.
+// (dot d_x) sc per sub-block and d per super-block.  The L4 types, whose levels are small (|l| <= 62), look their
+// codes up as level + 64 instead (GGUF_LEVELS_U8): unsigned, straight into the dots, the 64 off through the
+// activations' 32-value sums; the same integer sums with two sign transfers a dot fewer.
 template <int TYPE, int T>
 void group_iq4xs(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
   constexpr int64_t XB = Raw<TYPE>::XB;
+  constexpr bool U8 = TYPE != GGUF_IQ4_XS;
   const int64_t nsb = a.K / 256;
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)gguf_levels_of<TYPE>()));
+  const uint8_t* levels;
+  if constexpr (U8) levels = GGUF_LEVELS_U8<TYPE>.u;
+  else levels = reinterpret_cast<const uint8_t*>(gguf_levels_of<TYPE>());
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)levels));
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
@@ -623,16 +629,24 @@ void group_iq4xs(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T])
       for (int g = 0; g < 4; ++g) {
         __m256i lo, hi;
         levels_iq4xs(o, j, g, table, lo, hi);
-        const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
-        for (int t = 0; t < T; ++t) {
-          const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 32 * j + 4 * g;
-          is[t] = dot4(is[t], alo, _mm256_sign_epi8(bcast4(xq), lo));
-          is[t] = dot4(is[t], ahi, _mm256_sign_epi8(bcast4(xq + 16), hi));
+        if constexpr (U8) {
+          for (int t = 0; t < T; ++t) {
+            const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 32 * j + 4 * g;
+            is[t] = dot4(dot4(is[t], lo, bcast4(xq)), hi, bcast4(xq + 16));
+          }
+        } else {
+          const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
+          for (int t = 0; t < T; ++t) {
+            const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 32 * j + 4 * g;
+            is[t] = dot4(is[t], alo, _mm256_sign_epi8(bcast4(xq), lo));
+            is[t] = dot4(is[t], ahi, _mm256_sign_epi8(bcast4(xq + 16), hi));
+          }
         }
       }
       const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(o + 16 + 8 * j))));
       for (int t = 0; t < T; ++t) {
         const int64_t b = (m0 + t) * a.nb + s * 8 + j;
+        if constexpr (U8) is[t] = _mm256_sub_epi32(is[t], _mm256_set1_epi32(64 * a.sum32[b]));
         sacc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(is[t]), _mm256_set1_ps(a.d[b])), sc, sacc[t]);
       }
     }
@@ -650,7 +664,7 @@ template <int TYPE, int T>
 void group_l4_16(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
   constexpr int64_t XB = Raw<TYPE>::XB;
   const int64_t nsb = a.K / 256;
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_L4_16_U.u));
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_LEVELS_U8<TYPE>.u));
   __m256 acc[T];
   for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
   for (int64_t s = 0; s < nsb; ++s) {
@@ -858,7 +872,7 @@ void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, floa
   }
   if (gguf_l4_16(TYPE)) {  // per 16 values: (d / 8) m; the codes as level + 64 (the per16 offset)
     const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o)), _mm256_set1_ps(0.125f));
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_L4_16_U.u));
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_LEVELS_U8<TYPE>.u));
     for (int t = 0; t < 16; ++t)
       _mm256_storeu_ps(ws + t * wstride, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                                               _mm_loadl_epi64((const __m128i*)(o + 16 + 8 * t))))));
