@@ -12,12 +12,14 @@ from pathlib import Path
 
 
 def write_run(path: str | Path, rows: list[dict], threads: int, **fields) -> None:
-    """{command, date, machine (edgellm.bench.machine_info + threads), **fields, rows} as indented JSON."""
+    """{command (with the EDGELLM_* settings of the environment it ran in, which pick builds and paths), date,
+    machine (edgellm.bench.machine_info + threads), **fields, rows} as indented JSON."""
     import torch
 
     from edgellm.bench import machine_info
 
-    doc = {"command": "python " + " ".join(sys.argv), "date": datetime.now(timezone.utc).isoformat(),
+    settings = [f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("EDGELLM_")]
+    doc = {"command": " ".join([*settings, "python", *sys.argv]), "date": datetime.now(timezone.utc).isoformat(),
            "machine": {**machine_info(torch.device("cpu")), "threads": threads}, **fields, "rows": rows}
     Path(path).write_text(json.dumps(doc, indent=1) + "\n")
 
