@@ -64,9 +64,10 @@ def child(path: str, variant: str, as_without: list[str]) -> None:
         gguf_grid.convert = lambda *args, **kwargs: None  # no C++ converter: gguf.quants' numpy
     if variant.startswith("q8_0"):  # IQ1_S and TQ* requantized to Q8_0 (what the loader did before), not recoded as
         # L4 / rewritten as Q2_K
-        from edgellm.quant import gguf_grid, gguf_linear
+        from edgellm.quant import gguf_grid, gguf_linear, gguf_tensor
 
         gguf_linear.cpu_recoded_types = lambda device: frozenset()
+        gguf_tensor.STORED_TYPES = gguf_tensor.NATIVE_TYPES  # (IQ2_XS / IQ2_S: not kept as stored either)
         gguf_grid.TERNARY_TYPES, gguf_grid.IQ1_TYPES = {}, {}
     if variant == "native-grid":  # the grid i-quants multiplied through their grids, not recoded (l4)
         from edgellm.quant import gguf_linear

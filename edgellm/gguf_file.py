@@ -61,6 +61,7 @@ GGUF_TYPES = {t.id: t for t in (
     GGUFType(11, "Q3_K", 256, 110), GGUFType(12, "Q4_K", 256, 144), GGUFType(13, "Q5_K", 256, 176),
     GGUFType(14, "Q6_K", 256, 210), GGUFType(16, "IQ2_XXS", 256, 66), GGUFType(18, "IQ3_XXS", 256, 98),
     GGUFType(20, "IQ4_NL", 32, 18), GGUFType(21, "IQ3_S", 256, 110), GGUFType(23, "IQ4_XS", 256, 136),
+    GGUFType(17, "IQ2_XS", 256, 74), GGUFType(22, "IQ2_S", 256, 82),
 )}
 
 

@@ -453,10 +453,10 @@ MATRIX_NAMES = ("tok_embeddings.weight", "output.weight", "attention.wqkv.weight
                 "feed_forward.w13.weight", "feed_forward.w2.weight")
 
 
-# A matrix part of a GGUF type without a kernel here (IQ2_XS, IQ2_S off the CPU or without its recoding; IQ1_S / IQ1_M
-# where their Q6_K form does not fit)
+# A matrix part of a GGUF type nothing here keeps as stored or rewrites exactly (IQ1_S / IQ1_M where their Q6_K form
+# does not fit or there is no converter)
 # runs as Q8_0 blocks: dequantized and rounded to int8 per 32 values at load, ~8.5 bits a weight, multiplied by the
-# kernels like any Q8_0 (an 8B IQ2_XS file: ~8 GB instead of 32 in fp32). False: such matrices are dequantized to the
+# kernels like any Q8_0 (an 8B IQ1_M file: ~8 GB instead of 32 in fp32). False: such matrices are dequantized to the
 # compute dtype (benchmarks' A/B).
 REQUANTIZE_WITHOUT_KERNEL = True
 
@@ -556,8 +556,10 @@ def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPla
     ("blocks", [GGUFPart]) when every part is a type the GGUF kernels multiply in place. Parts of a
     type without a kernel are first rewritten (`_without_kernel`: as Q2_K or Q6_K blocks of the same values where
     they fit, else requantized to Q8_0, REQUANTIZE_WITHOUT_KERNEL; the caller warns of those), but the `recoded` types
-    (gguf_linear.cpu_recoded_types: IQ1_S, IQ2_XS, IQ2_S on the CPU) are kept as blocks for repack_for_cpu to recode,
-    except in the token embedding (its lookups dequantize stored rows). None for a float tensor, or with the switch
+    (gguf_linear.cpu_recoded_types: IQ1_S on the CPU) are kept as blocks for repack_for_cpu to recode, except in the
+    token embedding (its lookups dequantize stored rows). The STORED_TYPES (quant/gguf_tensor.py) stay blocks on every
+    device: IQ2_XS / IQ2_S among them, which repack_for_cpu recodes for the CPU kernels and any other path
+    dequantizes per call. None for a float tensor, or with the switch
     off a type without a kernel (the caller dequantizes it and warns)."""
     if not ours.endswith(MATRIX_NAMES):
         return None
@@ -568,9 +570,9 @@ def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPla
     from .quant.groups import GGUF_EXACT
     from .quant.gguf_linear import GGUFPart, raw_tensor
     from .quant.gguf_grid import TERNARY_TYPES
-    from .quant.gguf_tensor import NATIVE_TYPES
+    from .quant.gguf_tensor import STORED_TYPES
 
-    kept = NATIVE_TYPES | recoded if ours != "tok_embeddings.weight" else NATIVE_TYPES
+    kept = STORED_TYPES | recoded if ours != "tok_embeddings.weight" else STORED_TYPES
     if not REQUANTIZE_WITHOUT_KERNEL and any(t not in kept and t not in TERNARY_TYPES.values() for t in types):
         return None
     raws, runs, missing = [], [], set()

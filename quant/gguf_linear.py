@@ -311,8 +311,8 @@ Q5_LAYOUT = "x8"
 IQ4_NL_LAYOUT = "x8"
 # How repack_for_cpu lays out IQ2_XXS / IQ3_XXS / IQ3_S parts (A/B switch): "l4" (recoded as IQ4_XS blocks over the
 # type's levels) or "stored" (multiplied through the grids). IQ1_S, IQ2_XS and IQ2_S, which have no kernel as stored,
-# take their L4 forms where it is on (`cpu_recoded_types`), else the loader's Q6_K form of IQ1_S' values and the Q8_0
-# route of the IQ2 types'.
+# take their L4 forms where it is on (IQ1_S kept as blocks for it: `cpu_recoded_types`); else IQ1_S takes the loader's
+# Q6_K form of its values, and IQ2_XS / IQ2_S parts are dequantized per call (quant/gguf_tensor.py).
 GRID_LAYOUT = "l4"
 
 

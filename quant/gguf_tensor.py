@@ -15,13 +15,17 @@ from ..gguf_file import GGUF_TYPES, gguf_type
 from ..kernels.gguf_ops import GGUF_NATIVE_TYPES, iq4_levels
 from ..kernels.int4_layout import unpack_halves
 
-__all__ = ["NATIVE_TYPES", "dequantize_blocks"]
+__all__ = ["NATIVE_TYPES", "STORED_TYPES", "dequantize_blocks"]
 
 
-# the quantized types edgellm multiplies as stored (the C++ kernels' list; this module dequantizes each of
-# them on other devices); others (IQ2_XS, IQ2_S, IQ1_*, TQ*) are requantized to Q8_0 at load (loading.gguf_as_stored)
+# the quantized types the C++ kernels multiply as stored (their list)
 NATIVE_TYPES = frozenset(GGUF_NATIVE_TYPES)
-assert NATIVE_TYPES == {t.name for t in GGUF_TYPES.values()}
+# the quantized types edgellm keeps as stored blocks on every device: this module dequantizes each of them (CUDA /
+# MPS, the CPU without the extension, embedding rows); IQ2_XS / IQ2_S, which no product kernel takes as stored, the
+# CPU recodes at load (quant/gguf_linear.repack_for_cpu). The others (IQ1_*, TQ*) are rewritten at load
+# (loading.gguf_as_stored).
+STORED_TYPES = frozenset(t.name for t in GGUF_TYPES.values())
+assert NATIVE_TYPES <= STORED_TYPES
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:
@@ -43,7 +47,7 @@ def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-# The grid i-quants (IQ2_XXS, IQ3_XXS, IQ3_S): each grid entry's 8 / 4 values, and the 128 sign bytes, from
+# The grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): each grid entry's 8 / 4 values, and the 128 sign bytes, from
 # gguf.quants, put on a device once (the first dequantization there, an eager pass before any CUDA graph).
 _GRIDS: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -102,6 +106,29 @@ def _grid_iquant(name: str, blk: torch.Tensor) -> torch.Tensor:
         neg = _sign_bits(blk[:, 74:106]).reshape(nb, 8, 4, 8)
     w = db.reshape(nb, 8, 1, 1) * g
     return torch.where(neg, -w, w).reshape(nb, 8, 32)
+
+
+def _iq2_per16(name: str, blk: torch.Tensor) -> torch.Tensor:
+    """IQ2_XS / IQ2_S super-blocks uint8 [nb, bytes] → float32 [nb, 16, 16] as gguf.quants: per 16 values db = d
+    (0.5 + s) / 4 (s: the scales' nibbles, low first), times the grid value of each 8, negated where its sign bit is
+    set. IQ2_XS: u16 entries, grid index the low 9 bits, the sign byte ksigns[the top 7]; IQ2_S: grid index qs[i] with
+    2 more bits from qh, the sign bytes as stored."""
+    nb = blk.shape[0]
+    grid, ksigns = grid_tables(name, blk.device)
+    d = _f16(blk[:, 0:2].unsqueeze(1)).reshape(nb, 1)
+    at = 66 if name == "IQ2_XS" else 74
+    scales = torch.stack((blk[:, at:at + 8] & 0x0F, blk[:, at:at + 8] >> 4), dim=-1).reshape(nb, 16)
+    db = d * (0.5 + scales.float()) * 0.25
+    if name == "IQ2_XS":
+        q = blk[:, 2:66].reshape(nb, 32, 2).to(torch.int64)
+        q = q[..., 0] | (q[..., 1] << 8)
+        g, signs = grid[q & 511], ksigns[q >> 9]
+    else:  # IQ2_S
+        high = (blk[:, 66:74].reshape(nb, 8, 1) >> torch.arange(0, 8, 2, device=blk.device, dtype=torch.uint8)) & 3
+        g = grid[blk[:, 2:34].long() | (high.reshape(nb, 32).long() << 8)]
+        signs = blk[:, 34:66]
+    w = db.reshape(nb, 16, 1, 1) * g.reshape(nb, 16, 2, 8)
+    return torch.where(_sign_bits(signs).reshape(nb, 16, 2, 8), -w, w).reshape(nb, 16, 16)
 
 
 def dequantize_blocks(raw: torch.Tensor, type_id: int, shape: tuple[int, int],
@@ -202,6 +229,8 @@ def dequantize_blocks(raw: torch.Tensor, type_id: int, shape: tuple[int, int],
         w = dl * iq4_levels(b.device)[q.long()]
     elif t.name in ("IQ2_XXS", "IQ3_XXS", "IQ3_S"):
         w = _grid_iquant(t.name, b[:, 0, :])
+    elif t.name in ("IQ2_XS", "IQ2_S"):
+        w = _iq2_per16(t.name, b[:, 0, :])
     else:  # pragma: no cover - GGUF_TYPES lists exactly the branches above
         raise ValueError(f"no dequantizer for {t.name}")
     return w.reshape(n, k).to(dtype)

@@ -189,7 +189,8 @@ def loaded_tensors(path):
     return gguf.GGUFReader(str(path)).tensors
 
 
-@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix", "tqmix"])
+@pytest.mark.parametrize("name", ["kmix", "legacy", "tied", "qwen2", "lowmix", "iq4mix", "iq3mix", "tqmix",
+                                  "iq2mix"])
 def test_auto_equals_fp_exactly_on_the_torch_path(quant_files, name, no_kernels):
     """Dequantized per layer on the device, the as-stored model computes exactly what the fp model computes
     from gguf.quants' dequantization: same floats, same GEMMs (Q/K rows routed, not moved)."""
@@ -307,15 +308,15 @@ def test_requantization_in_chunks_of_rows_equals_the_whole_tensors(monkeypatch, 
 
 
 def test_types_without_a_kernel_run_as_q8_0_with_a_warning(tmp_path, no_kernels):
-    """A matrix part of a GGUF type without a kernel (IQ2_XS, IQ2_S here, where the CPU does not recode them: CUDA,
-    MPS, or no extension, as here) runs requantized to Q8_0, not as a float copy: each weight within half an int8 step
-    of gguf.quants' dequantized value. A matrix of such parts alone takes the packed int8 path; one fused with native
-    parts (Q/K/V: IQ2_S, Q4_K, Q4_K) keeps those as stored, in one GGUF linear. The logits stay close to the float
-    model's; `--weights fp` keeps the exact float values."""
+    """A matrix part of a GGUF type that nothing here takes as stored or rewrites exactly (IQ1_M, IQ1_S without the
+    extension, as here, whose converter makes their Q6_K form) runs requantized to Q8_0, not as a float copy: each
+    weight within half an int8 step of gguf.quants' dequantized value. A matrix of such parts alone takes the packed
+    int8 path; one fused with native parts (Q/K/V: IQ1_S, Q4_K, Q4_K) keeps those as stored, in one GGUF linear. The
+    logits stay close to the float model's; `--weights fp` keeps the exact float values."""
     folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=1, **SHAPE)
-    path = make_gguf(folder, tmp_path / "q2.gguf", quant_types={"ffn_down.weight": "IQ2_XS", "attn_q.weight": "IQ2_S",
+    path = make_gguf(folder, tmp_path / "q1.gguf", quant_types={"ffn_down.weight": "IQ1_M", "attn_q.weight": "IQ1_S",
                                                                  "attn_k.weight": "Q4_K", "attn_v.weight": "Q4_K"})
-    with pytest.warns(UserWarning, match="IQ2_S, IQ2_XS tensors have no kernel here; they were requantized to Q8_0"):
+    with pytest.warns(UserWarning, match="IQ1_M, IQ1_S tensors have no kernel here; they were requantized to Q8_0"):
         loaded = load_model(path, weights="auto")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -403,7 +404,7 @@ def test_iq1_and_ternary_types_run_without_q8_0(quant_files, tmp_path):
 def test_iq2_xs_and_iq2_s_run_recoded_on_the_cpu(quant_files, tmp_path):
     """IQ2_XS / IQ2_S (scales per 16 values) run on the CPU as L4-per-16 blocks: no warning, no Q8_0, 146 bytes a
     256 values (the x8 layout's too) where Q8_0 takes 272, the values gguf.quants' bit for bit. A token embedding of
-    IQ2_XS still takes the Q8_0 route, with the warning naming it (its lookups dequantize rows)."""
+    IQ2_XS stays as stored (its lookups dequantize the rows they read, gguf.quants' values)."""
     import warnings as w
 
     with w.catch_warnings():
@@ -419,10 +420,15 @@ def test_iq2_xs_and_iq2_s_run_recoded_on_the_cpu(quant_files, tmp_path):
     folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=1, **SHAPE)
     path = make_gguf(folder, tmp_path / "e.gguf", quant_types={"token_embd.weight": "IQ2_XS", "attn_q.weight": "IQ2_XS",
                                                                 "attn_k.weight": "Q4_K", "attn_v.weight": "Q4_K"})
-    with pytest.warns(UserWarning, match=r"\.gguf: IQ2_XS tensors have no kernel here; they were requantized"):
+    with w.catch_warnings():
+        w.simplefilter("error")
         emb = load_model(path, weights="auto")
     assert emb.model.layers[0].attention.wqkv.type_names()[0] == "IQ2_XS"  # the matrix recoded
-    assert emb.runs_as.get("Q8_0") == 1 and emb.model.tok_embeddings.bits == 8  # (the packed int8 embedding)
+    table = emb.model.tok_embeddings
+    assert isinstance(table, GGUFEmbedding) and table.type_names() == ["IQ2_XS"] and "Q8_0" not in emb.runs_as
+    stored = next(t for t in gguf.GGUFReader(path).tensors if t.name == "token_embd.weight")
+    want = gguf.quants.dequantize(np.asarray(stored.data), stored.tensor_type)[[0, 5, 17, 250]]
+    assert torch.equal(table(torch.tensor([[0, 5, 17, 250]]))[0], torch.from_numpy(want).float())
 
 
 def test_blocks_made_at_load_are_freed_once_repacked(quant_files):
