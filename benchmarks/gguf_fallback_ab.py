@@ -13,6 +13,9 @@ matrix: benchmarks/random_blocks_gguf.py.
 `--variants native,native-grid`: IQ2_XXS / IQ3_XXS / IQ3_S recoded at load as IQ4_XS blocks over their levels (l4,
 quant/gguf_linear.GRID_LAYOUT, the default) against multiplied through their grids.
 
+`--variants native,q6_k` on an IQ1_S / IQ1_M file: recoded as L4 (per 16) blocks against the Q6_K blocks of their
+values (their form off the CPU).
+
 `--variants native,q8_0` on an IQ1_S / IQ1_M / TQ1_0 / TQ2_0 / IQ2_XS / IQ2_S file: IQ1_S recoded at load as L4
 blocks (the CPU default), IQ2_XS / IQ2_S as L4 blocks with a scale per 16 values, IQ1_M rewritten as Q6_K blocks, the
 ternary types as Q2_K blocks, against all requantized to Q8_0 (before).
@@ -41,7 +44,7 @@ if str(ROOT) not in sys.path:
 from run_record import run_child  # noqa: E402  (benchmarks/, this script's folder)
 
 TEXT = "/usr/share/common-licenses/GPL-3"
-VARIANTS = ("native", "native-grid", "q8_0", "q8_0-numpy", "q8_0-whole", "fp32")
+VARIANTS = ("native", "native-grid", "q6_k", "q8_0", "q8_0-numpy", "q8_0-whole", "fp32")
 
 
 def child(path: str, variant: str, as_without: list[str]) -> None:
@@ -62,6 +65,10 @@ def child(path: str, variant: str, as_without: list[str]) -> None:
         from edgellm.quant import gguf_grid
 
         gguf_grid.convert = lambda *args, **kwargs: None  # no C++ converter: gguf.quants' numpy
+    if variant == "q6_k":  # IQ1_S / IQ1_M as the loader's Q6_K blocks of their values, not recoded as L4
+        from edgellm.quant import gguf_linear
+
+        gguf_linear.cpu_recoded_types = lambda device: frozenset()
     if variant.startswith("q8_0"):  # IQ1_S and TQ* requantized to Q8_0 (what the loader did before), not recoded as
         # L4 / rewritten as Q2_K
         from edgellm.quant import gguf_grid, gguf_linear, gguf_tensor

@@ -556,11 +556,11 @@ def gguf_as_stored(src: GGUFSource, ours: str, parts: list[str], plan: WeightPla
     ("blocks", [GGUFPart]) when every part is a type the GGUF kernels multiply in place. Parts of a
     type without a kernel are first rewritten (`_without_kernel`: as Q2_K or Q6_K blocks of the same values where
     they fit, else requantized to Q8_0, REQUANTIZE_WITHOUT_KERNEL; the caller warns of those), but the `recoded` types
-    (gguf_linear.cpu_recoded_types: IQ1_S on the CPU) are kept as blocks for repack_for_cpu to recode, except in the
-    token embedding (its lookups dequantize stored rows). The STORED_TYPES (quant/gguf_tensor.py) stay blocks on every
-    device: IQ2_XS / IQ2_S among them, which repack_for_cpu recodes for the CPU kernels and any other path
-    dequantizes per call. None for a float tensor, or with the switch
-    off a type without a kernel (the caller dequantizes it and warns)."""
+    (gguf_linear.cpu_recoded_types: IQ1_S, IQ1_M on the CPU) are kept as blocks for repack_for_cpu to recode, except
+    in the token embedding (its lookups dequantize stored rows). The STORED_TYPES (quant/gguf_tensor.py) stay blocks
+    on every device: IQ2_XS / IQ2_S among them, which repack_for_cpu recodes for the CPU kernels and any other path
+    dequantizes per call. None for a float tensor, or with the switch off a type without a kernel (the caller
+    dequantizes it and warns)."""
     if not ours.endswith(MATRIX_NAMES):
         return None
     types = [src.tensor_type(p) for p in parts]

@@ -460,15 +460,15 @@ at::Tensor gguf_grid_convert(const at::Tensor& raw, int64_t type, int64_t N, int
 }
 
 // IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S rows -> the same values as GGUF_L4 blocks (type + 100; cpu_gguf.h), IQ2_XS /
-// IQ2_S rows as L4-per-16 blocks, or either straight in their x8 layout (x8: N % 8 == 0). grid, ksigns: IQ1_S's,
-// IQ2_XS's, IQ2_S's tables as grid_tables takes them (none for the others, whose codebooks the build has).
+// IQ2_S / IQ1_M rows as L4-per-16 blocks, or either straight in their x8 layout (x8: N % 8 == 0). grid, ksigns: IQ1_S's,
+// IQ1_M's, IQ2_XS's, IQ2_S's tables as grid_tables takes them (none for the others, whose codebooks the build has).
 py::object gguf_grid_l4(const at::Tensor& raw, int64_t type, int64_t N, int64_t K, bool x8,
                         const std::optional<at::Tensor>& grid, const std::optional<at::Tensor>& ksigns) {
   const char* what = "edgellm gguf_grid_to_l4";
   TORCH_CHECK(edgellm::gguf_l4_base((int)type), what, ": type ", type,
-              " is not IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S or IQ1_S");
+              " is not IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S or IQ1_M");
   check_grid_rows(raw, type, N, K, what);
-  const bool tables_given = type == 19 || type == 17 || type == 22;
+  const bool tables_given = type == 19 || type == 17 || type == 22 || type == 29;
   const edgellm::GridTables tables = tables_given ? grid_tables(type, grid.value_or(at::Tensor()),
                                                                 ksigns.value_or(at::Tensor()), what)
                                                   : edgellm::GridTables();
@@ -853,9 +853,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_to_l4", &gguf_grid_l4, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
         py::arg("x8") = false, py::arg("grid") = py::none(), py::arg("ksigns") = py::none(),
         "IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S blocks [n, row bytes] -> the same values as L4 blocks (type + 100: IQ4_XS "
-        "blocks whose codes index the type's levels) [n, k / 256 * 136]; IQ2_XS / IQ2_S -> L4-per-16 blocks [n, k / "
-        "256 * 146]; or (x8) in that type's x8 layout (type + 1100). IQ1_S, IQ2_S need their grid, IQ2_XS its grid "
-        "and sign bytes (gguf.quants')");
+        "blocks whose codes index the type's levels) [n, k / 256 * 136]; IQ2_XS / IQ2_S / IQ1_M -> L4-per-16 blocks "
+        "[n, k / 256 * 146]; or (x8) in that type's x8 layout (type + 1100). IQ1_S, IQ1_M, IQ2_S need their grid, "
+        "IQ2_XS its grid and sign bytes (gguf.quants')");
   m.def("gguf_ternary_to_q2_k", &gguf_ternary_q2_k, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),
         "TQ1_0 / TQ2_0 blocks [n, row bytes] -> Q2_K blocks [n, k / 256 * 84] of the same values bit for bit");
   m.def("gguf_iq1_to_q6_k", &gguf_iq1_q6_k, py::arg("raw"), py::arg("type"), py::arg("n"), py::arg("k"),

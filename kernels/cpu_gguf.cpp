@@ -127,6 +127,7 @@ template <> struct Fmt<GGUF_IQ3_S_L4> : Fmt<GGUF_IQ4_XS> {};
 template <> struct Fmt<GGUF_IQ1_S_L4> : Fmt<GGUF_IQ4_XS> {};
 template <> struct Fmt<GGUF_IQ2_XS_L4> { static constexpr int64_t QV = 256, BYTES = GGUF_L4_16_BYTES; static constexpr bool MIN = false; };
 template <> struct Fmt<GGUF_IQ2_S_L4> : Fmt<GGUF_IQ2_XS_L4> {};
+template <> struct Fmt<GGUF_IQ1_M_L4> : Fmt<GGUF_IQ2_XS_L4> {};
 
 // Q6_K, Q3_K, Q2_K, the L4-per-16 types: an int scale per 16 values and one fp16 d per super-block; the codes'
 // offset (32 / 4 / none / 64) as a shift.  Q2_K: and a min per 16 values (fp16 dmin times a 4-bit m).
@@ -247,8 +248,8 @@ inline void decode_sub(const uint8_t* b, int j, int8_t w[32], float* fs, float* 
   } else if (gguf_l4_16(TYPE)) {
     const uint8_t* qs = b + 18 + 16 * j;
     for (int l = 0; l < 16; ++l) {
-      w[l] = GGUF_L4_IQ2XXS[qs[l] & 15];
-      w[l + 16] = GGUF_L4_IQ2XXS[qs[l] >> 4];
+      w[l] = gguf_levels_of<TYPE>()[qs[l] & 15];
+      w[l + 16] = gguf_levels_of<TYPE>()[qs[l] >> 4];
     }
     sc2[0] = (int8_t)b[2 + 2 * j];
     sc2[1] = (int8_t)b[3 + 2 * j];
@@ -1009,6 +1010,7 @@ void dispatch(int type, Args&&... args) {
     case GGUF_IQ1_S_L4: Op<GGUF_IQ1_S_L4>::run(args...); break;
     case GGUF_IQ2_XS_L4: Op<GGUF_IQ2_XS_L4>::run(args...); break;
     case GGUF_IQ2_S_L4: Op<GGUF_IQ2_S_L4>::run(args...); break;
+    case GGUF_IQ1_M_L4: Op<GGUF_IQ1_M_L4>::run(args...); break;
 #ifdef EDGELLM_G_AVX2
     case GGUF_Q5_0_R8: Op<GGUF_Q5_0_R8>::run(args...); break;
     case GGUF_Q5_1_R8: Op<GGUF_Q5_1_R8>::run(args...); break;
@@ -1036,6 +1038,7 @@ void dispatch_x8(int base_type, Args&&... args) {
     case GGUF_IQ1_S_L4: Op<GGUF_IQ1_S_L4>::run(args...); break;
     case GGUF_IQ2_XS_L4: Op<GGUF_IQ2_XS_L4>::run(args...); break;
     case GGUF_IQ2_S_L4: Op<GGUF_IQ2_S_L4>::run(args...); break;
+    case GGUF_IQ1_M_L4: Op<GGUF_IQ1_M_L4>::run(args...); break;
     default: break;
   }
 }

@@ -51,18 +51,21 @@ constexpr int GGUF_L4 = 100;
 inline bool gguf_is_l4(int type) { return type > GGUF_L4 && type < GGUF_X8; }
 constexpr int GGUF_IQ2_XXS_L4 = GGUF_L4 + 16, GGUF_IQ3_XXS_L4 = GGUF_L4 + 18, GGUF_IQ3_S_L4 = GGUF_L4 + 21,
               GGUF_IQ1_S_L4 = GGUF_L4 + 19;
-// IQ2_XS / IQ2_S plus GGUF_L4 ("L4 per 16"): the same recoding under their scales' grain, one per 16 values, which
-// IQ4_XS's layout cannot hold: d fp16 | m int8[16] (the multiplier 2 s + 1 of each 16 values) | qs[128] as IQ4_XS's
-// (sub-block j: qs[16 j ..], low nibbles values 0..15, high 16..31), codes indexing IQ2_XXS's levels (the grids hold
-// the same values 8, 25, 43); w = ((d / 8) m) level, gguf.quants' (d (0.5 + s)) / 4 times the grid value bit for bit.
-// 146 bytes per 256 values (4.56 bits a weight where the files take 2.31 / 2.56 and the Q8_0 route 8.5).  The kernels
-// take it on Q6_K's "per16" paths (cpu_gguf.cpp): codes looked up as level + 64, unsigned, the 64 off the int sums.
-constexpr int GGUF_IQ2_XS_L4 = GGUF_L4 + 17, GGUF_IQ2_S_L4 = GGUF_L4 + 22;
-constexpr bool gguf_l4_16(int type) { return type == GGUF_IQ2_XS_L4 || type == GGUF_IQ2_S_L4; }
+// IQ2_XS / IQ2_S / IQ1_M plus GGUF_L4 ("L4 per 16"): the same recoding under their scales' grain, one per 16 values,
+// which IQ4_XS's layout cannot hold: d fp16 | m int8[16] (the multiplier 2 s + 1 of each 16 values) | qs[128] as
+// IQ4_XS's (sub-block j: qs[16 j ..], low nibbles values 0..15, high 16..31), codes indexing IQ2_XXS's levels (the
+// IQ2 grids hold the same values 8, 25, 43; IQ1_M: IQ1_S's, 8 (g +- 1/8)); w = ((d / 8) m) level, gguf.quants'
+// (d (0.5 + s)) / 4 times the grid value (IQ1_M: (d m) (g +- 1/8)) bit for bit.  146 bytes per 256 values (4.56 bits a
+// weight where the files take 2.31 / 2.56 / 1.75).  The kernels take it on Q6_K's "per16" paths (cpu_gguf.cpp): codes
+// looked up as level + 64, unsigned, the 64 off the int sums.
+constexpr int GGUF_IQ2_XS_L4 = GGUF_L4 + 17, GGUF_IQ2_S_L4 = GGUF_L4 + 22, GGUF_IQ1_M_L4 = GGUF_L4 + 29;
+constexpr bool gguf_l4_16(int type) {
+  return type == GGUF_IQ2_XS_L4 || type == GGUF_IQ2_S_L4 || type == GGUF_IQ1_M_L4;
+}
 constexpr int64_t GGUF_L4_16_BYTES = 146;  // per 256 values (the IQ4_XS-shaped L4 blocks: 136)
-// The GGML types that have an L4 form (IQ2_XS, IQ2_S: the per-16 one)
+// The GGML types that have an L4 form (IQ2_XS, IQ2_S, IQ1_M: the per-16 one)
 constexpr bool gguf_l4_base(int type) {
-  return type == 16 || type == 18 || type == 21 || type == 19 || type == 17 || type == 22;
+  return type == 16 || type == 18 || type == 21 || type == 19 || type == 17 || type == 22 || type == 29;
 }
 // An L4 type's power of two on d m (1 for IQ4_XS), and the 16 int8 levels its 4-bit codes index (IQ4_NL's for IQ4_XS)
 template <int TYPE>
@@ -78,8 +81,9 @@ alignas(16) inline constexpr int8_t GGUF_IQ4_LEVELS[16] = {-127, -104, -83, -65,
                                                            1, 13, 25, 38, 53, 69, 89, 113};
 template <int TYPE>
 constexpr const int8_t* gguf_levels_of() {
-  return TYPE == GGUF_IQ2_XXS_L4 || gguf_l4_16(TYPE) ? GGUF_L4_IQ2XXS : TYPE == GGUF_IQ3_XXS_L4 ? GGUF_L4_IQ3XXS
-       : TYPE == GGUF_IQ3_S_L4 ? GGUF_L4_IQ3S : TYPE == GGUF_IQ1_S_L4 ? GGUF_L4_IQ1S : GGUF_IQ4_LEVELS;
+  return TYPE == GGUF_IQ2_XXS_L4 || TYPE == GGUF_IQ2_XS_L4 || TYPE == GGUF_IQ2_S_L4 ? GGUF_L4_IQ2XXS
+       : TYPE == GGUF_IQ3_XXS_L4 ? GGUF_L4_IQ3XXS : TYPE == GGUF_IQ3_S_L4 ? GGUF_L4_IQ3S
+       : TYPE == GGUF_IQ1_S_L4 || TYPE == GGUF_IQ1_M_L4 ? GGUF_L4_IQ1S : GGUF_IQ4_LEVELS;
 }
 
 // An L4 type's levels plus 64, as u8 (|level| <= 62: unsigned codes <= 126, which maddubs takes without saturating a
@@ -241,8 +245,9 @@ struct GridTables {
   const uint8_t* ksigns = nullptr;
 };
 // Rows of IQ2_XXS / IQ3_XXS / IQ3_S / IQ1_S blocks -> the same rows as GGUF_L4 blocks (136 bytes per 256 values),
-// IQ2_XS / IQ2_S rows as L4-per-16 blocks (146), the values bit for bit; false for another type or missing tables.
-// `tables`: IQ1_S's, IQ2_S's grid, IQ2_XS's grid and sign bytes (the others' codebooks are gguf_grids.h's).
+// IQ2_XS / IQ2_S / IQ1_M rows as L4-per-16 blocks (146), the values bit for bit; false for another type or missing
+// tables. `tables`: IQ1_S's, IQ1_M's, IQ2_S's grid, IQ2_XS's grid and sign bytes (the others' codebooks are
+// gguf_grids.h's).
 bool gguf_grid_to_l4(const uint8_t* blocks, int type, int64_t N, int64_t K, const GridTables& tables, uint8_t* out);
 // The same rows straight into the L4 type's x8 layout (N % 8 == 0; no whole-tensor L4 copy on the way).
 bool gguf_grid_to_l4_x8(const uint8_t* blocks, int type, int64_t N, int64_t K, const GridTables& tables, uint8_t* x8);

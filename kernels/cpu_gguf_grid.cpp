@@ -1,8 +1,9 @@
 // The grid-codebook and ternary GGUF types (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S; TQ1_0, TQ2_0)
 // dequantized to fp32 (`--weights fp`), or requantized straight to Q8_0 blocks for the types without a product
 // kernel, which the loader multiplies in their place (edgellm/loading.py `_as_q8_0`); and IQ2_XXS / IQ3_XXS / IQ3_S /
-// IQ1_S recoded as L4 blocks (cpu_gguf.h GGUF_L4), IQ2_XS / IQ2_S as L4-per-16 blocks, the CPU loader's form of those.  Portable C++, one pass per 256-value
-// block; what gguf.quants' numpy did at ~70 ns a weight (an 8B IQ3 file: minutes of load) takes a few ns.
+// IQ1_S recoded as L4 blocks (cpu_gguf.h GGUF_L4), IQ2_XS / IQ2_S / IQ1_M as L4-per-16 blocks, the CPU loader's form
+// of those.  Portable C++, one pass per 256-value block; what gguf.quants' numpy did at ~70 ns a weight (an 8B IQ3
+// file: minutes of load) takes a few ns.
 //
 // Values: the fp32 operations of ggml's dequantize_row_* in their order, so the results are gguf.quants.dequantize's
 // bit for bit.  Q8_0: as gguf.quants.quantize (and ggml's quantize_row_q8_0_ref) per 32 values: d = amax / 127,
@@ -261,13 +262,20 @@ void write_l4(uint16_t d, const int m[8], const int8_t w[256], const L4Codes& co
   write_l4_codes(w, codes, dst + 8);
 }
 
-// One L4-per-16 block (IQ2_XS / IQ2_S): d as stored, the 16 multipliers as int8, the codes
+// One L4-per-16 block (IQ2_XS / IQ2_S / IQ1_M): d (IQ1_M's from its scales' top nibbles), the 16 multipliers as
+// int8, the codes
 template <int TYPE>
 void block_to_l4_16(const uint8_t* src, const GridTables& t, const L4Codes& codes, uint8_t* dst) {
   int m[16];
   int8_t w[256];
-  iq2_levels<TYPE>(src, t, m, w);
-  std::memcpy(dst, src, 2);
+  uint16_t d;
+  if constexpr (TYPE == IQ1_M) {
+    d = iq1_m_levels(src, t, m, w);
+  } else {
+    iq2_levels<TYPE>(src, t, m, w);
+    d = u16(src);
+  }
+  std::memcpy(dst, &d, 2);
   for (int k = 0; k < 16; ++k) dst[2 + k] = (uint8_t)m[k];
   write_l4_codes(w, codes, dst + 18);
 }
@@ -308,6 +316,7 @@ void rows_to_l4(const uint8_t* blocks, int type, const GridTables& t, int64_t n0
     switch (type) {
       case IQ2_XS: block_to_l4_16<IQ2_XS>(src, t, iq2xxs, dst); break;  // (the same levels as IQ2_XXS)
       case IQ2_S: block_to_l4_16<IQ2_S>(src, t, iq2xxs, dst); break;
+      case IQ1_M: block_to_l4_16<IQ1_M>(src, t, iq1s, dst); break;  // (IQ1_S' levels)
       case IQ2_XXS: block_to_l4<IQ2_XXS>(src, t, iq2xxs, dst); break;
       case IQ3_XXS: block_to_l4<IQ3_XXS>(src, t, iq3xxs, dst); break;
       case IQ3_S: block_to_l4<IQ3_S>(src, t, iq3s, dst); break;
@@ -316,10 +325,11 @@ void rows_to_l4(const uint8_t* blocks, int type, const GridTables& t, int64_t n0
   }
 }
 
-// Whether a type has an L4 form and what it needs to make it (IQ1_S, IQ2_S: its grid; IQ2_XS: and its sign bytes)
+// Whether a type has an L4 form and what it needs to make it (IQ1_S, IQ1_M, IQ2_S: its grid; IQ2_XS: and its sign
+// bytes; the others' codebooks are gguf_grids.h's)
 bool l4_convertible(int type, const GridTables& t) {
-  return gguf_l4_base(type) && (type != IQ1_S || t.grid) && (type != IQ2_S || t.grid) &&
-         (type != IQ2_XS || (t.grid && t.ksigns));
+  const bool builtin = type == IQ2_XXS || type == IQ3_XXS || type == IQ3_S;
+  return gguf_l4_base(type) && (builtin || t.grid) && (type != IQ2_XS || t.ksigns);
 }
 
 }  // namespace

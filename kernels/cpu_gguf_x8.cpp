@@ -73,8 +73,11 @@ template <> struct Raw<GGUF_IQ2_XXS_L4> : Raw<GGUF_IQ4_XS> {};  // (cpu_gguf.h G
 template <> struct Raw<GGUF_IQ3_XXS_L4> : Raw<GGUF_IQ4_XS> {};
 template <> struct Raw<GGUF_IQ3_S_L4> : Raw<GGUF_IQ4_XS> {};
 template <> struct Raw<GGUF_IQ1_S_L4> : Raw<GGUF_IQ4_XS> {};
-template <> struct Raw<GGUF_IQ2_XS_L4> { static constexpr int64_t QV = 256, BYTES = GGUF_L4_16_BYTES, XB = 1168, QS = 18; };
+template <> struct Raw<GGUF_IQ2_XS_L4> {
+  static constexpr int64_t QV = 256, BYTES = GGUF_L4_16_BYTES, XB = 1168, QS = 18;
+};
 template <> struct Raw<GGUF_IQ2_S_L4> : Raw<GGUF_IQ2_XS_L4> {};
+template <> struct Raw<GGUF_IQ1_M_L4> : Raw<GGUF_IQ2_XS_L4> {};
 // IQ4_XS and the L4 types: the same layout, their own levels
 constexpr bool iq4xs_like(int type) {
   return type == GGUF_IQ4_XS || (type > GGUF_L4 && gguf_l4_base(type - GGUF_L4) && !gguf_l4_16(type));
@@ -104,6 +107,7 @@ void on_x8_type(int base_type, F&& f) {
     case GGUF_IQ1_S_L4: f(std::integral_constant<int, GGUF_IQ1_S_L4>()); break;
     case GGUF_IQ2_XS_L4: f(std::integral_constant<int, GGUF_IQ2_XS_L4>()); break;
     case GGUF_IQ2_S_L4: f(std::integral_constant<int, GGUF_IQ2_S_L4>()); break;
+    case GGUF_IQ1_M_L4: f(std::integral_constant<int, GGUF_IQ1_M_L4>()); break;
     case GGUF_Q5_0: f(std::integral_constant<int, GGUF_Q5_0>()); break;
     case GGUF_Q5_1: f(std::integral_constant<int, GGUF_Q5_1>()); break;
     case GGUF_IQ4_NL: f(std::integral_constant<int, GGUF_IQ4_NL>()); break;

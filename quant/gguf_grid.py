@@ -52,7 +52,7 @@ def grid_of(type_id: int) -> torch.Tensor:
 
 
 # The L4 bases whose tables the caller gives ext.gguf_to_l4 (the build has IQ2_XXS' / IQ3_XXS' / IQ3_S' codebooks)
-_L4_TABLES_GIVEN = (19, 17, 22)  # IQ1_S, IQ2_XS, IQ2_S
+_L4_TABLES_GIVEN = (19, 17, 22, 29)  # IQ1_S, IQ2_XS, IQ2_S, IQ1_M
 
 
 def l4_tables(type_id: int) -> dict[str, torch.Tensor]:

@@ -50,8 +50,8 @@ __all__ = ["GGUFPart", "GGUFLinear", "GGUFEmbedding", "raw_tensor", "install_ggu
 X8_UNITS = {10: (256, 672), 11: (256, 912), 12: (256, 1184), 13: (256, 1440), 14: (256, 1680),  # Q2_K .. Q6_K
             23: (256, 1104), 6: (32, 176), 7: (32, 192), 20: (32, 144)}  # IQ4_XS, Q5_0, Q5_1, IQ4_NL
 X8_UNITS.update({L4 + t: X8_UNITS[23] for t in (16, 18, 21, 19)})  # the L4 types (IQ4_XS's layout)
-X8_UNITS.update({L4 + t: (256, 1168) for t in (17, 22)})  # IQ2_XS / IQ2_S's L4 per 16 (a scale per 16 values)
-L4_BLOCK_BYTES = {17: 146, 22: 146}  # an L4 type's bytes per 256 values where not IQ4_XS's 136
+X8_UNITS.update({L4 + t: (256, 1168) for t in (17, 22, 29)})  # IQ2_XS / IQ2_S / IQ1_M's L4 per 16 (a scale per 16)
+L4_BLOCK_BYTES = {17: 146, 22: 146, 29: 146}  # an L4 type's bytes per 256 values where not IQ4_XS's 136
 
 
 def part_row_bytes(type_id: int, k: int) -> int:
@@ -310,16 +310,18 @@ Q5_LAYOUT = "x8"
 # How repack_for_cpu lays out IQ4_NL parts (A/B switch): "x8" or "stored".
 IQ4_NL_LAYOUT = "x8"
 # How repack_for_cpu lays out IQ2_XXS / IQ3_XXS / IQ3_S parts (A/B switch): "l4" (recoded as IQ4_XS blocks over the
-# type's levels) or "stored" (multiplied through the grids). IQ1_S, IQ2_XS and IQ2_S, which have no kernel as stored,
-# take their L4 forms where it is on (IQ1_S kept as blocks for it: `cpu_recoded_types`); else IQ1_S takes the loader's
-# Q6_K form of its values, and IQ2_XS / IQ2_S parts are dequantized per call (quant/gguf_tensor.py).
+# type's levels) or "stored" (multiplied through the grids). IQ1_S, IQ1_M, IQ2_XS and IQ2_S, which have no kernel as
+# stored, take their L4 forms where it is on (the IQ1 types kept as blocks for it: `cpu_recoded_types`); else the IQ1
+# types take the loader's Q6_K form of their values, and IQ2_XS / IQ2_S parts are dequantized per call
+# (quant/gguf_tensor.py).
 GRID_LAYOUT = "l4"
 
 
 def cpu_recoded_types(device: torch.device) -> frozenset[str]:
     """The GGUF types without a kernel as stored that the CPU loader keeps as their blocks, to be recoded as L4 by
-    repack_for_cpu (IQ1_S: 4.25 bits a weight, IQ2_XS / IQ2_S: 4.56, their values bit for bit, where Q8_0 takes 8.5
-    and rounds): on the CPU with the extension's recoding and GRID_LAYOUT "l4"; none elsewhere."""
+    repack_for_cpu (IQ1_S: 4.25 bits a weight, IQ1_M: 4.56, their values bit for bit, where their Q6_K form takes
+    6.56): on the CPU with the extension's recoding and GRID_LAYOUT "l4"; none elsewhere (IQ2_XS / IQ2_S, also
+    listed, are kept as blocks everywhere)."""
     ext = K.cpu_extension() if device.type == "cpu" and GRID_LAYOUT == "l4" else None
     if ext is None:
         return frozenset()
@@ -329,8 +331,8 @@ def cpu_recoded_types(device: torch.device) -> frozenset[str]:
 
 def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int],
                  l4_types: set[int]) -> list[GGUFPart]:
-    """One part as the CPU kernels multiply it fastest: a grid i-quant's rows recoded (l4: 4.25 / 4.56 bits a weight, ~3x
-    faster than its grid lookups); else its first rows // 8 * 8 rows in the x8 layout where there is one for its
+    """One part as the CPU kernels multiply it fastest: a grid i-quant's rows recoded (l4: 4.25 / 4.56 bits a weight,
+    ~3x faster than its grid lookups); else its first rows // 8 * 8 rows in the x8 layout where there is one for its
     type, the others (Q5_0 / Q5_1) in the r8 layout, the rest as stored (with their out_index entries)."""
     index = p.out_index
     if p.type in l4_types:  # the grid i-quants: IQ4_XS blocks over their levels (the same values), rows 8 at a

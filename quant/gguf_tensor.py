@@ -47,8 +47,8 @@ def _k_scale_min(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-# The grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): each grid entry's 8 / 4 values, and the 128 sign bytes, from
-# gguf.quants, put on a device once (the first dequantization there, an eager pass before any CUDA graph).
+# The grid i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S): each grid entry's 8 / 4 values, and the 128 sign
+# bytes, from gguf.quants, put on a device once (the first dequantization there, an eager pass before any CUDA graph).
 _GRIDS: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
 

@@ -48,7 +48,8 @@ IQ4_MIX = {"attn_q.weight": "IQ4_XS", "attn_k.weight": "IQ4_NL", "attn_v.weight"
 IQ3_MIX = {"attn_q.weight": "IQ3_XXS", "attn_k.weight": "IQ3_S", "attn_v.weight": "IQ2_XXS", "attn_output.weight": "IQ3_S",
            "ffn_gate.weight": "IQ3_XXS", "ffn_up.weight": "IQ2_XXS", "ffn_down.weight": "IQ3_S",
            "token_embd.weight": "IQ3_XXS", "output.weight": "Q6_K"}
-# The types with no kernel as stored that the loader rewrites: IQ1_S (recoded as L4 on the CPU), IQ1_M (as Q6_K blocks)
+# The types with no kernel as stored that the loader rewrites: IQ1_S / IQ1_M (recoded as L4 on the CPU, as Q6_K blocks
+# elsewhere)
 # and the ternary TQ1_0 / TQ2_0 (as Q2_K blocks), fused beside each other (Q/K/V, gate/up); the embeddings of a type
 # with kernels, as IQ1 files' are. TQ_MIX: a ternary (BitNet-style) file, its embeddings ternary too.
 IQ1_MIX = {"attn_q.weight": "IQ1_S", "attn_k.weight": "TQ1_0", "attn_v.weight": "TQ2_0", "attn_output.weight": "IQ1_M",
@@ -63,8 +64,9 @@ TQ_MIX = {"attn_q.weight": "TQ1_0", "attn_k.weight": "TQ2_0", "attn_v.weight": "
           "ffn_gate.weight": "TQ2_0", "ffn_up.weight": "TQ1_0", "ffn_down.weight": "TQ2_0",
           "token_embd.weight": "TQ2_0", "output.weight": "TQ1_0"}
 SHAPE = dict(hidden_size=256, intermediate_size=512)  # K-quants need rows of 256
-# what the loader runs the types without a kernel as stored (but IQ1_S on the CPU: L4) as, their values unchanged
-REWRITTEN = {"TQ1_0": "Q2_K", "TQ2_0": "Q2_K", "IQ1_M": "Q6_K"}
+# what the loader runs the types without a kernel as stored (but IQ1_S / IQ1_M on the CPU: L4) as, their values
+# unchanged
+REWRITTEN = {"TQ1_0": "Q2_K", "TQ2_0": "Q2_K"}
 
 
 def type_name(type_id: int) -> str:
@@ -120,7 +122,7 @@ def test_auto_keeps_every_block_in_place(quant_files, name):
     loaded = load_model(quant_files[name], weights="auto")
     model = loaded.model
     reader = gguf.GGUFReader(str(quant_files[name]))
-    # (the ternary types run as Q2_K blocks of their values, IQ1_M as Q6_K)
+    # (the ternary types run as Q2_K blocks of their values)
     stored = {t.name: REWRITTEN.get(t.tensor_type.name, t.tensor_type.name) for t in reader.tensors}
     a = model.layers[0].attention
     assert isinstance(a.wqkv, GGUFLinear)
@@ -359,7 +361,7 @@ def test_types_without_a_kernel_run_as_q8_0_with_a_warning(tmp_path, no_kernels)
 
 def test_iq1_and_ternary_types_run_without_q8_0(quant_files, tmp_path):
     """IQ1_S / IQ1_M / TQ1_0 / TQ2_0 have no kernel as stored. On the CPU with the extension, IQ1_S runs recoded as L4
-    (4.25 bits a weight), IQ1_M as Q6_K blocks (6.56) and the ternary types as Q2_K blocks (2.625): no warning, their
+    (4.25 bits a weight), IQ1_M as L4 per 16 (4.56) and the ternary types as Q2_K blocks (2.625): no warning, their
     values gguf.quants' bit for bit. Without the extension (no converter) the IQ1 types take the Q8_0 route with the
     warning naming them, the ternary types stay Q2_K (numpy); a token embedding of IQ1_S runs as Q6_K (its lookups
     dequantize rows, which L4 blocks would not give)."""
@@ -369,7 +371,9 @@ def test_iq1_and_ternary_types_run_without_q8_0(quant_files, tmp_path):
         w.simplefilter("error")  # no "requantized" warning
         loaded = load_model(quant_files["iq1mix"], weights="auto")
     assert {"IQ1_S", "Q2_K", "Q6_K"} <= set(loaded.runs_as) and "Q8_0" not in loaded.runs_as
-    assert loaded.model.layers[0].attention.wo.type_names() == ["Q6_K"]  # IQ1_M's values
+    wo = loaded.model.layers[0].attention.wo
+    assert wo.type_names() == ["IQ1_M"] and L4 < wo.part_types[0] % X8 < X8  # recoded, 146 bytes a 256 values
+    assert wo.gguf_parts[0].raw.numel() == wo.out_features * wo.in_features // 256 * 146
     wqkv = loaded.model.layers[0].attention.wqkv
     assert wqkv.type_names() == ["IQ1_S", "Q2_K", "Q2_K"] and L4 < wqkv.part_types[0] % X8 < X8
     q_units = loaded.config.q_size * wqkv.in_features // 256  # 136 bytes each (138 in the x8 layout): not Q8_0's 272
@@ -432,9 +436,10 @@ def test_iq2_xs_and_iq2_s_run_recoded_on_the_cpu(quant_files, tmp_path):
 
 
 def test_blocks_made_at_load_are_freed_once_repacked(quant_files):
-    """A type rewritten at load (IQ1_M as Q6_K blocks, in memory) and then repacked for the CPU kernels (x8) is not
+    """A type rewritten at load (TQ1_0 as Q2_K blocks, in memory) and then repacked for the CPU kernels (x8) is not
     held to the end of the load: install_gguf takes each entry out of the loader's dict as it installs it, so the
-    rewritten copy goes once its repacked one exists (it was held: the 1B IQ1_M file peaked 0.3 GB higher)."""
+    rewritten copy goes once its repacked one exists (it was held: the 1B IQ1_M file, then rewritten as Q6_K, peaked
+    0.3 GB higher)."""
     import gc
     import weakref
 
@@ -442,20 +447,20 @@ def test_blocks_made_at_load_are_freed_once_repacked(quant_files):
     from edgellm.model import Transformer
     from edgellm.quant.gguf_linear import install_gguf
 
-    if 14 not in matmul.cpu_extension().gguf_x8_types():
+    if 10 not in matmul.cpu_extension().gguf_x8_types():
         pytest.skip("this build has no x8 kernels (they need AVX2): nothing is repacked")
     src, cfg, fmt = open_source(quant_files["iq1mix"])
     state, _, parts = build_state_dict(src, cfg, fmt, torch.float32, torch.device("cpu"), as_stored=True)
-    (wo,) = parts["layers.0.attention.wo.weight"]  # IQ1_M: Q6_K blocks the loader made
-    assert wo.type == 14 and wo.rows % 8 == 0
-    made = weakref.ref(wo.raw)
-    del wo
+    (w2,) = parts["layers.0.feed_forward.w2.weight"]  # TQ1_0: Q2_K blocks the loader made
+    assert w2.type == 10 and w2.rows % 8 == 0
+    made = weakref.ref(w2.raw)
+    del w2
     with torch.device("meta"):
         model = Transformer(cfg)
     install_gguf(model, parts, state, torch.float32, torch.device("cpu"))
     gc.collect()
     assert not parts and made() is None
-    assert model.layers[0].attention.wo.part_types == [14 + X8]
+    assert model.layers[0].feed_forward.w2.part_types == [10 + X8]
 
 
 def test_info_says_what_each_tensor_runs_as(quant_files):
@@ -498,7 +503,9 @@ def test_fused_cpu_step_runs_gguf_models(quant_files, name):
                 for tf, te in zip(f, e):
                     if isinstance(tf, torch.Tensor):
                         tf.copy_(te)
-    assert sum(close) >= len(close) - 2, close
+    # most steps equal to rounding (a flip moves one step by up to ~1% here: iq1mix, 3 of the 12); a wrong part or
+    # order moves every step past the 5% above
+    assert sum(close) >= 2 * len(close) // 3, close
 
 
 FAMILY_MIX = {"attn_q.weight": "Q5_0", "attn_k.weight": "Q5_1", "attn_v.weight": "Q8_0", "attn_qkv.weight": "Q5_0",

@@ -64,22 +64,25 @@ def test_the_kernels_codebooks_are_gguf_quants():
     assert f"GGUF_IQ3XXS_GRID[256] = {{\n    0x{first:08x}," in text  # (the header names the entries in order)
 
 
-L4_BASES = [16, 18, 21, 19, 17, 22]  # IQ2_XXS, IQ3_XXS, IQ3_S; IQ1_S, IQ2_XS, IQ2_S (no kernel as stored)
+L4_BASES = [16, 18, 21, 19, 17, 22, 29]  # IQ2_XXS, IQ3_XXS, IQ3_S; IQ1_S, IQ2_XS, IQ2_S, IQ1_M (no kernel as stored)
 
 
 @pytest.mark.parametrize("type_id", L4_BASES, ids=lambda t: gguf_grid.GRID_TYPES[t])
 def test_l4_recoding_keeps_every_value(ext, type_id):
     """The CPU loader's recoding of the grid i-quants (ext.gguf_to_l4: IQ4_XS blocks over the type's levels; IQ2_XS /
-    IQ2_S: with a scale per 16 values) holds gguf.quants' values bit for bit: through the extension's dequantizer,
+    IQ2_S / IQ1_M: with a scale per 16 values) holds gguf.quants' values bit for bit: through the extension's dequantizer,
     and through an independent numpy reading of the layout (tests/test_gguf_kernels.l4_dequant)."""
     from tests.test_gguf_kernels import L4, l4_dequant
 
     rows, k = 29, 768
     raw = grid_blocks(gguf_grid.GRID_TYPES[type_id], rows, k, seed=type_id)
-    raw[:3, 0:2] = np.frombuffer(np.float16(2.0 ** -16).tobytes(), np.uint8)  # subnormal d's (the 2^-p still exact)
+    if type_id == 29:  # subnormal d's (the 2^-p still exact); IQ1_M's lies in its scales' top nibbles
+        set_iq1_m_d(raw[:3], 2.0 ** -16)
+    else:
+        raw[:3, 0:2] = np.frombuffer(np.float16(2.0 ** -16).tobytes(), np.uint8)
     want = gguf.quants.dequantize(raw, T(type_id)).reshape(rows, k)
     l4 = ext.gguf_to_l4(torch.from_numpy(raw), type_id, rows, k, **gguf_grid.l4_tables(type_id))
-    assert l4.shape == (rows, k // 256 * (146 if type_id in (17, 22) else 136))
+    assert l4.shape == (rows, k // 256 * (146 if type_id in (17, 22, 29) else 136))
     got = ext.gguf_dequantize(l4, type_id + 100, rows, k).numpy()
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.array_equal(l4_dequant(l4.numpy(), L4(T(type_id))).view(np.uint32), want.view(np.uint32))
@@ -110,8 +113,8 @@ def test_l4_refusals(ext):
     iq2_xs = torch.from_numpy(grid_blocks("IQ2_XS", 8, 256, seed=1))
     with pytest.raises(RuntimeError, match="type 17 needs the 128 sign bytes"):
         ext.gguf_to_l4(iq2_xs, 17, 8, 256, grid=gguf_grid.grid_of(17))  # (its grid, not its signs)
-    with pytest.raises(RuntimeError, match="is not IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S or IQ1_S"):
-        ext.gguf_to_l4(torch.from_numpy(grid_blocks("IQ1_M", 8, 256, seed=1)), 29, 8, 256)
+    with pytest.raises(RuntimeError, match="is not IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S or IQ1_M"):
+        ext.gguf_to_l4(torch.from_numpy(grid_blocks("TQ1_0", 8, 256, seed=1)), 34, 8, 256)
 
 
 @pytest.mark.parametrize("type_id", [34, 35], ids=["TQ1_0", "TQ2_0"])

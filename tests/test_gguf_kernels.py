@@ -24,7 +24,7 @@ from tests.test_cpu_kernels import VNNI_MISSING, ext, start_builds, stop_builds 
 
 class L4:
     """A grid i-quant's blocks recoded as IQ4_XS blocks over its levels (kernels/cpu_gguf.h GGUF_L4, type id + 100;
-    IQ2_XS / IQ2_S: the L4-per-16 blocks, a scale per 16 values), as the loader runs them on the CPU: made from random
+    IQ2_XS / IQ2_S / IQ1_M: the L4-per-16 blocks, a scale per 16 values), as the loader runs them on the CPU: made from random
     blocks of the base type by the extension's converter, and dequantized for the references by l4_dequant below
     (numpy, from the documented layout)."""
 
@@ -36,8 +36,8 @@ class L4:
 
 
 GRID_IQUANTS = {Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S}  # codebook types (kernels/gguf_grids.h), stored layout only
-L4_TYPES = [L4(t) for t in (Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ2_XS, Q.IQ2_S)]
-L4_PER16 = {Q.IQ2_XS, Q.IQ2_S}  # (their L4 form's base types)
+L4_TYPES = [L4(t) for t in (Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S, Q.IQ1_S, Q.IQ2_XS, Q.IQ2_S, Q.IQ1_M)]
+L4_PER16 = {Q.IQ2_XS, Q.IQ2_S, Q.IQ1_M}  # (their L4 form's base types)
 GGUF_TYPES = [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.IQ4_NL, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS,
               Q.IQ2_XXS, Q.IQ3_XXS, Q.IQ3_S]
 TYPES = GGUF_TYPES + L4_TYPES
@@ -67,7 +67,7 @@ def make_weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
         from edgellm.quant import gguf_grid
 
         raw = make_weights(qtype.base, n, k, seed)
-        # (IQ1_S, IQ2_XS, IQ2_S: gguf.quants' tables; the other types' codebooks are the extension's own)
+        # (IQ1_S, IQ1_M, IQ2_XS, IQ2_S: gguf.quants' tables; the other types' codebooks are the extension's own)
         return ext.gguf_to_l4(torch.from_numpy(raw), int(qtype.base), n, k, **gguf_grid.l4_tables(int(qtype.base))).numpy()
     rng = np.random.default_rng(seed)
     block_values, block_bytes = GGML_QUANT_SIZES[qtype]
@@ -76,7 +76,11 @@ def make_weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
         return quants.quantize(w, qtype)
     nb = n * k // block_values
     raw = rng.integers(0, 256, (nb, block_bytes), dtype=np.uint8)
-    if qtype == Q.Q6_K:
+    if qtype == Q.IQ1_M:  # its fp16 d lies in its scales' top nibbles
+        from tests.fixtures.tiny import set_iq1_m_d
+
+        set_iq1_m_d(raw, float(rng.uniform(1e-4, 2e-3)))
+    elif qtype == Q.Q6_K:
         raw[:, 208:210] = _f16_bytes(rng, nb, 1e-4, 2e-3)  # d; scales int8 random (signed)
     elif qtype == Q.Q3_K:
         raw[:, 108:110] = _f16_bytes(rng, nb, 1e-3, 2e-2)  # d; 6-bit scales (minus 32) and codes random
@@ -95,10 +99,11 @@ def make_weights(qtype: Q, n: int, k: int, seed: int) -> np.ndarray:
 def l4_dequant(raw: np.ndarray, qtype: L4) -> np.ndarray:
     """L4 blocks (IQ4_XS's layout: d fp16, the 6-bit scales' high bits u16 and low nibbles, 128 bytes of codes, low
     nibble value l, high l + 16 of each 32) -> fp32 as gguf.quants computes the base type: ((d m) 2^-p) level.
-    L4 per 16 (IQ2_XS, IQ2_S): d fp16, 16 int8 multipliers m (one per 16 values), then the same 128 bytes of codes."""
+    L4 per 16 (IQ2_XS, IQ2_S, IQ1_M): d fp16, 16 int8 multipliers m (one per 16 values), then the same 128 bytes of
+    codes."""
     levels = {"IQ2_XXS": (8, 25, 43), "IQ3_XXS": (4, 12, 20, 28, 36, 44, 52, 62),
               "IQ3_S": (1, 3, 5, 7, 9, 11, 13, 15), "IQ1_S": (1, 7, 9), "IQ2_XS": (8, 25, 43),
-              "IQ2_S": (8, 25, 43)}[qtype.base.name]  # IQ1_S: 8 (g +- 1/8)
+              "IQ2_S": (8, 25, 43), "IQ1_M": (1, 7, 9)}[qtype.base.name]  # IQ1_S / IQ1_M: 8 (g +- 1/8)
     table = np.array(list(levels) + [0] * (8 - len(levels)) + [-v for v in levels] + [0] * (8 - len(levels)),
                      dtype=np.float32)
     if qtype.base in L4_PER16:
