@@ -601,20 +601,22 @@ inline void levels4(const uint8_t* p, __m256i table, __m256i& lo, __m256i& hi) {
   hi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
 }
 
-// IQ4_XS: the levels of group g of sub-block j, as int8.
+// IQ4_XS and the L4 types: the codes of group g of sub-block j looked up in `table`.
+template <int TYPE>
 inline void levels_iq4xs(const uint8_t* o, int j, int g, __m256i table, __m256i& lo, __m256i& hi) {
-  levels4(o + 80 + 128 * j + 32 * g, table, lo, hi);
+  levels4(o + x8_codes_at<TYPE>() + 128 * j + 32 * g, table, lo, hi);
 }
 
-// IQ4_XS: per sub-block, each row's int dot in one int32 lane (signed levels: |w| against x with w's sign, as the
-// per-row kernels take Q8_0; the pair sums reach 2 * 127 * 127, so each maddubs is widened on its own), then
-// (dot d_x) sc per sub-block and d per super-block.  The L4 types, whose levels are small (|l| <= 62), look their
-// codes up as level + 64 instead (GGUF_LEVELS_U8): unsigned, straight into the dots, the 64 off through the
-// activations' 32-value sums; the same integer sums with two sign transfers a dot fewer.
+// IQ4_XS and the L4 types: per sub-block, each row's int dots of its two 16-value halves in int32 lanes, then (dot
+// d_x) sc per sub-block (the L4-per-16 types: (sc_a dot_a + sc_b dot_b) d_x) and d per super-block.  IQ4_XS's levels
+// are signed int8 (|w| against x with w's sign, as the per-row kernels take Q8_0; the pair sums reach 2 * 127 * 127,
+// so each maddubs is widened on its own); the L4 types' are small (|l| <= 62) and looked up as level + 64 instead
+// (GGUF_LEVELS_U8): unsigned, straight into the dots, the 64 off through the activations' sums (per 32 values; per 16
+// for the L4-per-16 types); the same integer sums with two sign transfers a dot fewer.
 template <int TYPE, int T>
 void group_iq4xs(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
   constexpr int64_t XB = Raw<TYPE>::XB;
-  constexpr bool U8 = TYPE != GGUF_IQ4_XS;
+  constexpr bool U8 = TYPE != GGUF_IQ4_XS, PER16 = gguf_l4_16(TYPE);
   const int64_t nsb = a.K / 256;
   const uint8_t* levels;
   if constexpr (U8) levels = GGUF_LEVELS_U8<TYPE>.u;
@@ -628,77 +630,48 @@ void group_iq4xs(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T])
     __m256 sacc[T];
     for (int t = 0; t < T; ++t) sacc[t] = _mm256_setzero_ps();
     for (int j = 0; j < 8; ++j) {
-      __m256i is[T];
-      for (int t = 0; t < T; ++t) is[t] = _mm256_setzero_si256();
+      __m256i ilo[T], ihi[T];  // values 0..15 / 16..31 of sub-block j
+      for (int t = 0; t < T; ++t) ilo[t] = ihi[t] = _mm256_setzero_si256();
       for (int g = 0; g < 4; ++g) {
         __m256i lo, hi;
-        levels_iq4xs(o, j, g, table, lo, hi);
+        levels_iq4xs<TYPE>(o, j, g, table, lo, hi);
         if constexpr (U8) {
           for (int t = 0; t < T; ++t) {
             const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 32 * j + 4 * g;
-            is[t] = dot4(dot4(is[t], lo, bcast4(xq)), hi, bcast4(xq + 16));
+            ilo[t] = dot4(ilo[t], lo, bcast4(xq));
+            ihi[t] = dot4(ihi[t], hi, bcast4(xq + 16));
           }
         } else {
           const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
           for (int t = 0; t < T; ++t) {
             const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 32 * j + 4 * g;
-            is[t] = dot4(is[t], alo, _mm256_sign_epi8(bcast4(xq), lo));
-            is[t] = dot4(is[t], ahi, _mm256_sign_epi8(bcast4(xq + 16), hi));
+            ilo[t] = dot4(ilo[t], alo, _mm256_sign_epi8(bcast4(xq), lo));
+            ihi[t] = dot4(ihi[t], ahi, _mm256_sign_epi8(bcast4(xq + 16), hi));
           }
         }
       }
-      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(o + 16 + 8 * j))));
-      for (int t = 0; t < T; ++t) {
-        const int64_t b = (m0 + t) * a.nb + s * 8 + j;
-        if constexpr (U8) is[t] = _mm256_sub_epi32(is[t], _mm256_set1_epi32(64 * a.sum32[b]));
-        sacc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(is[t]), _mm256_set1_ps(a.d[b])), sc, sacc[t]);
+      if constexpr (PER16) {  // the rows' int8 multipliers of the two halves (d[r] | m[t][r] from byte 16)
+        const __m256i mlo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(o + 16 + 16 * j)));
+        const __m256i mhi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(o + 24 + 16 * j)));
+        for (int t = 0; t < T; ++t) {
+          const int64_t b = (m0 + t) * a.nb + s * 8 + j;
+          const __m256i v = _mm256_add_epi32(
+              _mm256_mullo_epi32(_mm256_sub_epi32(ilo[t], _mm256_set1_epi32(64 * a.sum16[2 * b])), mlo),
+              _mm256_mullo_epi32(_mm256_sub_epi32(ihi[t], _mm256_set1_epi32(64 * a.sum16[2 * b + 1])), mhi));
+          sacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(a.d[b]), sacc[t]);
+        }
+      } else {
+        const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(o + 16 + 8 * j))));
+        for (int t = 0; t < T; ++t) {
+          const int64_t b = (m0 + t) * a.nb + s * 8 + j;
+          __m256i is = _mm256_add_epi32(ilo[t], ihi[t]);
+          if constexpr (U8) is = _mm256_sub_epi32(is, _mm256_set1_epi32(64 * a.sum32[b]));
+          sacc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(a.d[b])), sc, sacc[t]);
+        }
       }
     }
     __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
     if (gguf_l4_scale<TYPE>() != 1.0f) d = _mm256_mul_ps(d, _mm256_set1_ps(gguf_l4_scale<TYPE>()));  // (exact)
-    for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(sacc[t], d, acc[t]);
-  }
-  for (int t = 0; t < T; ++t) out[t] = acc[t];
-}
-
-// L4 per 16 (cpu_gguf.h GGUF_IQ2_XS_L4): IQ4_XS's codes under Q6_K's arithmetic.  The codes looked up as level + 64
-// (u8 <= 107), per 16 values each row's int dot in one int32 lane, minus 64 sum(q_x), times the row's multiplier m;
-// then d_x per sub-block and d / 8 per super-block.
-template <int TYPE, int T>
-void group_l4_16(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
-  constexpr int64_t XB = Raw<TYPE>::XB;
-  const int64_t nsb = a.K / 256;
-  const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_LEVELS_U8<TYPE>.u));
-  __m256 acc[T];
-  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < nsb; ++s) {
-    const uint8_t* o = w + s * XB;
-    prefetch_sb<XB>(o);
-    __m256 sacc[T];
-    for (int t = 0; t < T; ++t) sacc[t] = _mm256_setzero_ps();
-    for (int j = 0; j < 8; ++j) {
-      __m256i ilo[T], ihi[T];  // values 0..15 / 16..31 of sub-block j
-      for (int t = 0; t < T; ++t) ilo[t] = ihi[t] = _mm256_setzero_si256();
-      for (int g = 0; g < 4; ++g) {
-        __m256i lo, hi;
-        levels4(o + x8_codes_at<TYPE>() + 128 * j + 32 * g, table, lo, hi);
-        for (int t = 0; t < T; ++t) {
-          const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 32 * j + 4 * g;
-          ilo[t] = dot4(ilo[t], lo, bcast4(xq));
-          ihi[t] = dot4(ihi[t], hi, bcast4(xq + 16));
-        }
-      }
-      const __m256i mlo = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(o + 16 + 16 * j)));
-      const __m256i mhi = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(o + 24 + 16 * j)));
-      for (int t = 0; t < T; ++t) {
-        const int64_t b = (m0 + t) * a.nb + s * 8 + j;
-        const __m256i v = _mm256_add_epi32(
-            _mm256_mullo_epi32(_mm256_sub_epi32(ilo[t], _mm256_set1_epi32(64 * a.sum16[2 * b])), mlo),
-            _mm256_mullo_epi32(_mm256_sub_epi32(ihi[t], _mm256_set1_epi32(64 * a.sum16[2 * b + 1])), mhi));
-        sacc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_set1_ps(a.d[b]), sacc[t]);
-      }
-    }
-    const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o)), _mm256_set1_ps(0.125f));
     for (int t = 0; t < T; ++t) acc[t] = _mm256_fmadd_ps(sacc[t], d, acc[t]);
   }
   for (int t = 0; t < T; ++t) out[t] = acc[t];
@@ -796,8 +769,7 @@ inline void group_rows(const GgufActs& a, int64_t m0, const uint8_t* w, float* y
   else if constexpr (TYPE == GGUF_Q3_K || TYPE == GGUF_Q2_K) group_low_k<TYPE, T>(a, m0, w, out);
   else if constexpr (is_q5(TYPE)) group_q5<TYPE, T>(a, m0, w, out);
   else if constexpr (TYPE == GGUF_IQ4_NL) group_iq4nl<T>(a, m0, w, out);
-  else if constexpr (iq4xs_like(TYPE)) group_iq4xs<TYPE, T>(a, m0, w, out);
-  else if constexpr (gguf_l4_16(TYPE)) group_l4_16<TYPE, T>(a, m0, w, out);
+  else if constexpr (iq4xs_like(TYPE) || gguf_l4_16(TYPE)) group_iq4xs<TYPE, T>(a, m0, w, out);
   else group_k<TYPE, T>(a, m0, w, out);
   for (int t = 0; t < T; ++t) {
     float* yr = y + (m0 + t) * ldy;
@@ -867,7 +839,7 @@ void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, floa
       _mm256_storeu_ps(ws + j * wstride, ds);
       for (int g = 0; g < 4; ++g) {
         __m256i lo, hi;
-        levels_iq4xs(o, j, g, table, lo, hi);
+        levels_iq4xs<TYPE>(o, j, g, table, lo, hi);
         _mm256_storeu_si256((__m256i*)(codes + (j * 8 + g) * cstride), lo);
         _mm256_storeu_si256((__m256i*)(codes + (j * 8 + 4 + g) * cstride), hi);
       }
@@ -883,7 +855,7 @@ void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, floa
     for (int j = 0; j < 8; ++j)
       for (int g = 0; g < 4; ++g) {
         __m256i lo, hi;
-        levels4(o + x8_codes_at<TYPE>() + 128 * j + 32 * g, table, lo, hi);
+        levels_iq4xs<TYPE>(o, j, g, table, lo, hi);
         _mm256_storeu_si256((__m256i*)(codes + (j * 8 + g) * cstride), lo);
         _mm256_storeu_si256((__m256i*)(codes + (j * 8 + 4 + g) * cstride), hi);
       }
