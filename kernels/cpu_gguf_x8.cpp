@@ -830,28 +830,21 @@ void panel_sb(const uint8_t* o, uint8_t* codes, int64_t cstride, float* ws, floa
     }
     return;
   }
-  if (iq4xs_like(TYPE)) {  // per sub-block: d sc (L4: times its power of two); the int8 levels (build_panel_x8 splits their signs)
+  if constexpr (iq4xs_like(TYPE) || gguf_l4_16(TYPE)) {
+    // per sub-block d sc (L4: times its power of two) and the int8 levels (build_panel_x8 splits their signs); the
+    // L4-per-16 types: per 16 values (d / 8) m, and the codes as level + 64 (the per16 offset)
+    constexpr bool PER16 = gguf_l4_16(TYPE);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)gguf_levels_of<TYPE>()));
-    for (int j = 0; j < 8; ++j) {
-      __m256 ds = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(o + 16 + 8 * j)))));
-      if (gguf_l4_scale<TYPE>() != 1.0f) ds = _mm256_mul_ps(ds, _mm256_set1_ps(gguf_l4_scale<TYPE>()));
-      _mm256_storeu_ps(ws + j * wstride, ds);
-      for (int g = 0; g < 4; ++g) {
-        __m256i lo, hi;
-        levels_iq4xs<TYPE>(o, j, g, table, lo, hi);
-        _mm256_storeu_si256((__m256i*)(codes + (j * 8 + g) * cstride), lo);
-        _mm256_storeu_si256((__m256i*)(codes + (j * 8 + 4 + g) * cstride), hi);
-      }
+    const uint8_t* levels;
+    if constexpr (PER16) levels = GGUF_LEVELS_U8<TYPE>.u;
+    else levels = reinterpret_cast<const uint8_t*>(gguf_levels_of<TYPE>());
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)levels));
+    for (int t = 0; t < (PER16 ? 16 : 8); ++t) {
+      const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(o + 16 + 8 * t))));
+      __m256 ds = PER16 ? _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(0.125f)), sc) : _mm256_mul_ps(d, sc);
+      if (!PER16 && gguf_l4_scale<TYPE>() != 1.0f) ds = _mm256_mul_ps(ds, _mm256_set1_ps(gguf_l4_scale<TYPE>()));
+      _mm256_storeu_ps(ws + t * wstride, ds);
     }
-    return;
-  }
-  if (gguf_l4_16(TYPE)) {  // per 16 values: (d / 8) m; the codes as level + 64 (the per16 offset)
-    const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o)), _mm256_set1_ps(0.125f));
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)GGUF_LEVELS_U8<TYPE>.u));
-    for (int t = 0; t < 16; ++t)
-      _mm256_storeu_ps(ws + t * wstride, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
-                                                              _mm_loadl_epi64((const __m128i*)(o + 16 + 8 * t))))));
     for (int j = 0; j < 8; ++j)
       for (int g = 0; g < 4; ++g) {
         __m256i lo, hi;

@@ -359,6 +359,19 @@ def test_types_without_a_kernel_run_as_q8_0_with_a_warning(tmp_path, no_kernels)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
 
 
+def _embedding_of(tmp_path, type_name: str):
+    """(the model, its file) of a GGUF whose token embedding and Q projection are `type_name` (K / V Q4_K), loaded
+    `--weights auto` with any warning an error."""
+    import warnings as w
+
+    folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=1, **SHAPE)
+    path = make_gguf(folder, tmp_path / "e.gguf", quant_types={"token_embd.weight": type_name, "attn_q.weight": type_name,
+                                                                "attn_k.weight": "Q4_K", "attn_v.weight": "Q4_K"})
+    with w.catch_warnings():
+        w.simplefilter("error")
+        return load_model(path, weights="auto"), path
+
+
 def test_iq1_and_ternary_types_run_without_q8_0(quant_files, tmp_path):
     """IQ1_S / IQ1_M / TQ1_0 / TQ2_0 have no kernel as stored. On the CPU with the extension, IQ1_S runs recoded as L4
     (4.25 bits a weight), IQ1_M as L4 per 16 (4.56) and the ternary types as Q2_K blocks (2.625): no warning, their
@@ -390,12 +403,7 @@ def test_iq1_and_ternary_types_run_without_q8_0(quant_files, tmp_path):
     finally:
         matmul.set_cpu_extension(saved)
     assert "IQ1_S" not in off.runs_as and off.runs_as.get("Q8_0", 0) > 0 and off.runs_as.get("Q2_K", 0) > 0
-    folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=1, **SHAPE)
-    path = make_gguf(folder, tmp_path / "e.gguf", quant_types={"token_embd.weight": "IQ1_S", "attn_q.weight": "IQ1_S",
-                                                                "attn_k.weight": "Q4_K", "attn_v.weight": "Q4_K"})
-    with w.catch_warnings():
-        w.simplefilter("error")
-        emb = load_model(path, weights="auto")
+    emb, path = _embedding_of(tmp_path, "IQ1_S")
     assert emb.model.layers[0].attention.wqkv.type_names()[0] == "IQ1_S"  # the matrix recoded as L4
     assert emb.model.tok_embeddings.type_names() == ["Q6_K"] and "Q8_0" not in emb.runs_as
     reader = gguf.GGUFReader(path)
@@ -421,12 +429,7 @@ def test_iq2_xs_and_iq2_s_run_recoded_on_the_cpu(quant_files, tmp_path):
     for part in wqkv.gguf_parts[:2]:
         assert L4 < part.type % X8 < X8 and part.raw.numel() == part.rows * wqkv.in_features // 256 * 146
     assert torch.equal(wqkv.dequantized_weight(torch.float32), fp.model.layers[0].attention.wqkv.weight)
-    folder = make_hf_model(tmp_path / "m", "llama_gqa", seed=1, **SHAPE)
-    path = make_gguf(folder, tmp_path / "e.gguf", quant_types={"token_embd.weight": "IQ2_XS", "attn_q.weight": "IQ2_XS",
-                                                                "attn_k.weight": "Q4_K", "attn_v.weight": "Q4_K"})
-    with w.catch_warnings():
-        w.simplefilter("error")
-        emb = load_model(path, weights="auto")
+    emb, path = _embedding_of(tmp_path, "IQ2_XS")
     assert emb.model.layers[0].attention.wqkv.type_names()[0] == "IQ2_XS"  # the matrix recoded
     table = emb.model.tok_embeddings
     assert isinstance(table, GGUFEmbedding) and table.type_names() == ["IQ2_XS"] and "Q8_0" not in emb.runs_as
