@@ -83,7 +83,7 @@ def child(path: str, variant: str, as_without: list[str]) -> None:
     if not variant.startswith("native") and as_without:
         from edgellm.quant import gguf_tensor
 
-        gguf_tensor.NATIVE_TYPES = gguf_tensor.NATIVE_TYPES - set(as_without)
+        gguf_tensor.STORED_TYPES = gguf_tensor.STORED_TYPES - set(as_without)  # (what the loader keeps as blocks)
     args = build_parser().parse_args(["run", "x", "-m", path, "--ctx", "2560", "--threads", "2"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
