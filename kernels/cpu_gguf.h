@@ -56,8 +56,8 @@ constexpr int GGUF_IQ2_XXS_L4 = GGUF_L4 + 16, GGUF_IQ3_XXS_L4 = GGUF_L4 + 18, GG
 // IQ4_XS's (sub-block j: qs[16 j ..], low nibbles values 0..15, high 16..31), codes indexing IQ2_XXS's levels (the
 // IQ2 grids hold the same values 8, 25, 43; IQ1_M: IQ1_S's, 8 (g +- 1/8)); w = ((d / 8) m) level, gguf.quants'
 // (d (0.5 + s)) / 4 times the grid value (IQ1_M: (d m) (g +- 1/8)) bit for bit.  146 bytes per 256 values (4.56 bits a
-// weight where the files take 2.31 / 2.56 / 1.75).  The kernels take it on Q6_K's "per16" paths (cpu_gguf.cpp): codes
-// looked up as level + 64, unsigned, the 64 off the int sums.
+// weight where the files take 2.31 / 2.56 / 1.75).  The kernels look the codes up as level + 64, unsigned, the 64 off
+// the int sums: Q6_K's "per16" paths in cpu_gguf.cpp, IQ4_XS's x8 decode with a multiplier per 16 values.
 constexpr int GGUF_IQ2_XS_L4 = GGUF_L4 + 17, GGUF_IQ2_S_L4 = GGUF_L4 + 22, GGUF_IQ1_M_L4 = GGUF_L4 + 29;
 constexpr bool gguf_l4_16(int type) {
   return type == GGUF_IQ2_XS_L4 || type == GGUF_IQ2_S_L4 || type == GGUF_IQ1_M_L4;
