@@ -42,18 +42,6 @@ enum GridType { IQ2_XXS = 16, IQ2_XS = 17, IQ3_XXS = 18, IQ1_S = 19, IQ3_S = 21,
 inline uint16_t u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 inline float f16(const uint8_t* p) { return half_to_float(u16(p)); }
 
-// 8 values g[j] * db with sign bit j of `signs` (gguf.quants: db * grid * (+-1), the sign exact), flipped as a bit:
-// a branch on random sign bits mispredicted half the time
-inline void signed8(const int8_t* g, float db, uint8_t signs, float* v) {
-  for (int j = 0; j < 8; ++j) {
-    const float x = db * (float)g[j];
-    uint32_t bits;
-    std::memcpy(&bits, &x, 4);
-    bits ^= (uint32_t)((signs >> j) & 1) << 31;
-    std::memcpy(v + j, &bits, 4);
-  }
-}
-
 // IQ2_XXS, IQ3_XXS, IQ3_S: through the kernels' decoding (cpu_gguf.h gguf_grid_sub, codebooks from gguf_grids.h):
 // scale * (+-g) is gguf.quants' (db * g) * (+-1) exactly
 template <int TYPE>
@@ -66,24 +54,42 @@ void grid_iquant(const uint8_t* b, const GridTables&, float* v) {
   }
 }
 
-inline float iq2_scale(const uint8_t* scales, float d, int g) {  // per 16 values g: nibble g, low first
-  return d * (0.5f + (float)((scales[g / 2] >> 4 * (g % 2)) & 15)) * 0.25f;
-}
-
-void iq2_xs(const uint8_t* b, const GridTables& t, float* v) {
-  const float d = f16(b);
-  for (int i = 0; i < 32; ++i) {
-    const uint16_t q = u16(b + 2 + 2 * i);
-    signed8(t.grid + 8 * (q & 511), iq2_scale(b + 66, d, i / 2), t.ksigns[q >> 9], v + 8 * i);
+// IQ2_XS / IQ2_S: each 16 values' multiplier m = 2 s + 1 and each value's grid value with its sign: the value is
+// ((d / 8) m) w, gguf.quants' (d (0.5 + s) / 4) g (+-1) bit for bit (cpu_gguf.h GGUF_IQ2_XS_L4)
+template <int TYPE>
+void iq2_levels(const uint8_t* b, const GridTables& t, int m[16], int8_t w[256]) {
+  for (int i = 0; i < 32; ++i) {  // 8 values
+    int q;
+    uint8_t signs;
+    if (TYPE == IQ2_XS) {
+      const uint16_t v = u16(b + 2 + 2 * i);
+      q = v & 511;
+      signs = t.ksigns[v >> 9];
+    } else {
+      q = b[2 + i] | ((b[66 + i / 4] >> 2 * (i % 4)) & 3) << 8;
+      signs = b[34 + i];
+    }
+    const int8_t* g = t.grid + 8 * q;
+    for (int j = 0; j < 8; ++j) {  // g negated where sign bit j is set, without a branch (random bits: mispredicted
+      const int neg = -((signs >> j) & 1);  // half the time)
+      w[8 * i + j] = (int8_t)((g[j] ^ neg) - neg);
+    }
   }
+  const uint8_t* scales = b + (TYPE == IQ2_XS ? 66 : 74);
+  for (int k = 0; k < 16; ++k) m[k] = 2 * ((scales[k / 2] >> 4 * (k % 2)) & 15) + 1;
 }
 
-void iq2_s(const uint8_t* b, const GridTables& t, float* v) {
+// their values: db = d (0.5 + s) / 4 per 16 values (s = (m - 1) / 2) times each signed grid value, gguf.quants' (db g)
+// (+-1) bit for bit (the product's sign is the factor's)
+template <int TYPE>
+void iq2_block(const uint8_t* b, const GridTables& t, float* v) {
+  int m[16];
+  int8_t w[256];
+  iq2_levels<TYPE>(b, t, m, w);
   const float d = f16(b);
-  const uint8_t *qs = b + 2, *signs = b + 34, *qh = b + 66;
-  for (int i = 0; i < 32; ++i) {
-    const int q = qs[i] | ((qh[i / 4] >> 2 * (i % 4)) & 3) << 8;
-    signed8(t.grid + 8 * q, iq2_scale(b + 74, d, i / 2), signs[i], v + 8 * i);
+  for (int k = 0; k < 16; ++k) {
+    const float db = d * (0.5f + (float)((m[k] - 1) / 2)) * 0.25f;
+    for (int l = 0; l < 16; ++l) v[16 * k + l] = db * (float)w[16 * k + l];
   }
 }
 
@@ -177,8 +183,8 @@ struct GridFormat {
 GridFormat format_of(int type) {
   switch (type) {
     case IQ2_XXS: return {grid_iquant<IQ2_XXS>, 66};
-    case IQ2_XS: return {iq2_xs, 74};
-    case IQ2_S: return {iq2_s, 82};
+    case IQ2_XS: return {iq2_block<IQ2_XS>, 74};
+    case IQ2_S: return {iq2_block<IQ2_S>, 82};
     case IQ3_XXS: return {grid_iquant<IQ3_XXS>, 98};
     case IQ3_S: return {grid_iquant<IQ3_S>, 110};
     case IQ1_S: return {iq1_s, 50};
@@ -206,28 +212,6 @@ void q8_0_block(const float* x, uint8_t* out) {
     const int q = (int)(whole + std::floor(2.0f * (a - whole)));
     out[2 + j] = (uint8_t)(int8_t)(y < 0.0f ? -q : q);
   }
-}
-
-// IQ2_XS / IQ2_S: each 16 values' multiplier m = 2 s + 1 and each value's grid value with its sign: the value is
-// ((d / 8) m) w, gguf.quants' (d (0.5 + s) / 4) g (+-1) bit for bit (cpu_gguf.h GGUF_IQ2_XS_L4)
-template <int TYPE>
-void iq2_levels(const uint8_t* b, const GridTables& t, int m[16], int8_t w[256]) {
-  for (int i = 0; i < 32; ++i) {  // 8 values
-    int q;
-    uint8_t signs;
-    if (TYPE == IQ2_XS) {
-      const uint16_t v = u16(b + 2 + 2 * i);
-      q = v & 511;
-      signs = t.ksigns[v >> 9];
-    } else {
-      q = b[2 + i] | ((b[66 + i / 4] >> 2 * (i % 4)) & 3) << 8;
-      signs = b[34 + i];
-    }
-    const int8_t* g = t.grid + 8 * q;
-    for (int j = 0; j < 8; ++j) w[8 * i + j] = (int8_t)((signs >> j) & 1 ? -g[j] : g[j]);
-  }
-  const uint8_t* scales = b + (TYPE == IQ2_XS ? 66 : 74);
-  for (int k = 0; k < 16; ++k) m[k] = 2 * ((scales[k / 2] >> 4 * (k % 2)) & 15) + 1;
 }
 
 // A level's 4-bit L4 code (cpu_gguf.h GGUF_L4): its index in the type's levels, by the level's byte
