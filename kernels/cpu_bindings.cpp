@@ -415,12 +415,6 @@ int64_t check_grid_rows(const at::Tensor& raw, int64_t type, int64_t N, int64_t 
   return rb;
 }
 
-// IQ1_S's / IQ1_M's grid as gguf.quants gives it: int8 [2048, 8]
-bool is_iq1_grid(const at::Tensor& grid) {
-  return grid.defined() && grid.device().is_cpu() && grid.scalar_type() == at::kChar && grid.is_contiguous() &&
-         grid.numel() == 2048 * 8;
-}
-
 // A grid / ternary type's tables from the caller (gguf.quants'; edgellm/quant/gguf_grid.py passes them), checked:
 // grid int8 [entries, width] (none for TQ1_0 / TQ2_0), ksigns uint8 [128] (IQ2_XXS, IQ2_XS, IQ3_XXS); an undefined
 // tensor where the type needs none.
@@ -502,10 +496,8 @@ at::Tensor gguf_ternary_q2_k(const at::Tensor& raw, int64_t type, int64_t N, int
 py::object gguf_iq1_q6_k(const at::Tensor& raw, int64_t type, int64_t N, int64_t K, const at::Tensor& grid) {
   TORCH_CHECK(type == 19 || type == 29, "edgellm gguf_iq1_to_q6_k: type ", type, " is not IQ1_S or IQ1_M");
   check_grid_rows(raw, type, N, K, "edgellm gguf_iq1_to_q6_k");
-  TORCH_CHECK(is_iq1_grid(grid), "edgellm gguf_iq1_to_q6_k: needs the type's grid as int8 [2048, 8]");
+  const edgellm::GridTables tables = grid_tables(type, grid, at::Tensor(), "edgellm gguf_iq1_to_q6_k");
   at::Tensor out = at::empty({N, K / 256 * 210}, raw.options());
-  edgellm::GridTables tables;
-  tables.grid = grid.data_ptr<int8_t>();
   bool exact;
   {
     py::gil_scoped_release nogil;
