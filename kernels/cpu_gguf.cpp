@@ -236,24 +236,22 @@ inline void decode_sub(const uint8_t* b, int j, int8_t w[32], float* fs, float* 
   } else if (TYPE == GGUF_Q8_0) {
     std::memcpy(w, b + 2, 32);
     *fs = f16(b);
-  } else if (TYPE == GGUF_IQ4_NL || TYPE == GGUF_IQ4_XS || is_l4(TYPE)) {
-    const uint8_t* qs = TYPE == GGUF_IQ4_NL ? b + 2 : b + 8 + 16 * j;
+  } else if (TYPE == GGUF_IQ4_NL || TYPE == GGUF_IQ4_XS || is_l4(TYPE) || gguf_l4_16(TYPE)) {
+    // the 16 codes of qs as their levels (L4 per 16: after d and its 16 multipliers)
+    const uint8_t* qs = TYPE == GGUF_IQ4_NL ? b + 2 : b + (gguf_l4_16(TYPE) ? 18 : 8) + 16 * j;
     const int8_t* levels = gguf_levels_of<TYPE>();
     for (int l = 0; l < 16; ++l) {
       w[l] = levels[qs[l] & 15];
       w[l + 16] = levels[qs[l] >> 4];
     }
-    *fs = TYPE == GGUF_IQ4_NL ? f16(b) : f16(b) * (float)gguf_iq4xs_scale(b, j);
-    if (gguf_l4_scale<TYPE>() != 1.0f) *fs *= gguf_l4_scale<TYPE>();
-  } else if (gguf_l4_16(TYPE)) {
-    const uint8_t* qs = b + 18 + 16 * j;
-    for (int l = 0; l < 16; ++l) {
-      w[l] = gguf_levels_of<TYPE>()[qs[l] & 15];
-      w[l + 16] = gguf_levels_of<TYPE>()[qs[l] >> 4];
+    if (gguf_l4_16(TYPE)) {
+      sc2[0] = (int8_t)b[2 + 2 * j];
+      sc2[1] = (int8_t)b[3 + 2 * j];
+      *fs = per16_d<TYPE>(b);
+    } else {
+      *fs = TYPE == GGUF_IQ4_NL ? f16(b) : f16(b) * (float)gguf_iq4xs_scale(b, j);
+      if (gguf_l4_scale<TYPE>() != 1.0f) *fs *= gguf_l4_scale<TYPE>();
     }
-    sc2[0] = (int8_t)b[2 + 2 * j];
-    sc2[1] = (int8_t)b[3 + 2 * j];
-    *fs = per16_d<TYPE>(b);
   } else if (grid_iquant(TYPE)) {
     *fs = gguf_grid_sub<TYPE>(b, j, f16(b), w);
   } else if (TYPE == GGUF_Q4_K || TYPE == GGUF_Q5_K) {
