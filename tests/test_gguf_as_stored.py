@@ -211,14 +211,18 @@ def test_auto_with_the_cpu_kernels_tracks_fp(quant_files, name):
     ids = list(range(3, 40))
     fp = _logits(load_model(quant_files[name], weights="fp"), ids)
     auto = _logits(load_model(quant_files[name], weights="auto"), ids)
+    # int8-rounded activations (llama.cpp's numerics), the prompt's rows included: close, not equal. These tiny
+    # random models magnify the rounding (a 16-token prompt on the row kernel alone: KL 0.015 kmix, 0.006 legacy,
+    # 0.007 qwen2; SmolLM2-135M Q4_K_M on GPL-3: mean 0.0013, top-1 97.6%, `edgellm perplexity --reference fp`),
+    # the ternary one most: where the prompt's rows go through the int8 panel GEMM (no AMX: an AVX2 build here)
+    # its prompt's worst row is at KL 0.118 (0.029 through AMX's bf16), every part within 0.2-0.6% of the float64
+    # product as in the other mixes; the others at most 0.024 (lowmix). A wrong part or order is far above either
+    # bound: tqmix with one part's outputs rolled by 8 gave KL 4.5-6.2 (layers.0 wqkv, wo, w13; layers.1 w2).
+    bound = 0.25 if name == "tqmix" else 0.05
     for a, b in zip(auto, fp):
-        # int8-rounded activations (llama.cpp's numerics), the prompt's rows included: close, not equal. These
-        # tiny random models magnify the rounding (a 16-token prompt on the row kernel alone: KL 0.015 kmix, 0.006
-        # legacy, 0.007 qwen2; SmolLM2-135M Q4_K_M on GPL-3: mean 0.0013, top-1 97.6%, `edgellm perplexity
-        # --reference fp`); a wrong part or order gives KL > 0.5.
         p, q = torch.log_softmax(b.double(), -1), torch.log_softmax(a.double(), -1)
         kl = (p.exp() * (p - q)).sum(-1).max().item()
-        assert kl < 3e-2, kl
+        assert kl < bound, kl
     # top-1 agreement over the 37 positions together (the decode step's one row alone is a coin toss where its top
     # two logits lie closer than the rounding moves them: iq1mix's 7.02 / 6.78, KL 0.007)
     a, b = (torch.cat([x.reshape(-1, x.shape[-1]) for x in logits]) for logits in (auto, fp))
