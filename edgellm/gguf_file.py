@@ -52,9 +52,10 @@ class GGUFType:
         return 8.0 * self.block_bytes / self.block_values
 
 
-# The block types edgellm keeps as stored (kernels/gguf_ops.py GGUF_NATIVE_TYPES names those the C++ kernels multiply,
-# all but IQ2_XS / IQ2_S, which the CPU recodes at load; quant/gguf_tensor.py dequantizes each of them in torch). Written out rather than built from gguf.constants,
-# which imports the whole gguf package (~0.25 s) into every process that reads a weight.
+# The block types edgellm keeps as stored (kernels/gguf_ops.py GGUF_NATIVE_TYPES names those the C++ kernels
+# multiply, all but IQ2_XS / IQ2_S, which the CPU recodes at load; quant/gguf_tensor.py dequantizes each of them in
+# torch). Written out rather than built from gguf.constants, which imports the whole gguf package (~0.25 s) into
+# every process that reads a weight.
 GGUF_TYPES = {t.id: t for t in (
     GGUFType(2, "Q4_0", 32, 18), GGUFType(3, "Q4_1", 32, 20), GGUFType(6, "Q5_0", 32, 22),
     GGUFType(7, "Q5_1", 32, 24), GGUFType(8, "Q8_0", 32, 34), GGUFType(10, "Q2_K", 256, 84),

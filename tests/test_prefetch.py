@@ -121,13 +121,15 @@ def test_the_command_starts_the_prefetch_before_it_imports_torch():
 def test_the_command_imports_torch_with_the_collector_paused_then_freezes_it():
     """entry.import_frozen: the collector off during the import (no collection runs in it), on again after, with
     what the import made frozen (out of later passes); a module already imported is left as it is."""
-    code = ("import gc, sys; from edgellm import entry; counts = []; gc.callbacks.append(lambda p, i: counts.append(p)); "
-            "entry.import_frozen('edgellm.cli'); imported = len(counts); entry.import_frozen('edgellm.cli'); "
-            "print(imported, 'torch' in sys.modules, gc.isenabled(), gc.get_freeze_count())")
-    imported, torch_in, enabled, frozen = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                                         check=True).stdout.split()
+    code = ("import gc, sys; from edgellm import entry; counts = []; "
+            "gc.callbacks.append(lambda p, i: counts.append(p)); entry.import_frozen('edgellm.cli'); "
+            "imported, frozen = len(counts), gc.get_freeze_count(); entry.import_frozen('edgellm.cli'); "
+            "print(imported, 'torch' in sys.modules, gc.isenabled(), frozen, gc.get_freeze_count())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    imported, torch_in, enabled, frozen, frozen_again = out
     assert (imported, torch_in, enabled) == ("0", "True", "True")
     assert int(frozen) > 100_000  # torch's modules, functions and classes
+    assert frozen_again == frozen  # already imported: nothing more frozen
 
 
 def test_the_command_prefetches_what_it_names_unless_told_not_to(tmp_path, monkeypatch):
