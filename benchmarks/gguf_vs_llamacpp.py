@@ -33,12 +33,17 @@ RATIOS = {"decode": "decode_tok_s", "ttft_512": "ttft_512_s", "ttft_2048": "ttft
           "load": "load_s"}
 
 
+def run_args(path: str) -> list[str]:
+    """The `edgellm` command line the edgellm child runs as."""
+    return ["run", "x", "-m", path, "--ctx", str(CTX), "--threads", str(THREADS)]
+
+
 def child_edgellm(path: str, mode: str, t0: float) -> dict:
     from edgellm.bench import run_once
     from edgellm.args import engine_from_args, load_from_args
     from edgellm.cli import build_parser
 
-    args = build_parser().parse_args(["run", "x", "-m", path, "--ctx", str(CTX), "--threads", str(THREADS)])
+    args = build_parser().parse_args(run_args(path))
     loaded = load_from_args(args)
     engine = engine_from_args(args, loaded)
     tok = loaded.tokenizer
@@ -166,6 +171,10 @@ def main() -> None:
 
             if os.environ.get("EDGELLM_PREFETCH") != "0":
                 prefetch(model_files(Path(args.child[1])))
+            if os.environ.get("EDGELLM_EARLY_REPACK") != "0":
+                from edgellm import early_repack
+
+                early_repack.start(run_args(args.child[1]))
             # Called from main(), as the command calls it from its main(): Python 3.11 keeps its frames in 16 KiB
             # chunks and unmaps one as soon as the stack leaves it, so a call tree going up and down across a
             # chunk's edge maps and unmaps it each time, and how often depends on the depth the import starts at.

@@ -1,5 +1,6 @@
-"""The `edgellm` command: starts reading the model's files off the disk, then imports the CLI (whose first import
-of torch takes about a second, time the disk now uses)."""
+"""The `edgellm` command: starts reading the model's files off the disk and repacking a GGUF's K-quants for the CPU
+kernels, then imports the CLI (whose first import of torch takes about a second, time the disk and the other core
+now use)."""
 from __future__ import annotations
 
 import gc
@@ -33,4 +34,8 @@ def import_frozen(name: str) -> ModuleType:
 def main() -> int:
     if os.environ.get("EDGELLM_PREFETCH") != "0":  # (an A/B switch: benchmarks/cold_load.py)
         prefetch(files_named_in(sys.argv[1:]))
+    if os.environ.get("EDGELLM_EARLY_REPACK") != "0":  # (an A/B switch: benchmarks/gguf_vs_llamacpp.py)
+        from . import early_repack  # (after the prefetch has begun: it imports numpy)
+
+        early_repack.start(sys.argv[1:])
     return import_frozen("edgellm.cli").main()

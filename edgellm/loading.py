@@ -25,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from . import early_repack
 from .config import GEMMA, GGUF_ARCHITECTURES, SLIDING_PATTERN, ModelConfig, layer_count
 from .errors import EdgeLLMError, ModelFormatError, ModelNotFoundError, UnsupportedModelError
 from .file_checks import (FileLayout, check_safetensors_file, check_tensor_shapes, check_tokenizer,
@@ -148,7 +149,9 @@ class SafetensorsSource(TensorSource):
 class GGUFSource(TensorSource):
     def __init__(self, path: Path):
         self.path = path
-        self.file = GGUFFile(path)  # the checked header (fuzz-tested): metadata as values, tensors as views of the map
+        # the checked header (fuzz-tested): metadata as values, tensors as views of the map; the one the `edgellm`
+        # command parsed and mapped before importing torch, if it did (early_repack)
+        self.file = early_repack.adopt_file(path) or GGUFFile(path)
         self.layout = self.file.layout
         self.file_bytes = self.file.size
         self.tensors = self.file.tensors
@@ -757,6 +760,7 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
 
             install_gguf(model, gguf_parts, state, dtype, device,  # (it empties gguf_parts)
                          release=getattr(getattr(src, "file", None), "release_view", None))
+            early_repack.close(getattr(src, "file", None))  # what the head start made that was not taken
         if qtensors or has_blocks:
             from .quant.convert import install_quantized
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import json
 import os
 import platform
 import shutil
@@ -38,12 +39,18 @@ from typing import Iterator
 
 import torch
 
+from .ext_cache import cache_root, repack_pointer
+
 _NAME = "edgellm_cpu_kernels"
 _SOURCES = ("cpu_kernels.cpp", "cpu_decode.cpp", "cpu_gguf.cpp", "cpu_gguf_x8.cpp", "cpu_gguf_grid.cpp", "cpu_attention.cpp",
             "cpu_pointwise.cpp", "cpu_bindings.cpp")
 # hashed with the sources: a change rebuilds
 _HEADERS = ("amx_tiles.h", "cpu_decode.h", "cpu_gguf.h", "gguf_grids.h", "gguf_low_k_codes.h", "half.h", "simd_math.h", "simd_transpose.h",
             "simde_avx512.h")
+# The x8 repack alone as a plain C library (no torch), built beside the extension from the same flags, and the file
+# that tells the `edgellm` command where it is before torch is imported (edgellm/early_repack.py).
+_REPACK_SOURCES = ("cpu_gguf_x8.cpp", "early_repack.cpp")
+_REPACK_LIBRARY = "edgellm_repack.so"
 _ISAS = ("avx2", "scalar", "avx512vnni-emulated")
 _BUILD_VERSION = "1"  # bump to force a rebuild when the flags logic changes
 
@@ -180,17 +187,6 @@ def _openmp_flags(openmp: bool = True) -> tuple[list[str], list[str]]:
 
 
 # ------------------------------------------------------------------------------------------------ build
-def _cache_root(override: Path | None = None) -> Path:
-    if override:
-        return Path(override)
-    try:
-        import platformdirs
-
-        return Path(platformdirs.user_cache_dir("edgellm"))
-    except ImportError:  # platformdirs is a dependency, but never let a missing one cost the kernels
-        return Path.home() / ".cache" / "edgellm"
-
-
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
     """Exclusive lock across processes (released by the OS if the holder dies)."""
@@ -259,11 +255,11 @@ def _load(settings: ExtensionSettings) -> ModuleType:
     opt = ["/O2"] if sys.platform == "win32" else ["-O3"]
     cflags = opt + ["-DNDEBUG"] + isa_flags + omp_cflags
     key = hashlib.sha256()
-    for s in sources + [here / h for h in _HEADERS]:
+    for s in sources + [here / h for h in _HEADERS] + [here / "early_repack.cpp"]:
         key.update(s.read_bytes())
     key.update(repr((cflags, omp_ldflags, os.environ.get("CXX"), _BUILD_VERSION, sys.version)).encode())
     pyver = f"{sys.version_info.major}{sys.version_info.minor}"
-    folder = _cache_root(settings.cache_dir) / f"ext-torch{torch.__version__}-py{pyver}-{isa}-{key.hexdigest()[:12]}"
+    folder = cache_root(settings.cache_dir) / f"ext-torch{torch.__version__}-py{pyver}-{isa}-{key.hexdigest()[:12]}"
     done = folder / "built.ok"
 
     if done.exists() and (lib := _library_file(folder)) is not None:
@@ -275,8 +271,45 @@ def _load(settings: ExtensionSettings) -> ModuleType:
             else:
                 module = _build(folder, sources, isa, cflags, omp_ldflags)
                 done.write_text(f"{isa} {' '.join(cflags)}\n", encoding="utf-8")
+    if isa in ("avx2", "avx512vnni"):  # the builds with an x8 layout
+        _publish_repack_library(folder, isa_flags, settings)
     _register_fakes()
     return module
+
+
+def _publish_repack_library(folder: Path, isa_flags: list[str], settings: ExtensionSettings) -> None:
+    """Build the repack library into the extension's folder once (~8 s; kept only if the compiler succeeds: the
+    command just loses its head start without it) and point the ISA setting's pointer file at it."""
+    lib, failed = folder / _REPACK_LIBRARY, folder / "repack.failed"
+    if not lib.exists() and not failed.exists() and sys.platform != "win32":
+        here = Path(__file__).resolve().parent
+        tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
+        cmd = [os.environ.get("CXX", "c++"), "-O3", "-DNDEBUG", *isa_flags, "-shared", "-fPIC", "-I", str(here),
+               *(str(here / s) for s in _REPACK_SOURCES), "-o", str(tmp)]
+        try:
+            subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+            os.replace(tmp, lib)
+        except (OSError, subprocess.SubprocessError):
+            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                failed.touch()  # not again on every start
+    if not lib.exists():
+        return
+    pyver = f"{sys.version_info.major}{sys.version_info.minor}"
+    text = json.dumps({"build": folder.name, "library": str(lib), "torch": torch.__version__, "python": pyver})
+    pointer = repack_pointer(cache_root(settings.cache_dir), settings.isa)
+    try:
+        if not pointer.exists() or pointer.read_text(encoding="utf-8") != text:
+            tmp = pointer.with_name(f"{pointer.name}.{os.getpid()}.tmp")
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, pointer)
+    except OSError:
+        pass
+
+
+def build_id(module: ModuleType) -> str:
+    """The extension's build: its folder's name (torch, Python, ISA and a hash of the sources and flags)."""
+    return Path(module.__file__ or "").parent.name
 
 
 def _build(folder: Path, sources: list[Path], isa: str, cflags: list[str], ldflags: list[str]) -> ModuleType:

@@ -36,9 +36,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import early_repack
 from ..gguf_file import GGML_BLOCKS, row_bytes
 from ..kernels import matmul as K
 from ..kernels import gguf_ops
+from ..kernels.cpu_ext import build_id
 from ..kernels.gguf_ops import L4, R8, X8  # a type id + X8 / R8 / L4: repacked for the CPU kernels (cpu_gguf.h)
 from . import gguf_grid
 from .gguf_tensor import dequantize_blocks
@@ -352,8 +354,10 @@ def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int
     out = []
     if n8:
         head = p.raw[:n8].contiguous()
-        out.append(GGUFPart(ext.gguf_repack(head, p.type, n8, k), p.type + X8, n8,
-                            None if index is None else index[:n8].contiguous()))
+        early = early_repack.take(build_id(ext), head.data_ptr(), p.type, n8, k)  # made while torch was imported
+        x8 = (torch.frombuffer(early, dtype=torch.uint8).view(n8, -1) if early is not None
+              else ext.gguf_repack(head, p.type, n8, k))
+        out.append(GGUFPart(x8, p.type + X8, n8, None if index is None else index[:n8].contiguous()))
     if n8 < p.rows:
         tail, rows = p.raw[n8:], p.rows - n8
         tail_index = index if index is None or not n8 else index[n8:].contiguous()

@@ -1,0 +1,232 @@
+"""Repack a GGUF's K-quant matrices for the CPU kernels while Python imports torch.
+
+On a CPU the loader copies each Q2_K..Q6_K / IQ4_XS matrix into the x8 layout the kernels multiply
+(quant/gguf_linear.repack_for_cpu): ~0.25 s of a 1B Q4_K_M's load on 2 threads, after torch's ~0.8 s import, which
+keeps one core busy and leaves the other idle. The `edgellm` command starts that copy first, on a thread that calls a
+plain C build of the same code (kernels/early_repack.cpp, through ctypes: the GIL is released), so the idle core does
+it during the import. The loader then takes each result whose source, type and shape are the ones it would repack
+itself, with the extension build the library came from; it helps finish the rest and repacks anything else as
+before. A head start only: a file, build or setting this module does not foresee loads as it always did.
+
+Imports nothing heavy (numpy, through gguf_file; torch imports it anyway).
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import ctypes
+import gc
+import importlib.util
+import json
+import mmap
+import os
+import platform
+import re
+import sys
+import threading
+from pathlib import Path
+
+from .gguf_file import GGUFFile
+from .kernels.ext_cache import cache_root, repack_pointer
+
+# The commands that load one model with the settings below; `quantize`, `info` and `perplexity` (which loads the
+# model twice, as stored and as fp) are left to the loader.
+COMMANDS = ("run", "chat", "serve", "bench")
+
+
+class RepackJob(ctypes.Structure):  # kernels/early_repack.cpp's
+    _fields_ = [("src", ctypes.c_void_p), ("dst", ctypes.c_void_p), ("type", ctypes.c_int64),
+                ("rows", ctypes.c_int64), ("k", ctypes.c_int64), ("src_bytes", ctypes.c_int64),
+                ("done", ctypes.c_int64)]
+
+
+class EarlyRepack:
+    """The x8 copies of one GGUF's matrices, made by a background thread (and, once the loader asks, by the asking
+    thread too). `file` is the parsed, mapped GGUF, for the loader to use rather than map the file again."""
+
+    def __init__(self, library: str, build: str, path: Path):
+        self.build = build
+        self.file = GGUFFile(path)
+        self._adopted = False
+        lib = ctypes.CDLL(library)
+        lib.edgellm_x8_row_bytes.restype = ctypes.c_int64
+        lib.edgellm_x8_row_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        lib.edgellm_repack_run.restype = None
+        lib.edgellm_repack_run.argtypes = [ctypes.POINTER(RepackJob), ctypes.c_int64,
+                                           ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
+        self._run = lib.edgellm_repack_run
+        tied = "output.weight" not in self.file.tensors  # then the embedding is the LM head too, else only looked up
+        specs, self._outputs = [], []
+        for name, t in self.file.tensors.items():
+            if len(t.shape) != 2 or (name == "token_embd.weight" and not tied):
+                continue
+            rows, k = t.shape
+            n8, row_bytes = rows // 8 * 8, lib.edgellm_x8_row_bytes(t.type_id, k)
+            if n8 and row_bytes:
+                src = self.file.data(name)
+                out = mmap.mmap(-1, n8 * row_bytes)  # zero pages until written: no memset, nothing resident yet
+                self._outputs.append(out)
+                specs.append((src.ctypes.data, _address(out), t.type_id, n8, k, n8 * (t.n_bytes // rows), 0))
+        self._jobs = (RepackJob * len(specs))(*specs)
+        self._index = {(s[0], s[2], s[3], s[4]): i for i, s in enumerate(specs)}
+        self._next, self._stop = ctypes.c_int64(0), ctypes.c_int64(0)
+        self._thread: threading.Thread | None = None
+        self._finished = False
+        self._taken: set[int] = set()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._work, name="edgellm-early-repack", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        self._run(self._jobs, len(self._jobs), ctypes.byref(self._next), ctypes.byref(self._stop))
+
+    def take(self, address: int, type_id: int, rows: int, k: int) -> mmap.mmap | None:
+        """The x8 copy of the `rows` x `k` matrix of `type_id` at `address` (in `file`'s map), or None."""
+        i = self._index.get((address, type_id, rows, k))
+        if i is None:
+            return None
+        if not self._finished:  # the loader's first ask: this thread takes the jobs left, then waits for the last
+            self._finished = True
+            self._work()
+            if self._thread is not None:
+                self._thread.join()
+        if not self._jobs[i].done:
+            return None
+        self._taken.add(i)
+        return self._outputs[i]
+
+    def adopt_file(self, path: Path) -> GGUFFile | None:
+        if self._adopted or Path(path).resolve() != self.file.path.resolve():
+            return None
+        self._adopted = True
+        return self.file
+
+    def close(self) -> None:
+        """Stop the thread (after its current matrix) and unmap what the loader did not take (its tensors keep
+        theirs alive) and the file, unless the loader adopted it."""
+        self._stop.value = 1
+        if self._thread is not None:
+            self._thread.join()
+        for i, out in enumerate(self._outputs):
+            if i not in self._taken:  # (a taken one is a tensor's memory: torch.frombuffer holds the map, no export)
+                out.close()
+        self._outputs = []
+        if not self._adopted:
+            try:
+                self.file.close()
+            except BufferError:  # a view of it still alive: the map goes with the last one
+                pass
+
+
+_active: EarlyRepack | None = None
+
+
+def start(argv: list[str]) -> None:
+    """Begin repacking the GGUF an `edgellm` command line will load on the CPU, where everything needed is known
+    before torch is imported; else do nothing. Never raises: the loader reports a bad file."""
+    global _active
+    collecting = gc.isenabled()
+    gc.disable()  # the header's lists of tokens are long-lived: no passes over them (entry.import_frozen freezes them)
+    try:
+        plan = _plan(argv)
+        if plan is not None:
+            _active = EarlyRepack(*plan)
+            _active.start()
+            atexit.register(close)
+    except Exception:  # noqa: BLE001 - only a head start
+        _active = None
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def adopt_file(path: Path) -> GGUFFile | None:
+    """The GGUF at `path` already mapped and parsed, for the loader (once), or None."""
+    return _active.adopt_file(path) if _active is not None else None
+
+
+def take(build: str, address: int, type_id: int, rows: int, k: int) -> mmap.mmap | None:
+    """The x8 copy of a matrix the loader would repack with the extension build `build` (kernels/cpu_ext.build_id),
+    or None: no head start, another build, or a matrix it did not foresee."""
+    if _active is None or _active.build != build:
+        return None
+    return _active.take(address, type_id, rows, k)
+
+
+def close(loaded: GGUFFile | None = None) -> None:
+    """End the head start (a loader passes the file it loaded: only the head start's own, so that a draft model
+    loaded first leaves the main model's alone)."""
+    global _active
+    if _active is not None and (loaded is None or loaded is _active.file):
+        _active.close()
+        _active = None
+
+
+def _address(buf: mmap.mmap) -> int:
+    view = (ctypes.c_char * len(buf)).from_buffer(buf)
+    address = ctypes.addressof(view)
+    del view  # (an export would keep the map from closing)
+    return address
+
+
+def _plan(argv: list[str]) -> tuple[str, str, Path] | None:
+    """(library, build, GGUF path) when the command line loads a GGUF on this CPU with the as-stored weights and the
+    C++ kernels, and the extension for this torch, Python and ISA setting has built the library; else None."""
+    if not argv or argv[0] not in COMMANDS or (os.cpu_count() or 1) < 2:
+        return None
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    p.add_argument("-m", "--model")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--weights", default="auto")
+    p.add_argument("--threads", default=None)
+    p.add_argument("--no-ext", action="store_true")
+    try:
+        ns, _ = p.parse_known_args(argv[1:])
+    except (argparse.ArgumentError, SystemExit):
+        return None
+    if ns.model is None or ns.weights != "auto" or ns.no_ext or ns.threads == "1":
+        return None
+    path = Path(ns.model).expanduser()
+    if path.suffix.lower() != ".gguf" or not path.is_file():
+        return None
+    torch_build = _torch_build()
+    if torch_build is None or ns.device not in ("cpu", "auto") or (ns.device == "auto" and _accelerator(torch_build)):
+        return None
+    root = cache_root(os.path.expanduser(os.environ.get("EDGELLM_EXT_CACHE") or "") or None)  # as args.py has it
+    try:
+        pointer = json.loads(repack_pointer(root, os.environ.get("EDGELLM_EXT_ISA") or None).read_text("utf-8"))
+    except (OSError, ValueError):
+        return None
+    python = f"{sys.version_info.major}{sys.version_info.minor}"
+    if not isinstance(pointer, dict) or pointer.get("torch") != torch_build["version"] or pointer.get("python") != python:
+        return None
+    library, build = pointer.get("library"), pointer.get("build")
+    if not isinstance(library, str) or not isinstance(build, str) or not Path(library).is_file():
+        return None
+    return library, build, path
+
+
+def _torch_build() -> dict[str, str | None] | None:
+    """torch's version.py values (__version__, cuda, hip) read as text: without importing torch."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    try:
+        text = (Path(list(spec.submodule_search_locations)[0]) / "version.py").read_text(encoding="utf-8")
+    except OSError:
+        return None
+    values = {}
+    for key in ("__version__", "cuda", "hip"):
+        m = re.search(rf"^{key}\s*(?::[^=]*)?=\s*(?:'([^']*)'|\"([^\"]*)\"|None)", text, re.M)
+        values[key.strip("_")] = (m.group(1) or m.group(2)) if m else None
+    return values if values["version"] else None
+
+
+def _accelerator(torch_build: dict[str, str | None]) -> bool:
+    """Whether --device auto might pick something other than the CPU (torch's rule: CUDA, then MPS)."""
+    if platform.system() == "Darwin" and platform.machine() == "arm64":
+        return True
+    if torch_build.get("cuda") and Path("/dev/nvidiactl").exists():
+        return True
+    return bool(torch_build.get("hip") and Path("/dev/kfd").exists())

@@ -1,0 +1,54 @@
+// The x8 repack (cpu_gguf_x8.cpp) as a plain C library, without torch: the `edgellm` command loads it with ctypes
+// and repacks a GGUF's K-quant matrices on a second core while the first imports torch (edgellm/early_repack.py).
+// Built beside the extension from the same source and flags (kernels/cpu_ext.py), so its bytes are the
+// extension's gguf_repack's; each caller of edgellm_repack_run is one worker thread.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <functional>
+
+#include "cpu_gguf.h"
+
+namespace edgellm {
+void parallel_run(int64_t begin, int64_t end, int64_t, const std::function<void(int64_t, int64_t)>& f) {
+  if (begin < end) f(begin, end);
+}
+int max_threads() { return 1; }
+}  // namespace edgellm
+
+// One matrix: its first `rows` rows (a multiple of 8) of `k` values, src_bytes of stored blocks, into dst's x8 layout.
+struct RepackJob {
+  const uint8_t* src;
+  uint8_t* dst;
+  int64_t type, rows, k, src_bytes, done;
+};
+
+extern "C" {
+
+// Bytes per row of a 256-value type's x8 layout (the K-quants, IQ4_XS) at k values a row; 0 where this build has none,
+// the type's blocks are of 32 values (their layouts depend on the loader's settings: left to it) or k does not fit.
+int64_t edgellm_x8_row_bytes(int64_t type, int64_t k) {
+  const bool blocks_of_256 = (type >= edgellm::GGUF_Q2_K && type <= edgellm::GGUF_Q6_K) || type == edgellm::GGUF_IQ4_XS;
+  if (!blocks_of_256 || !edgellm::gguf_x8_supported((int)type) || k <= 0 || k % 256) return 0;
+  return k / 256 * edgellm::gguf_x8_bytes((int)type) / 8;
+}
+
+// Takes jobs from *next until none are left or *stop is set; each done one has done = 1 and its source's whole pages
+// dropped from this process's memory (they are a read-only map of the file: only the copy is used from here on).
+void edgellm_repack_run(RepackJob* jobs, int64_t n, int64_t* next, const int64_t* stop) {
+  const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+  for (;;) {
+    if (__atomic_load_n(stop, __ATOMIC_ACQUIRE)) return;
+    const int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_ACQ_REL);
+    if (i >= n) return;
+    RepackJob& j = jobs[i];
+    edgellm::gguf_repack_x8(j.src, (int)j.type, j.rows, j.k, j.dst);
+    const uintptr_t begin = ((uintptr_t)j.src + page - 1) / page * page;
+    const uintptr_t end = ((uintptr_t)j.src + (uintptr_t)j.src_bytes) / page * page;
+    if (end > begin) madvise((void*)begin, end - begin, MADV_DONTNEED);
+    __atomic_store_n(&j.done, 1, __ATOMIC_RELEASE);
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,186 @@
+"""The `edgellm` command's head start (edgellm/early_repack.py): a GGUF's K-quant matrices repacked into the x8 layout
+by a plain C build of the extension's repack while torch is imported, then taken by the loader.
+
+The x8 layout itself is checked against gguf.quants in tests/test_gguf_x8.py; here the claims are that the early
+copies are the extension's bytes, that a model loaded with them computes bit for bit what one loaded without them
+does, that the loader takes every one the command line foresaw (and nothing from another build), and that nothing
+starts where the loader would not use it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from edgellm import early_repack
+from edgellm.gguf_file import GGUFFile
+from edgellm.kernels import cpu_ext
+from edgellm.kernels.ext_cache import cache_root, repack_pointer
+from edgellm.loading import load_model
+from tests.fixtures.tiny import make_gguf, make_hf_model
+from tests.test_cpu_kernels import ext  # noqa: F401  (the extension fixture, shared)
+from tests.test_gguf_as_stored import IQ4_MIX, K_MIX, LOW_MIX, SHAPE, _logits
+
+K_QUANTS = {10, 11, 12, 13, 14, 23}  # Q2_K .. Q6_K, IQ4_XS: what the head start repacks
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("early-repack")
+    out = {}
+    for name, variant, types in (("kmix", "llama_gqa", K_MIX), ("lowmix", "llama_gqa", LOW_MIX),
+                                 ("iq4mix", "llama_gqa", IQ4_MIX),
+                                 ("tied", "llama_tied", {k: v for k, v in K_MIX.items() if k != "output.weight"})):
+        folder = make_hf_model(root / name, variant, seed=5, **SHAPE)
+        out[name] = make_gguf(folder, root / f"{name}.gguf", quant_types=types, seed=11)
+    return out
+
+
+@pytest.fixture
+def x8_ext(ext):  # noqa: F811
+    if not set(K_QUANTS) & set(ext.gguf_x8_types()):
+        pytest.skip(f"the {ext.isa()} build has no x8 layout (AVX2 and AVX-512 builds do): nothing to repack early")
+    pointer = repack_pointer(cache_root(os.environ.get("EDGELLM_EXT_CACHE") or None), os.environ.get("EDGELLM_EXT_ISA"))
+    if not pointer.exists():
+        pytest.fail(f"the extension loaded but published no repack library ({pointer} missing): no C++ compiler?")
+    return ext
+
+
+@pytest.fixture(autouse=True)
+def closed():
+    yield
+    early_repack.close()
+
+
+def run_line(path, *extra: str) -> list[str]:
+    return ["run", "hello", "-m", str(path), *extra]
+
+
+def test_the_library_is_the_extensions_build(x8_ext):
+    pointer = json.loads(repack_pointer(cache_root(os.environ.get("EDGELLM_EXT_CACHE") or None),
+                                        os.environ.get("EDGELLM_EXT_ISA")).read_text())
+    assert pointer["build"] == cpu_ext.build_id(x8_ext) == Path(pointer["library"]).parent.name
+    assert pointer["torch"] == torch.__version__
+
+
+@pytest.mark.parametrize("name", ["kmix", "lowmix", "iq4mix"])
+def test_early_copies_are_the_extensions_bytes(x8_ext, files, name):
+    """Every matrix of a 256-value type the build has an x8 layout for (and only those; the embedding only where it
+    is the LM head too) is copied, as ext.gguf_repack copies it."""
+    early_repack.start(run_line(files[name]))
+    active = early_repack._active
+    assert active is not None, "the command line loads a GGUF on the CPU: the head start should run"
+    gguf = GGUFFile(files[name])
+    expected = {n for n, t in gguf.tensors.items() if t.type_id in K_QUANTS and t.type_id in x8_ext.gguf_x8_types()
+                and len(t.shape) == 2 and t.shape[1] % 256 == 0 and t.shape[0] >= 8 and n != "token_embd.weight"}
+    assert len(active._jobs) == len(expected) > 0
+    by_name = {n: active.file.data(n) for n in expected}
+    for n, src in by_name.items():
+        t = active.file.tensors[n]
+        rows = t.shape[0] // 8 * 8
+        out = early_repack.take(cpu_ext.build_id(x8_ext), src.ctypes.data, t.type_id, rows, t.shape[1])
+        assert out is not None, n
+        want = x8_ext.gguf_repack(torch.from_numpy(np.array(src[:rows])), t.type_id, rows, t.shape[1])
+        np.testing.assert_array_equal(np.frombuffer(out, dtype=np.uint8), want.numpy().reshape(-1), err_msg=n)
+
+
+def test_another_build_or_matrix_gets_nothing(x8_ext, files):
+    early_repack.start(run_line(files["kmix"]))
+    active = early_repack._active
+    name, t = next((n, t) for n, t in active.file.tensors.items() if t.type_id == 12 and n.startswith("blk."))
+    src = active.file.data(name).ctypes.data
+    rows, k = t.shape[0] // 8 * 8, t.shape[1]
+    assert early_repack.take("ext-another-build", src, 12, rows, k) is None
+    assert early_repack.take(cpu_ext.build_id(x8_ext), src, 12, rows - 8, k) is None  # not the rows it copied
+    assert early_repack.take(cpu_ext.build_id(x8_ext), src + 1, 12, rows, k) is None
+    assert early_repack.take(cpu_ext.build_id(x8_ext), src, 12, rows, k) is not None
+
+
+@pytest.mark.parametrize("name", ["kmix", "tied", "lowmix"])
+def test_a_load_with_the_head_start_computes_the_same_bits(x8_ext, files, name, monkeypatch):
+    """The loader takes every early copy (a tied model's LM head too) and the model's logits, prefill and a cached
+    decode step, are those of the same file loaded without the head start, bit for bit."""
+    ids = list(range(3, 40))
+    plain = _logits(load_model(files[name], weights="auto"), ids)
+    taken = []
+    original = early_repack.take
+    monkeypatch.setattr(early_repack, "take", lambda *a: taken.append(original(*a)) or taken[-1])
+    early_repack.start(run_line(files[name]))
+    jobs = len(early_repack._active._jobs)
+    loaded = load_model(files[name], weights="auto")
+    assert early_repack._active is None  # closed by the loader
+    assert len(taken) == jobs > 0 and all(x is not None for x in taken)
+    early = _logits(loaded, ids)
+    for a, b in zip(early, plain):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("extra", [("--device", "cuda"), ("--weights", "int4"), ("--weights", "fp"), ("--no-ext",),
+                                   ("--threads", "1")])
+def test_nothing_starts_where_the_loader_would_not_take_it(x8_ext, files, extra):
+    early_repack.start(run_line(files["kmix"], *extra))
+    assert early_repack._active is None
+
+
+def test_nothing_starts_for_other_commands_or_models(x8_ext, files, tmp_path):
+    for argv in (["info", "-m", str(files["kmix"])], ["quantize", str(files["kmix"]), "-o", str(tmp_path / "q")],
+                 ["run", "hello"], ["run", "hello", "-m", str(tmp_path / "missing.gguf")],
+                 ["run", "hello", "-m", str(files["kmix"].parent)], ["run", "hello", "-m"], []):
+        early_repack.start(argv)
+        assert early_repack._active is None, argv
+
+
+def test_a_corrupt_file_is_left_to_the_loader(x8_ext, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\xff" * 64)
+    early_repack.start(run_line(bad))  # no exception: the loader will name the problem
+    assert early_repack._active is None
+
+
+def test_the_command_takes_its_head_start(x8_ext, files):
+    """`edgellm run` (entry.main) starts the copies before it imports torch, and its loader takes all of them."""
+    code = (
+        "import sys\n"
+        "from edgellm import early_repack, entry\n"
+        "hits = []\n"
+        "def counting(*a, take=early_repack.take):\n"
+        "    r = take(*a)\n"
+        "    hits.append(r is not None)\n"
+        "    return r\n"
+        "early_repack.take = counting\n"
+        "sys.argv = ['edgellm', 'run', 'hello', '-m', sys.argv[1], '-n', '2', '--raw', '--json']\n"
+        "started = {}\n"
+        "def spy(argv, start=early_repack.start):\n"
+        "    start(argv)\n"
+        "    started['jobs'] = len(early_repack._active._jobs) if early_repack._active else 0\n"
+        "    started['torch'] = 'torch' in sys.modules\n"
+        "early_repack.start = spy\n"
+        "rc = entry.main()\n"
+        "print('HEAD-START', started['jobs'], started['torch'], sum(hits), len(hits), file=sys.stderr)\n"
+        "sys.exit(rc)\n")
+    out = subprocess.run([sys.executable, "-c", code, str(files["kmix"])], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = next(ln for ln in out.stderr.splitlines() if ln.startswith("HEAD-START"))
+    _, jobs, torch_then, hits, asked = line.split()
+    assert int(jobs) > 0 and torch_then == "False" and int(hits) == int(jobs) == int(asked)
+
+
+def test_another_model_loaded_first_leaves_the_head_start_alone(x8_ext, files, monkeypatch):
+    """A draft model loaded before the main one (`run --draft`) neither takes nor ends the main model's copies."""
+    taken = []
+    original = early_repack.take
+    monkeypatch.setattr(early_repack, "take", lambda *a: taken.append(original(*a)) or taken[-1])
+    early_repack.start(run_line(files["kmix"], "--draft", str(files["lowmix"])))
+    active = early_repack._active
+    load_model(files["lowmix"], weights="auto")
+    assert early_repack._active is active and not any(x is not None for x in taken)
+    taken.clear()
+    load_model(files["kmix"], weights="auto")
+    assert early_repack._active is None and len(taken) == len(active._jobs) and all(x is not None for x in taken)
