@@ -23,7 +23,8 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("options", ["edgellm.options"]),  # the frozen run options: the kernels' option types, composed
     ("config", ["edgellm.config"]),  # ModelConfig: what a model is, from HF config.json or GGUF metadata
     ("formats", ["edgellm.gguf_file",  # the one checked GGUF reader, GGUF type tables and row layout
-                 "edgellm.file_checks"]),  # safetensors header checks; a file's config/tensors/tokenizer checked
+                 "edgellm.file_checks",  # safetensors header checks; a file's config/tensors/tokenizer checked
+                 "edgellm.early_repack"]),  # a GGUF's K-quants repacked while torch is imported (no torch)
     ("quant", ["edgellm.quant.*"]),  # quantization math and the quantized modules (no whole model)
     ("model", ["edgellm.model", "edgellm.cache", "edgellm.kv_calibration", "edgellm.decode_step", "edgellm.prefill_path",
                "edgellm.sampling", "edgellm.tokenizer", "edgellm.spm_merges", "edgellm.chat_template"]),
@@ -34,7 +35,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("apps", ["edgellm.bench", "edgellm.llama_cpp_peer", "edgellm.quantize", "edgellm.perplexity", "edgellm.serve", "edgellm.serve_worker",
               "edgellm.openai_schema", "edgellm.serve_cli", "edgellm.tui.*"]),
     ("cli", ["edgellm.cli"]),
-    ("entry", ["edgellm.entry"]),  # the console script: the prefetch, then the CLI
+    ("entry", ["edgellm.entry"]),  # the console script: the prefetch and the early repack, then the CLI
 ]
 
 # ------------------------------------------------------------------------------------------------
