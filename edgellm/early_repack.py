@@ -46,8 +46,6 @@ class EarlyRepack:
 
     def __init__(self, library: str, build: str, path: Path):
         self.build = build
-        self.file = GGUFFile(path)
-        self._adopted = False
         lib = ctypes.CDLL(library)
         lib.edgellm_x8_row_bytes.restype = ctypes.c_int64
         lib.edgellm_x8_row_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
@@ -55,6 +53,8 @@ class EarlyRepack:
         lib.edgellm_repack_run.argtypes = [ctypes.POINTER(RepackJob), ctypes.c_int64,
                                            ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
         self._run = lib.edgellm_repack_run
+        self.file = GGUFFile(path)
+        self._adopted = False
         tied = "output.weight" not in self.file.tensors  # then the embedding is the LM head too, else only looked up
         specs, self._outputs = [], []
         for name, t in self.file.tensors.items():
@@ -126,6 +126,7 @@ def start(argv: list[str]) -> None:
     """Begin repacking the GGUF an `edgellm` command line will load on the CPU, where everything needed is known
     before torch is imported; else do nothing. Never raises: the loader reports a bad file."""
     global _active
+    close()  # (one head start at a time)
     collecting = gc.isenabled()
     gc.disable()  # the header's lists of tokens are long-lived: no passes over them (entry.import_frozen freezes them)
     try:
