@@ -1,6 +1,7 @@
 """Load time (process start → ready to prefill) with the GGUF file out of the page cache, as on the first run after
 the file was written a while ago, beside the same with it cached, for edgellm with and without its prefetch
-(edgellm/prefetch.py: the `edgellm` command starts reading the file before it imports torch) and for llama.cpp.
+(edgellm/prefetch.py: the `edgellm` command starts reading the file before it imports torch) or its early repack
+(edgellm/early_repack.py: the K-quants repacked on the second core meanwhile), and for llama.cpp.
 
     python benchmarks/cold_load.py FILE.gguf [FILE.gguf ...] --peer-python /tmp/peer/bin/python \
         [--rounds 5] [--json benchmarks/results/cold-load.json]
@@ -23,6 +24,7 @@ from gguf_vs_llamacpp import CHILD_ENV, measure, warm_bytecode, write_doc  # ben
 VARIANTS = {  # name → (engine, extra environment)
     "edgellm": ("edgellm", {}),
     "edgellm, no prefetch": ("edgellm", {"EDGELLM_PREFETCH": "0"}),
+    "edgellm, no early repack": ("edgellm", {"EDGELLM_EARLY_REPACK": "0"}),  # (edgellm/early_repack.py)
     "llama.cpp": ("llama.cpp", {}),
 }
 
