@@ -1,7 +1,8 @@
-"""Repack a GGUF's K-quant matrices for the CPU kernels while Python imports torch.
+"""Repack a GGUF's matrices for the CPU kernels while Python imports torch.
 
-On a CPU the loader copies each Q2_K..Q6_K / IQ4_XS matrix into the x8 layout the kernels multiply
-(quant/gguf_linear.repack_for_cpu): ~0.25 s of a 1B Q4_K_M's load on 2 threads, after torch's ~0.8 s import, which
+On a CPU the loader copies each Q2_K..Q6_K, IQ4_XS, Q5_0, Q5_1 and IQ4_NL matrix into the x8 layout the kernels
+multiply (quant/gguf_linear.repack_for_cpu; the grid i-quants' recoding and the r8 tails stay the loader's): ~0.25 s
+of a 1B Q4_K_M's load on 2 threads, after torch's ~0.8 s import, which
 keeps one core busy and leaves the other idle. The `edgellm` command starts that copy first, on a thread that calls a
 plain C build of the same code (kernels/early_repack.cpp, through ctypes: the GIL is released), so the idle core does
 it during the import. The loader then takes each result whose source, type and shape are the ones it would repack

@@ -26,12 +26,15 @@ struct RepackJob {
 
 extern "C" {
 
-// Bytes per row of a 256-value type's x8 layout (the K-quants, IQ4_XS) at k values a row; 0 where this build has none,
-// the type's blocks are of 32 values (their layouts depend on the loader's settings: left to it) or k does not fit.
+// Bytes per row of a type's x8 layout at k values a row (the K-quants and IQ4_XS per 256 values; Q5_0, Q5_1 and
+// IQ4_NL per 32, the loader's default layouts for them); 0 where this build has none or k does not fit it.
 int64_t edgellm_x8_row_bytes(int64_t type, int64_t k) {
-  const bool blocks_of_256 = (type >= edgellm::GGUF_Q2_K && type <= edgellm::GGUF_Q6_K) || type == edgellm::GGUF_IQ4_XS;
-  if (!blocks_of_256 || !edgellm::gguf_x8_supported((int)type) || k <= 0 || k % 256) return 0;
-  return k / 256 * edgellm::gguf_x8_bytes((int)type) / 8;
+  using namespace edgellm;
+  const bool per_256 = (type >= GGUF_Q2_K && type <= GGUF_Q6_K) || type == GGUF_IQ4_XS;
+  const bool per_32 = type == GGUF_Q5_0 || type == GGUF_Q5_1 || type == GGUF_IQ4_NL;
+  const int64_t values = per_256 ? 256 : per_32 ? 32 : 0;
+  if (!values || !gguf_x8_supported((int)type) || k <= 0 || k % values) return 0;
+  return k / values * gguf_x8_bytes((int)type) / 8;
 }
 
 // Takes jobs from *next until none are left or *stop is set; each done one has done = 1 and its source's whole pages

@@ -25,9 +25,10 @@ from edgellm.kernels.ext_cache import cache_root, repack_pointer
 from edgellm.loading import load_model
 from tests.fixtures.tiny import make_gguf, make_hf_model
 from tests.test_cpu_kernels import ext  # noqa: F401  (the extension fixture, shared)
-from tests.test_gguf_as_stored import IQ4_MIX, K_MIX, LOW_MIX, SHAPE, _logits
+from tests.test_gguf_as_stored import IQ4_MIX, K_MIX, LEGACY_MIX, LOW_MIX, SHAPE, _logits
 
-K_QUANTS = {10, 11, 12, 13, 14, 23}  # Q2_K .. Q6_K, IQ4_XS: what the head start repacks
+# what the head start repacks: {type: values per block} (Q2_K .. Q6_K, IQ4_XS; Q5_0, Q5_1, IQ4_NL)
+X8_BLOCK_VALUES = {10: 256, 11: 256, 12: 256, 13: 256, 14: 256, 23: 256, 6: 32, 7: 32, 20: 32}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,7 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("early-repack")
     out = {}
     for name, variant, types in (("kmix", "llama_gqa", K_MIX), ("lowmix", "llama_gqa", LOW_MIX),
-                                 ("iq4mix", "llama_gqa", IQ4_MIX),
+                                 ("iq4mix", "llama_gqa", IQ4_MIX), ("legacy", "llama_gqa", LEGACY_MIX),
                                  ("tied", "llama_tied", {k: v for k, v in K_MIX.items() if k != "output.weight"})):
         folder = make_hf_model(root / name, variant, seed=5, **SHAPE)
         out[name] = make_gguf(folder, root / f"{name}.gguf", quant_types=types, seed=11)
@@ -44,7 +45,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture
 def x8_ext(ext):  # noqa: F811
-    if not set(K_QUANTS) & set(ext.gguf_x8_types()):
+    if not set(X8_BLOCK_VALUES) & set(ext.gguf_x8_types()):
         pytest.skip(f"the {ext.isa()} build has no x8 layout (AVX2 and AVX-512 builds do): nothing to repack early")
     pointer = repack_pointer(cache_root(os.environ.get("EDGELLM_EXT_CACHE") or None), os.environ.get("EDGELLM_EXT_ISA"))
     if not pointer.exists():
@@ -69,16 +70,17 @@ def test_the_library_is_the_extensions_build(x8_ext):
     assert pointer["torch"] == torch.__version__
 
 
-@pytest.mark.parametrize("name", ["kmix", "lowmix", "iq4mix"])
+@pytest.mark.parametrize("name", ["kmix", "lowmix", "iq4mix", "legacy"])
 def test_early_copies_are_the_extensions_bytes(x8_ext, files, name):
-    """Every matrix of a 256-value type the build has an x8 layout for (and only those; the embedding only where it
-    is the LM head too) is copied, as ext.gguf_repack copies it."""
+    """Every matrix of a type the build has an x8 layout for (and only those; the embedding only where it is the LM
+    head too; its first rows // 8 * 8 rows) is copied, as ext.gguf_repack copies it."""
     early_repack.start(run_line(files[name]))
     active = early_repack._active
     assert active is not None, "the command line loads a GGUF on the CPU: the head start should run"
     gguf = GGUFFile(files[name])
-    expected = {n for n, t in gguf.tensors.items() if t.type_id in K_QUANTS and t.type_id in x8_ext.gguf_x8_types()
-                and len(t.shape) == 2 and t.shape[1] % 256 == 0 and t.shape[0] >= 8 and n != "token_embd.weight"}
+    expected = {n for n, t in gguf.tensors.items() if t.type_id in X8_BLOCK_VALUES and t.type_id in
+                x8_ext.gguf_x8_types() and len(t.shape) == 2 and t.shape[1] % X8_BLOCK_VALUES[t.type_id] == 0
+                and t.shape[0] >= 8 and n != "token_embd.weight"}
     assert len(active._jobs) == len(expected) > 0
     by_name = {n: active.file.data(n) for n in expected}
     for n, src in by_name.items():
@@ -102,7 +104,7 @@ def test_another_build_or_matrix_gets_nothing(x8_ext, files):
     assert early_repack.take(cpu_ext.build_id(x8_ext), src, 12, rows, k) is not None
 
 
-@pytest.mark.parametrize("name", ["kmix", "tied", "lowmix"])
+@pytest.mark.parametrize("name", ["kmix", "tied", "lowmix", "legacy"])
 def test_a_load_with_the_head_start_computes_the_same_bits(x8_ext, files, name, monkeypatch):
     """The loader takes every early copy (a tied model's LM head too) and the model's logits, prefill and a cached
     decode step, are those of the same file loaded without the head start, bit for bit."""
