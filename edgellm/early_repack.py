@@ -65,7 +65,7 @@ class EarlyRepack:
             n8, row_bytes = rows // 8 * 8, lib.edgellm_x8_row_bytes(t.type_id, k)
             if n8 and row_bytes:
                 src = self.file.data(name)
-                out = mmap.mmap(-1, n8 * row_bytes)  # zero pages until written: no memset, nothing resident yet
+                out = _anonymous(n8 * row_bytes)
                 self._outputs.append(out)
                 specs.append((src.ctypes.data, _address(out), t.type_id, n8, k, n8 * (t.n_bytes // rows), 0))
         self._jobs = (RepackJob * len(specs))(*specs)
@@ -163,6 +163,13 @@ def close(loaded: GGUFFile | None = None) -> None:
     if _active is not None and (loaded is None or loaded is _active.file):
         _active.close()
         _active = None
+
+
+def _anonymous(nbytes: int) -> mmap.mmap:
+    """Private anonymous memory (as malloc's large blocks are; Python's default is shared): zero pages until written,
+    no memset, nothing resident yet."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    return mmap.mmap(-1, nbytes, flags=flags) if flags else mmap.mmap(-1, nbytes)
 
 
 def _address(buf: mmap.mmap) -> int:
