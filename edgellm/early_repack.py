@@ -29,6 +29,7 @@ from pathlib import Path
 
 from .gguf_file import GGUFFile
 from .kernels.ext_cache import cache_root, repack_pointer
+from .prefetch import bundled_files
 
 # The commands that load one model with the settings below; `quantize`, `info` and `perplexity` (which loads the
 # model twice, as stored and as fp) are left to the loader.
@@ -36,14 +37,20 @@ COMMANDS = ("run", "chat", "serve", "bench")
 
 
 class RepackJob(ctypes.Structure):  # kernels/early_repack.cpp's
-    _fields_ = [("src", ctypes.c_void_p), ("dst", ctypes.c_void_p), ("type", ctypes.c_int64),
-                ("rows", ctypes.c_int64), ("k", ctypes.c_int64), ("src_bytes", ctypes.c_int64),
-                ("done", ctypes.c_int64)]
+    _fields_ = [("src", ctypes.c_void_p), ("dst", ctypes.c_void_p), ("scales", ctypes.c_void_p),
+                ("mins", ctypes.c_void_p), ("type", ctypes.c_int64), ("rows", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("heads", ctypes.c_int64), ("src_bytes", ctypes.c_int64), ("done", ctypes.c_int64)]
+
+
+# The GGUF types that are edgellm's own int8 / int4 layout (quant/groups.GGUF_BLOCKS): type id -> (bits, fp16 fields)
+EXACT_TYPES = {2: (4, 1), 3: (4, 2), 8: (8, 1)}  # Q4_0, Q4_1, Q8_0
 
 
 class EarlyRepack:
-    """The x8 copies of one GGUF's matrices, made by a background thread (and, once the loader asks, by the asking
-    thread too). `file` is the parsed, mapped GGUF, for the loader to use rather than map the file again."""
+    """The copies of one GGUF's matrices in the layouts the CPU kernels multiply, made by a background thread (and,
+    once the loader asks, by the asking thread too): x8 for the types that have it, edgellm's int4 / int8 layout for
+    Q4_0 / Q4_1 / Q8_0 (fused and unpermuted as the loader's plan has them). `file` is the parsed, mapped GGUF, for
+    the loader to use rather than map the file again."""
 
     def __init__(self, library: str, build: str, path: Path):
         self.build = build
@@ -56,24 +63,74 @@ class EarlyRepack:
         self._run = lib.edgellm_repack_run
         self.file = GGUFFile(path)
         self._adopted = False
+        self._specs: list[tuple] = []
+        self._outputs: list[mmap.mmap] = []
+        self._x8: dict[tuple, tuple[int, int]] = {}  # (address, type, rows, k) -> (job, output)
+        self._exact: dict[tuple, tuple[list[int], list[int | None]]] = {}  # parts' keys -> (jobs, outputs)
+        self._plan_x8(lib)
+        self._plan_exact()
+        self._jobs = (RepackJob * len(self._specs))(*self._specs)
+        self._next, self._stop = ctypes.c_int64(0), ctypes.c_int64(0)
+        self._thread: threading.Thread | None = None
+        self._finished = False
+        self._taken: set[int] = set()
+
+    def _output(self, nbytes: int) -> tuple[int, int]:
+        """(index, address) of a new output of nbytes."""
+        self._outputs.append(_anonymous(nbytes))
+        return len(self._outputs) - 1, _address(self._outputs[-1])
+
+    def _plan_x8(self, lib: ctypes.CDLL) -> None:
         tied = "output.weight" not in self.file.tensors  # then the embedding is the LM head too, else only looked up
-        specs, self._outputs = [], []
         for name, t in self.file.tensors.items():
             if len(t.shape) != 2 or (name == "token_embd.weight" and not tied):
                 continue
             rows, k = t.shape
             n8, row_bytes = rows // 8 * 8, lib.edgellm_x8_row_bytes(t.type_id, k)
             if n8 and row_bytes:
-                src = self.file.data(name)
-                out = _anonymous(n8 * row_bytes)
-                self._outputs.append(out)
-                specs.append((src.ctypes.data, _address(out), t.type_id, n8, k, n8 * (t.n_bytes // rows), 0))
-        self._jobs = (RepackJob * len(specs))(*specs)
-        self._index = {(s[0], s[2], s[3], s[4]): i for i, s in enumerate(specs)}
-        self._next, self._stop = ctypes.c_int64(0), ctypes.c_int64(0)
-        self._thread: threading.Thread | None = None
-        self._finished = False
-        self._taken: set[int] = set()
+                src = self.file.data(name).ctypes.data
+                out, dst = self._output(n8 * row_bytes)
+                self._x8[(src, t.type_id, n8, k)] = (len(self._specs), out)
+                self._specs.append((src, dst, None, None, t.type_id, n8, k, 0, n8 * (t.n_bytes // rows), 0))
+
+    def _plan_exact(self) -> None:
+        """Our matrices of Q4_0 / Q4_1 / Q8_0 blocks as loading.weight_plan makes them of a GGUF: Q/K/V and gate/up
+        fused (llama.cpp's names), Q/K rows unpermuted for llama / mistral. A file it does not describe (Phi-3's
+        fused tensors, another naming) is left to the loader."""
+        fields = self.file.fields
+        arch = fields.get("general.architecture")
+        layers, heads = fields.get(f"{arch}.block_count"), fields.get(f"{arch}.attention.head_count")
+        if not isinstance(layers, int) or not isinstance(heads, int):
+            return
+        permute = {"attn_q": heads, "attn_k": fields.get(f"{arch}.attention.head_count_kv", heads)}
+        if arch not in ("llama", "mistral"):  # llama.cpp permutes Q/K for llama-arch models only
+            permute = {}
+        groups = [["token_embd.weight"], ["output.weight"]]
+        for i in range(layers):
+            groups += [[f"blk.{i}.attn_{x}.weight" for x in "qkv"], [f"blk.{i}.ffn_gate.weight", f"blk.{i}.ffn_up.weight"],
+                       [f"blk.{i}.attn_output.weight"], [f"blk.{i}.ffn_down.weight"]]
+        for names in groups:
+            ts = [self.file.tensors.get(n) for n in names]
+            if any(t is None or len(t.shape) != 2 for t in ts) or len({(t.type_id, t.shape[1]) for t in ts}) != 1:
+                continue
+            type_id, k = ts[0].type_id, ts[0].shape[1]
+            if type_id not in EXACT_TYPES or k % 32:
+                continue
+            bits, fp16_fields = EXACT_TYPES[type_id]
+            rows = sum(t.shape[0] for t in ts)
+            codes, codes_at = self._output(rows * k * bits // 8)
+            scales, scales_at = self._output(rows * k // 32 * 2)
+            mins, mins_at = self._output(rows * k // 32 * 2) if fp16_fields == 2 else (None, None)
+            key, jobs, row0 = [], [], 0
+            for name, t in zip(names, ts):
+                src, n, h = self.file.data(name).ctypes.data, t.shape[0], int(permute.get(name.split(".")[-2], 0))
+                key.append((src, type_id, n, k, h))
+                jobs.append(len(self._specs))
+                self._specs.append((src, codes_at + row0 * k * bits // 8, scales_at + row0 * k // 32 * 2,
+                                    None if mins_at is None else mins_at + row0 * k // 32 * 2, type_id, n, k, h,
+                                    t.n_bytes, 0))
+                row0 += n
+            self._exact[tuple(key)] = (jobs, [codes, scales, mins])
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._work, name="edgellm-early-repack", daemon=True)
@@ -82,20 +139,36 @@ class EarlyRepack:
     def _work(self) -> None:
         self._run(self._jobs, len(self._jobs), ctypes.byref(self._next), ctypes.byref(self._stop))
 
-    def take(self, address: int, type_id: int, rows: int, k: int) -> mmap.mmap | None:
-        """The x8 copy of the `rows` x `k` matrix of `type_id` at `address` (in `file`'s map), or None."""
-        i = self._index.get((address, type_id, rows, k))
-        if i is None:
-            return None
+    def _all_done(self) -> None:
         if not self._finished:  # the loader's first ask: this thread takes the jobs left, then waits for the last
             self._finished = True
             self._work()
             if self._thread is not None:
                 self._thread.join()
-        if not self._jobs[i].done:
+
+    def take(self, address: int, type_id: int, rows: int, k: int) -> mmap.mmap | None:
+        """The x8 copy of the `rows` x `k` matrix of `type_id` at `address` (in `file`'s map), or None."""
+        found = self._x8.get((address, type_id, rows, k))
+        if found is None:
             return None
-        self._taken.add(i)
-        return self._outputs[i]
+        self._all_done()
+        if not self._jobs[found[0]].done:
+            return None
+        self._taken.add(found[1])
+        return self._outputs[found[1]]
+
+    def take_exact(self, parts: tuple[tuple[int, int, int, int, int], ...]) -> list[mmap.mmap | None] | None:
+        """[codes, fp16 scales, fp16 mins or None] of the matrix fused from `parts`, each (address, type, rows, k,
+        heads to unpermute or 0) in order, or None."""
+        found = self._exact.get(tuple(parts))
+        if found is None:
+            return None
+        self._all_done()
+        jobs, outputs = found
+        if not all(self._jobs[j].done for j in jobs):
+            return None
+        self._taken.update(o for o in outputs if o is not None)
+        return [None if o is None else self._outputs[o] for o in outputs]
 
     def adopt_file(self, path: Path) -> GGUFFile | None:
         if self._adopted or Path(path).resolve() != self.file.path.resolve():
@@ -143,6 +216,10 @@ def start(argv: list[str]) -> None:
             gc.enable()
 
 
+def started() -> bool:
+    return _active is not None
+
+
 def adopt_file(path: Path) -> GGUFFile | None:
     """The GGUF at `path` already mapped and parsed, for the loader (once), or None."""
     return _active.adopt_file(path) if _active is not None else None
@@ -154,6 +231,14 @@ def take(build: str, address: int, type_id: int, rows: int, k: int) -> mmap.mmap
     if _active is None or _active.build != build:
         return None
     return _active.take(address, type_id, rows, k)
+
+
+def take_exact(build: str, parts: tuple[tuple[int, int, int, int, int], ...]) -> list[mmap.mmap | None] | None:
+    """[codes, scales, mins or None] of a Q4_0 / Q4_1 / Q8_0 matrix in edgellm's layout, fused from `parts` ((address,
+    type, rows, k, heads or 0) each) as the loader would fuse them with the extension build `build`, or None."""
+    if _active is None or _active.build != build:
+        return None
+    return _active.take_exact(parts)
 
 
 def close(loaded: GGUFFile | None = None) -> None:
@@ -194,9 +279,12 @@ def _plan(argv: list[str]) -> tuple[str, str, Path] | None:
         ns, _ = p.parse_known_args(argv[1:])
     except (argparse.ArgumentError, SystemExit):
         return None
-    if ns.model is None or ns.weights != "auto" or ns.no_ext or ns.threads == "1":
+    if ns.weights != "auto" or ns.no_ext or ns.threads == "1":
         return None
-    path = Path(ns.model).expanduser()
+    bundled = bundled_files() if ns.model is None else []  # the default model (`make chat`)
+    if ns.model is None and len(bundled) != 1:
+        return None
+    path = bundled[0] if ns.model is None else Path(ns.model).expanduser()
     if path.suffix.lower() != ".gguf" or not path.is_file():
         return None
     torch_build = _torch_build()

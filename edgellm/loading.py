@@ -760,7 +760,6 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
 
             install_gguf(model, gguf_parts, state, dtype, device,  # (it empties gguf_parts)
                          release=getattr(getattr(src, "file", None), "release_view", None))
-            early_repack.close(getattr(src, "file", None))  # what the head start made that was not taken
         if qtensors or has_blocks:
             from .quant.convert import install_quantized
 
@@ -772,6 +771,7 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
     except (RuntimeError, ValueError) as e:  # a tensor whose shape the config does not describe
         raise ModelFormatError(f"{path}: the tensors do not fit the model the config describes "
                                f"({_first_line(e)})") from e
+    early_repack.close(getattr(src, "file", None))  # what the head start made that was not taken
     model.eval().requires_grad_(False)
     _setup_context(model, cfg, max_seq_len)
     tokenizer = load_tokenizer(path if path.is_dir() else src)

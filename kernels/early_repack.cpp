@@ -1,11 +1,13 @@
 // The x8 repack (cpu_gguf_x8.cpp) as a plain C library, without torch: the `edgellm` command loads it with ctypes
-// and repacks a GGUF's K-quant matrices on a second core while the first imports torch (edgellm/early_repack.py).
+// and repacks a GGUF's matrices on a second core while the first imports torch (edgellm/early_repack.py).
 // Built beside the extension from the same source and flags (kernels/cpu_ext.py), so its bytes are the
-// extension's gguf_repack's; each caller of edgellm_repack_run is one worker thread.
+// extension's gguf_repack's; each caller of edgellm_repack_run is one worker thread. It also splits Q4_0 / Q4_1 /
+// Q8_0 blocks into edgellm's own int4 / int8 layout, as quant/groups.gguf_into does.
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdint>
+#include <cstring>
 #include <functional>
 
 #include "cpu_gguf.h"
@@ -17,12 +19,39 @@ void parallel_run(int64_t begin, int64_t end, int64_t, const std::function<void(
 int max_threads() { return 1; }
 }  // namespace edgellm
 
-// One matrix: its first `rows` rows (a multiple of 8) of `k` values, src_bytes of stored blocks, into dst's x8 layout.
+// One matrix of `rows` rows of `k` values (src_bytes of stored blocks). A type with an x8 layout: its rows (a multiple
+// of 8) into dst in that layout. Q4_0 / Q4_1 / Q8_0: its blocks split into codes (dst), fp16 scales (scales) and
+// mins (Q4_1: mins), rows of each as edgellm's QuantizedTensor holds them; heads > 0: llama.cpp's Q/K row order
+// undone on the way (edgellm.gguf_file.unpermute_rope_rows).
 struct RepackJob {
   const uint8_t* src;
-  uint8_t* dst;
-  int64_t type, rows, k, src_bytes, done;
+  uint8_t *dst, *scales, *mins;
+  int64_t type, rows, k, heads, src_bytes, done;
 };
+
+namespace {
+
+void split_blocks(const RepackJob& j) {
+  using namespace edgellm;
+  const int64_t payload = j.type == GGUF_Q8_0 ? 32 : 16, fields = j.type == GGUF_Q4_1 ? 2 : 1;
+  const int64_t block = 2 * fields + payload, blocks = j.k / 32;
+  const int64_t half = j.heads > 0 ? j.rows / j.heads / 2 : 0;
+  for (int64_t r = 0; r < j.rows; ++r) {
+    int64_t ours = r;  // stored row h * 2 half + 2 i + p is our row h * 2 half + p half + i
+    if (half > 0) ours = r / (2 * half) * (2 * half) + (r % 2) * half + r % (2 * half) / 2;
+    const uint8_t* b = j.src + r * blocks * block;
+    uint8_t* codes = j.dst + ours * blocks * payload;
+    uint8_t* scales = j.scales + ours * blocks * 2;
+    uint8_t* mins = j.mins ? j.mins + ours * blocks * 2 : nullptr;
+    for (int64_t g = 0; g < blocks; ++g, b += block) {
+      std::memcpy(scales + 2 * g, b, 2);
+      if (mins) std::memcpy(mins + 2 * g, b + 2, 2);
+      std::memcpy(codes + payload * g, b + 2 * fields, (size_t)payload);
+    }
+  }
+}
+
+}  // namespace
 
 extern "C" {
 
@@ -46,7 +75,10 @@ void edgellm_repack_run(RepackJob* jobs, int64_t n, int64_t* next, const int64_t
     const int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_ACQ_REL);
     if (i >= n) return;
     RepackJob& j = jobs[i];
-    edgellm::gguf_repack_x8(j.src, (int)j.type, j.rows, j.k, j.dst);
+    if (j.type == edgellm::GGUF_Q4_0 || j.type == edgellm::GGUF_Q4_1 || j.type == edgellm::GGUF_Q8_0)
+      split_blocks(j);
+    else
+      edgellm::gguf_repack_x8(j.src, (int)j.type, j.rows, j.k, j.dst);
     const uintptr_t begin = ((uintptr_t)j.src + page - 1) / page * page;
     const uintptr_t end = ((uintptr_t)j.src + (uintptr_t)j.src_bytes) / page * page;
     if (end > begin) madvise((void*)begin, end - begin, MADV_DONTNEED);

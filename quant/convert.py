@@ -16,11 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
 
+from .. import early_repack
 from ..errors import ModelFormatError, QuantizationError
 from ..gguf_file import GGML_BLOCKS
+from ..kernels import matmul as K
+from ..kernels.cpu_ext import build_id
 from .groups import GGUF_EXACT, QuantizedTensor, empty_gguf_exact, gguf_into, quantize
 from .linear import QuantEmbedding, QuantLinear
 
@@ -90,13 +94,35 @@ def try_exact_gguf(parts: list[tuple[Any, Any, tuple[int, int]]], fmt: tuple[int
     if bits > fmt[0]:
         return None  # asked for fewer bits than stored: requantize
     # stored with fewer (or as many) bits as asked: requantizing could only add error, so keep them, each part
-    # copied once, straight into its rows of the fused tensor
+    # copied once, straight into its rows of the fused tensor (by the `edgellm` command's head start, if it did)
+    early = _made_early(parts, permute, bits, sym)
+    if early is not None:
+        return early
     out = empty_gguf_exact(parts[0][1], sum(int(p[2][0]) for p in parts), int(parts[0][2][1]))
     row0 = 0
     for (raw, ggml_type, shape), heads in zip(parts, permute):
         gguf_into(raw, ggml_type, shape, out, row0, heads)
         row0 += int(shape[0])
     return out
+
+
+def _made_early(parts: list[tuple[Any, Any, tuple[int, int]]], permute: list[int | None], bits: int,
+                sym: bool) -> QuantizedTensor | None:
+    """try_exact_gguf's tensor as edgellm/early_repack.py made it while torch was imported (the same bytes:
+    kernels/early_repack.cpp splits the blocks as gguf_into does), or None."""
+    ext = K.cpu_extension() if early_repack.started() else None  # (no extension build for a load without it)
+    if ext is None:
+        return None
+    key = tuple((np.asarray(raw).ctypes.data, int(t), int(shape[0]), int(shape[1]), int(heads or 0))
+                for (raw, t, shape), heads in zip(parts, permute))
+    made = early_repack.take_exact(build_id(ext), key)
+    if made is None:
+        return None
+    rows, k = sum(int(p[2][0]) for p in parts), int(parts[0][2][1])
+    codes = torch.frombuffer(made[0], dtype=torch.int8 if bits == 8 else torch.uint8).view(rows, -1)
+    scales = torch.frombuffer(made[1], dtype=torch.float16).view(rows, k // 32)
+    mins = None if made[2] is None else torch.frombuffer(made[2], dtype=torch.float16).view(rows, k // 32)
+    return QuantizedTensor(bits, 32, sym, (rows, k), codes, scales, mins)
 
 
 def row_op(qt: QuantizedTensor, fn: Callable[[torch.Tensor], torch.Tensor], rows: int) -> QuantizedTensor:

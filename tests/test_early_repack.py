@@ -31,13 +31,20 @@ from tests.test_gguf_as_stored import IQ4_MIX, K_MIX, LEGACY_MIX, LOW_MIX, SHAPE
 X8_BLOCK_VALUES = {10: 256, 11: 256, 12: 256, 13: 256, 14: 256, 23: 256, 6: 32, 7: 32, 20: 32}
 
 
+def every_matrix(type_name: str, tied: bool = False) -> dict[str, str]:
+    return {k: type_name for k in K_MIX if not (tied and k == "output.weight")}
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("early-repack")
     out = {}
     for name, variant, types in (("kmix", "llama_gqa", K_MIX), ("lowmix", "llama_gqa", LOW_MIX),
                                  ("iq4mix", "llama_gqa", IQ4_MIX), ("legacy", "llama_gqa", LEGACY_MIX),
-                                 ("tied", "llama_tied", {k: v for k, v in K_MIX.items() if k != "output.weight"})):
+                                 ("tied", "llama_tied", {k: v for k, v in K_MIX.items() if k != "output.weight"}),
+                                 ("q4_0", "llama_gqa", every_matrix("Q4_0")),  # Q/K rows permuted in the file
+                                 ("q8_0", "llama_tied", every_matrix("Q8_0", tied=True)),
+                                 ("q4_1", "qwen2_bias", every_matrix("Q4_1"))):  # (not permuted: qwen2)
         folder = make_hf_model(root / name, variant, seed=5, **SHAPE)
         out[name] = make_gguf(folder, root / f"{name}.gguf", quant_types=types, seed=11)
     return out
@@ -81,7 +88,7 @@ def test_early_copies_are_the_extensions_bytes(x8_ext, files, name):
     expected = {n for n, t in gguf.tensors.items() if t.type_id in X8_BLOCK_VALUES and t.type_id in
                 x8_ext.gguf_x8_types() and len(t.shape) == 2 and t.shape[1] % X8_BLOCK_VALUES[t.type_id] == 0
                 and t.shape[0] >= 8 and n != "token_embd.weight"}
-    assert len(active._jobs) == len(expected) > 0
+    assert len(active._x8) == len(expected) > 0
     by_name = {n: active.file.data(n) for n in expected}
     for n, src in by_name.items():
         t = active.file.tensors[n]
@@ -104,20 +111,52 @@ def test_another_build_or_matrix_gets_nothing(x8_ext, files):
     assert early_repack.take(cpu_ext.build_id(x8_ext), src, 12, rows, k) is not None
 
 
-@pytest.mark.parametrize("name", ["kmix", "tied", "lowmix", "legacy"])
+@pytest.mark.parametrize("name", ["q4_0", "q8_0", "q4_1"])
+def test_q4_0_q4_1_q8_0_are_split_as_gguf_into_splits_them(x8_ext, files, name):
+    """Each of our matrices of Q4_0 / Q4_1 / Q8_0 blocks (the embedding, Q/K/V and gate/up fused, Q/K rows unpermuted
+    in the llama file) is edgellm's int8 / int4 layout exactly as quant/groups.gguf_into makes it."""
+    from edgellm.loading import open_source, weight_plan, source_names
+    from edgellm.quant.groups import empty_gguf_exact, gguf_into
+
+    early_repack.start(run_line(files[name]))
+    assert early_repack._active is not None and early_repack._active._exact
+    src, cfg, fmt = open_source(files[name])
+    assert src.file is early_repack._active.file  # adopted
+    plan = weight_plan(cfg, source_names(cfg, fmt), gguf_layout=True)
+    matrices = [ours for ours in plan.parts if ours.endswith(("weight",)) and "norm" not in ours]
+    assert len(early_repack._active._exact) == len(matrices)
+    for ours in matrices:
+        raws = [src.raw(p) for p in plan.parts[ours]]
+        heads = [plan.permute.get(p) for p in plan.parts[ours]]
+        key = tuple((raw.ctypes.data, t, shape[0], shape[1], h or 0) for (raw, t, shape), h in zip(raws, heads))
+        made = early_repack.take_exact(cpu_ext.build_id(x8_ext), key)
+        assert made is not None, ours
+        want = empty_gguf_exact(raws[0][1], sum(r[2][0] for r in raws), raws[0][2][1])
+        row0 = 0
+        for (raw, t, shape), h in zip(raws, heads):
+            gguf_into(raw, t, shape, want, row0, h)
+            row0 += shape[0]
+        fields = [want.codes, want.scales] + ([want.mins] if want.mins is not None else [])
+        assert (made[2] is None) == (want.mins is None), ours
+        for got, field in zip(made, fields):
+            np.testing.assert_array_equal(np.frombuffer(got, dtype=np.uint8),
+                                          field.contiguous().view(torch.uint8).numpy().reshape(-1), err_msg=ours)
+
+
+@pytest.mark.parametrize("name", ["kmix", "tied", "lowmix", "legacy", "q4_0", "q8_0", "q4_1"])
 def test_a_load_with_the_head_start_computes_the_same_bits(x8_ext, files, name, monkeypatch):
     """The loader takes every early copy (a tied model's LM head too) and the model's logits, prefill and a cached
     decode step, are those of the same file loaded without the head start, bit for bit."""
     ids = list(range(3, 40))
     plain = _logits(load_model(files[name], weights="auto"), ids)
     taken = []
-    original = early_repack.take
-    monkeypatch.setattr(early_repack, "take", lambda *a: taken.append(original(*a)) or taken[-1])
+    for fn in ("take", "take_exact"):
+        monkeypatch.setattr(early_repack, fn, lambda *a, f=getattr(early_repack, fn): taken.append(f(*a)) or taken[-1])
     early_repack.start(run_line(files[name]))
-    jobs = len(early_repack._active._jobs)
+    made = len(early_repack._active._x8) + len(early_repack._active._exact)
     loaded = load_model(files[name], weights="auto")
     assert early_repack._active is None  # closed by the loader
-    assert len(taken) == jobs > 0 and all(x is not None for x in taken)
+    assert len(taken) == made > 0 and all(x is not None for x in taken)
     early = _logits(loaded, ids)
     for a, b in zip(early, plain):
         assert torch.equal(a, b)
@@ -132,10 +171,18 @@ def test_nothing_starts_where_the_loader_would_not_take_it(x8_ext, files, extra)
 
 def test_nothing_starts_for_other_commands_or_models(x8_ext, files, tmp_path):
     for argv in (["info", "-m", str(files["kmix"])], ["quantize", str(files["kmix"]), "-o", str(tmp_path / "q")],
-                 ["run", "hello"], ["run", "hello", "-m", str(tmp_path / "missing.gguf")],
+                 ["run", "hello", "-m", str(tmp_path / "missing.gguf")],
                  ["run", "hello", "-m", str(files["kmix"].parent)], ["run", "hello", "-m"], []):
         early_repack.start(argv)
         assert early_repack._active is None, argv
+
+
+def test_the_bundled_model_gets_its_head_start(x8_ext, bundled_path):
+    """No -m: the commands load the bundled SmolLM2 (Q4_1 blocks, split into the int4 layout early) and the loader,
+    which resolves the same path, takes it."""
+    early_repack.start(["chat"])
+    assert early_repack._active is not None and early_repack._active._exact
+    assert early_repack.adopt_file(bundled_path) is early_repack._active.file
 
 
 def test_a_corrupt_file_is_left_to_the_loader(x8_ext, tmp_path):
