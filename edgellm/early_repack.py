@@ -1,13 +1,14 @@
 """Repack a GGUF's matrices for the CPU kernels while Python imports torch.
 
 On a CPU the loader copies each Q2_K..Q6_K, IQ4_XS, Q5_0, Q5_1 and IQ4_NL matrix into the x8 layout the kernels
-multiply (quant/gguf_linear.repack_for_cpu; the grid i-quants' recoding and the r8 tails stay the loader's): ~0.25 s
-of a 1B Q4_K_M's load on 2 threads, after torch's ~0.8 s import, which
-keeps one core busy and leaves the other idle. The `edgellm` command starts that copy first, on a thread that calls a
-plain C build of the same code (kernels/early_repack.cpp, through ctypes: the GIL is released), so the idle core does
-it during the import. The loader then takes each result whose source, type and shape are the ones it would repack
-itself, with the extension build the library came from; it helps finish the rest and repacks anything else as
-before. A head start only: a file, build or setting this module does not foresee loads as it always did.
+multiply (quant/gguf_linear.repack_for_cpu) and splits Q4_0 / Q4_1 / Q8_0 blocks into edgellm's own int4 / int8
+layout (quant/groups.gguf_into): ~0.25-0.4 s of a 1B file's load, after torch's ~0.8 s import, which keeps one core
+busy and leaves the other idle. The `edgellm` command starts that work first, on a thread that calls a plain C build
+of the same code (kernels/early_repack.cpp, through ctypes: the GIL is released), so the idle core does it during the
+import. The loader then takes each result whose sources, types, shapes (and Q/K row order) are the ones it would
+use itself, with the extension build the library came from; it helps finish the rest and does anything else as
+before (the grid i-quants' recoding, the r8 tails). A head start only: a file, build or setting this module does
+not foresee loads as it always did.
 
 Imports nothing heavy (numpy, through gguf_file; torch imports it anyway).
 """
