@@ -268,7 +268,8 @@ def _address(buf: mmap.mmap) -> int:
 def _plan(argv: list[str]) -> tuple[str, str, Path] | None:
     """(library, build, GGUF path) when the command line loads a GGUF on this CPU with the as-stored weights and the
     C++ kernels, and the extension for this torch, Python and ISA setting has built the library; else None."""
-    if not argv or argv[0] not in COMMANDS or (os.cpu_count() or 1) < 2:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    if not argv or argv[0] not in COMMANDS or cores < 2:  # (one core: nothing idle to use)
         return None
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     p.add_argument("-m", "--model")
