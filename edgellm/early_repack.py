@@ -115,16 +115,17 @@ class EarlyRepack:
             if any(t is None or len(t.shape) != 2 for t in ts) or len({(t.type_id, t.shape[1]) for t in ts}) != 1:
                 continue
             type_id, k = ts[0].type_id, ts[0].shape[1]
-            if type_id not in EXACT_TYPES or k % 32:
-                continue
+            heads = [int(permute.get(name.split(".")[-2], 0)) for name in names]
+            if type_id not in EXACT_TYPES or k % 32 or any(h and t.shape[0] % (2 * h) for t, h in zip(ts, heads)):
+                continue  # (rows that are not whole pairs of each head's: the loader's path reports the file)
             bits, fp16_fields = EXACT_TYPES[type_id]
             rows = sum(t.shape[0] for t in ts)
             codes, codes_at = self._output(rows * k * bits // 8)
             scales, scales_at = self._output(rows * k // 32 * 2)
             mins, mins_at = self._output(rows * k // 32 * 2) if fp16_fields == 2 else (None, None)
             key, jobs, row0 = [], [], 0
-            for name, t in zip(names, ts):
-                src, n, h = self.file.data(name).ctypes.data, t.shape[0], int(permute.get(name.split(".")[-2], 0))
+            for name, t, h in zip(names, ts, heads):
+                src, n = self.file.data(name).ctypes.data, t.shape[0]
                 key.append((src, type_id, n, k, h))
                 jobs.append(len(self._specs))
                 self._specs.append((src, codes_at + row0 * k * bits // 8, scales_at + row0 * k // 32 * 2,
