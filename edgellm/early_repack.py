@@ -24,12 +24,11 @@ import mmap
 import os
 import platform
 import re
-import sys
 import threading
 from pathlib import Path
 
 from .gguf_file import GGUFFile
-from .kernels.ext_cache import cache_root, repack_pointer
+from .kernels.ext_cache import cache_root, python_tag, repack_pointer
 from .prefetch import bundled_files
 
 # The commands that load one model with the settings below; `quantize`, `info` and `perplexity` (which loads the
@@ -298,8 +297,8 @@ def _plan(argv: list[str]) -> tuple[str, str, Path] | None:
         pointer = json.loads(repack_pointer(root, os.environ.get("EDGELLM_EXT_ISA") or None).read_text("utf-8"))
     except (OSError, ValueError):
         return None
-    python = f"{sys.version_info.major}{sys.version_info.minor}"
-    if not isinstance(pointer, dict) or pointer.get("torch") != torch_build["version"] or pointer.get("python") != python:
+    if (not isinstance(pointer, dict) or pointer.get("torch") != torch_build["version"]
+            or pointer.get("python") != python_tag()):
         return None
     library, build = pointer.get("library"), pointer.get("build")
     if not isinstance(library, str) or not isinstance(build, str) or not Path(library).is_file():

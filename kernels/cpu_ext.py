@@ -16,7 +16,7 @@ The build (~20 s, one line on stderr) goes to
 processes import the cached library directly (milliseconds), without running ninja again. A file lock
 keeps two processes from building into the same folder at once.
 
-This module imports nothing from the rest of edgellm.
+This module imports nothing from the rest of edgellm but its atomic writes (edgellm/atomic.py).
 """
 
 from __future__ import annotations
@@ -39,7 +39,9 @@ from typing import Iterator
 
 import torch
 
-from .ext_cache import cache_root, repack_pointer
+from ..atomic import write_text_atomic
+from ..errors import OutputError
+from .ext_cache import cache_root, python_tag, repack_pointer
 
 _NAME = "edgellm_cpu_kernels"
 _SOURCES = ("cpu_kernels.cpp", "cpu_decode.cpp", "cpu_gguf.cpp", "cpu_gguf_x8.cpp", "cpu_gguf_grid.cpp", "cpu_attention.cpp",
@@ -255,11 +257,11 @@ def _load(settings: ExtensionSettings) -> ModuleType:
     opt = ["/O2"] if sys.platform == "win32" else ["-O3"]
     cflags = opt + ["-DNDEBUG"] + isa_flags + omp_cflags
     key = hashlib.sha256()
-    for s in sources + [here / h for h in _HEADERS] + [here / "early_repack.cpp"]:
+    for s in sources + [here / h for h in _HEADERS] + [here / s for s in _REPACK_SOURCES if s not in _SOURCES]:
         key.update(s.read_bytes())
     key.update(repr((cflags, omp_ldflags, os.environ.get("CXX"), _BUILD_VERSION, sys.version)).encode())
-    pyver = f"{sys.version_info.major}{sys.version_info.minor}"
-    folder = cache_root(settings.cache_dir) / f"ext-torch{torch.__version__}-py{pyver}-{isa}-{key.hexdigest()[:12]}"
+    folder = (cache_root(settings.cache_dir) /
+              f"ext-torch{torch.__version__}-py{python_tag()}-{isa}-{key.hexdigest()[:12]}")
     done = folder / "built.ok"
 
     if done.exists() and (lib := _library_file(folder)) is not None:
@@ -295,15 +297,12 @@ def _publish_repack_library(folder: Path, isa_flags: list[str], settings: Extens
                 failed.touch()  # not again on every start
     if not lib.exists():
         return
-    pyver = f"{sys.version_info.major}{sys.version_info.minor}"
-    text = json.dumps({"build": folder.name, "library": str(lib), "torch": torch.__version__, "python": pyver})
+    text = json.dumps({"build": folder.name, "library": str(lib), "torch": torch.__version__, "python": python_tag()})
     pointer = repack_pointer(cache_root(settings.cache_dir), settings.isa)
     try:
         if not pointer.exists() or pointer.read_text(encoding="utf-8") != text:
-            tmp = pointer.with_name(f"{pointer.name}.{os.getpid()}.tmp")
-            tmp.write_text(text, encoding="utf-8")
-            os.replace(tmp, pointer)
-    except OSError:
+            write_text_atomic(pointer, text)
+    except (OSError, OutputError):  # (the command just has no head start)
         pass
 
 

@@ -2,6 +2,7 @@
 edgellm/early_repack.py)."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 
@@ -22,3 +23,8 @@ def repack_pointer(root: Path, isa_setting: str | None) -> Path:
     """The file where the extension last loaded for an ISA setting (None: the best) says which repack library goes
     with it: JSON {build (the extension's folder name), library, torch, python}."""
     return root / f"early-repack-{isa_setting or 'best'}.json"
+
+
+def python_tag() -> str:
+    """This Python's major and minor version, as the build folders and the pointer file name it ("311")."""
+    return f"{sys.version_info.major}{sys.version_info.minor}"
