@@ -771,7 +771,8 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
     except (RuntimeError, ValueError) as e:  # a tensor whose shape the config does not describe
         raise ModelFormatError(f"{path}: the tensors do not fit the model the config describes "
                                f"({_first_line(e)})") from e
-    early_repack.close(getattr(src, "file", None))  # what the head start made that was not taken
+    if fmt == "gguf":
+        early_repack.close(src.file)  # what the head start made for this file that was not taken
     model.eval().requires_grad_(False)
     _setup_context(model, cfg, max_seq_len)
     tokenizer = load_tokenizer(path if path.is_dir() else src)

@@ -222,7 +222,8 @@ def test_the_command_takes_its_head_start(x8_ext, files):
 
 
 def test_another_model_loaded_first_leaves_the_head_start_alone(x8_ext, files, monkeypatch):
-    """A draft model loaded before the main one (`run --draft`) neither takes nor ends the main model's copies."""
+    """A draft model loaded before the main one (`run --draft`), a GGUF or a safetensors folder, neither takes nor
+    ends the main model's copies."""
     taken = []
     original = early_repack.take
     monkeypatch.setattr(early_repack, "take", lambda *a: taken.append(original(*a)) or taken[-1])
@@ -230,6 +231,8 @@ def test_another_model_loaded_first_leaves_the_head_start_alone(x8_ext, files, m
     active = early_repack._active
     load_model(files["lowmix"], weights="auto")
     assert early_repack._active is active and not any(x is not None for x in taken)
+    load_model(files["tied"].with_suffix(""), weights="auto")  # a safetensors folder: not a GGUF, nothing ended
+    assert early_repack._active is active
     taken.clear()
     load_model(files["kmix"], weights="auto")
     assert early_repack._active is None and len(taken) == len(active._jobs) and all(x is not None for x in taken)
