@@ -16,7 +16,7 @@ The build (~20 s, one line on stderr) goes to
 processes import the cached library directly (milliseconds), without running ninja again. A file lock
 keeps two processes from building into the same folder at once.
 
-This module imports nothing from the rest of edgellm but its atomic writes (edgellm/atomic.py).
+This module imports nothing from the rest of edgellm.
 """
 
 from __future__ import annotations
@@ -39,8 +39,6 @@ from typing import Iterator
 
 import torch
 
-from ..atomic import write_text_atomic
-from ..errors import OutputError
 from .ext_cache import cache_root, python_tag, repack_pointer
 
 _NAME = "edgellm_cpu_kernels"
@@ -301,8 +299,11 @@ def _publish_repack_library(folder: Path, isa_flags: list[str], settings: Extens
     pointer = repack_pointer(cache_root(settings.cache_dir), settings.isa)
     try:
         if not pointer.exists() or pointer.read_text(encoding="utf-8") != text:
-            write_text_atomic(pointer, text)
-    except (OSError, OutputError):  # (the command just has no head start)
+            # whole or not at all (kernels/ imports no edgellm.atomic: tests/test_kv_cache_classes.py)
+            tmp = pointer.with_name(f"{pointer.name}.{os.getpid()}.tmp")
+            tmp.write_text(text, encoding="utf-8")
+            os.replace(tmp, pointer)
+    except OSError:  # (the command just has no head start)
         pass
 
 
