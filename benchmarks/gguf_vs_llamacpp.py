@@ -168,6 +168,7 @@ def main() -> None:
         if args.child[0] == "edgellm":  # as the `edgellm` command starts (edgellm/entry.py): the file's read
             from edgellm.entry import import_frozen  # begun, then the CLI (and torch) imported, collector paused
             from edgellm.prefetch import model_files, prefetch
+            from edgellm.torch_import import deferred_meta_kernels
 
             if os.environ.get("EDGELLM_PREFETCH") != "0":
                 prefetch(model_files(Path(args.child[1])))
@@ -180,7 +181,8 @@ def main() -> None:
             # chunk's edge maps and unmaps it each time, and how often depends on the depth the import starts at.
             # From here, as from the command, ~850 times (strace); from one function deeper, 12,000-15,000 times:
             # +0.08 s of load the command does not have.
-            import_frozen("edgellm.cli")
+            with deferred_meta_kernels():
+                import_frozen("edgellm.cli")
         fn = child_edgellm if args.child[0] == "edgellm" else child_llamacpp
         print(json.dumps(fn(args.child[1], args.mode, t0)))
         return

@@ -18,18 +18,17 @@ import argparse
 import atexit
 import ctypes
 import gc
-import importlib.util
 import json
 import mmap
 import os
 import platform
-import re
 import threading
 from pathlib import Path
 
 from .gguf_file import GGUFFile
 from .kernels.ext_cache import cache_root, python_tag, repack_pointer
 from .prefetch import bundled_files
+from .torch_import import torch_build
 
 # The commands that load one model with the settings below; `quantize`, `info` and `perplexity` (which loads the
 # model twice, as stored and as fp) are left to the loader.
@@ -289,15 +288,15 @@ def _plan(argv: list[str]) -> tuple[str, str, Path] | None:
     path = bundled[0] if ns.model is None else Path(ns.model).expanduser()
     if path.suffix.lower() != ".gguf" or not path.is_file():
         return None
-    torch_build = _torch_build()
-    if torch_build is None or ns.device not in ("cpu", "auto") or (ns.device == "auto" and _accelerator(torch_build)):
+    build = torch_build()
+    if build is None or ns.device not in ("cpu", "auto") or (ns.device == "auto" and _accelerator(build)):
         return None
     root = cache_root(os.path.expanduser(os.environ.get("EDGELLM_EXT_CACHE") or "") or None)  # as args.py has it
     try:
         pointer = json.loads(repack_pointer(root, os.environ.get("EDGELLM_EXT_ISA") or None).read_text("utf-8"))
     except (OSError, ValueError):
         return None
-    if (not isinstance(pointer, dict) or pointer.get("torch") != torch_build["version"]
+    if (not isinstance(pointer, dict) or pointer.get("torch") != build["version"]
             or pointer.get("python") != python_tag()):
         return None
     library, build = pointer.get("library"), pointer.get("build")
@@ -306,26 +305,10 @@ def _plan(argv: list[str]) -> tuple[str, str, Path] | None:
     return library, build, path
 
 
-def _torch_build() -> dict[str, str | None] | None:
-    """torch's version.py values (__version__, cuda, hip) read as text: without importing torch."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    try:
-        text = (Path(list(spec.submodule_search_locations)[0]) / "version.py").read_text(encoding="utf-8")
-    except OSError:
-        return None
-    values = {}
-    for key in ("__version__", "cuda", "hip"):
-        m = re.search(rf"^{key}\s*(?::[^=]*)?=\s*(?:'([^']*)'|\"([^\"]*)\"|None)", text, re.M)
-        values[key.strip("_")] = (m.group(1) or m.group(2)) if m else None
-    return values if values["version"] else None
-
-
-def _accelerator(torch_build: dict[str, str | None]) -> bool:
+def _accelerator(build: dict[str, str | None]) -> bool:
     """Whether --device auto might pick something other than the CPU (torch's rule: CUDA, then MPS)."""
     if platform.system() == "Darwin" and platform.machine() == "arm64":
         return True
-    if torch_build.get("cuda") and Path("/dev/nvidiactl").exists():
+    if build.get("cuda") and Path("/dev/nvidiactl").exists():
         return True
-    return bool(torch_build.get("hip") and Path("/dev/kfd").exists())
+    return bool(build.get("hip") and Path("/dev/kfd").exists())

@@ -1,6 +1,6 @@
 """The `edgellm` command: starts reading the model's files off the disk and repacking a GGUF's K-quants for the CPU
 kernels, then imports the CLI (whose first import of torch takes about a second, time the disk and the other core
-now use)."""
+now use; less torch's Python meta kernels, edgellm.torch_import)."""
 from __future__ import annotations
 
 import gc
@@ -10,6 +10,7 @@ import sys
 from types import ModuleType
 
 from .prefetch import files_named_in, prefetch
+from .torch_import import deferred_meta_kernels
 
 
 def import_frozen(name: str) -> ModuleType:
@@ -38,4 +39,6 @@ def main() -> int:
         from . import early_repack  # (after the prefetch has begun: it imports numpy)
 
         early_repack.start(sys.argv[1:])
-    return import_frozen("edgellm.cli").main()
+    with deferred_meta_kernels():  # (torch's Python meta kernels load when the compiler stack first imports)
+        cli = import_frozen("edgellm.cli")
+    return cli.main()

@@ -1,7 +1,11 @@
 import os
 
 import pytest
-import torch
+
+from edgellm.torch_import import deferred_meta_kernels
+
+with deferred_meta_kernels():  # torch imported as the `edgellm` command imports it (edgellm/torch_import.py)
+    import torch
 
 from tests.fixtures.tiny import VARIANTS, make_gguf, make_hf_model
 

@@ -5,6 +5,7 @@ import torch
 from edgellm.kernels import attention as A
 from edgellm.kernels.attention import FloatKV, Int4KV, Int8KV, attention, attention_torch, dequantize_kv, write_kv
 from edgellm.kernels.kv_quant import dequantize_int4, dequantize_int8, quantize_int4, quantize_int8
+from edgellm.torch_import import load_meta_kernels
 
 # int8s4: per-token int8 with 4 exact sink rows; int4k16s4: the cache's default int4 (keys in groups of 16,
 # values 32, 4 sink rows)
@@ -409,7 +410,9 @@ def test_bytes_per_token():
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_data_dependent_host_logic(kind):
     """On the meta device no value exists: .item(), bool(tensor) or value-dependent shapes would raise.
-    So the path neither syncs with the device nor branches on tensor values."""
+    So the path neither syncs with the device nor branches on tensor values. (Running it there takes torch's Python
+    meta kernels, which the suite imports torch without: edgellm/torch_import.py.)"""
+    load_meta_kernels()
     store = make_store(kind, 2, 4096, 64)
     store = type(store)(*(t.to("meta") if isinstance(t, torch.Tensor) else t for t in store))
     write_kv(store, torch.randn(2, 6, 64, device="meta"), torch.randn(2, 6, 64, device="meta"), 3000)

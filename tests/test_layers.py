@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Every module must be named here (a new module is placed on purpose, not by a catch-all).
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["edgellm.errors", "edgellm.atomic", "edgellm.rss", "edgellm.device",
-                    "edgellm.prefetch"]),  # (prefetch: the standard library only, imported before torch)
+                    "edgellm.prefetch",  # (prefetch, torch_import: the standard library only, imported before torch)
+                    "edgellm.torch_import"]),
     ("kernels", ["edgellm.kernels.*"]),  # the hot loops: import nothing of ours above the foundation
     ("options", ["edgellm.options"]),  # the frozen run options: the kernels' option types, composed
     ("config", ["edgellm.config"]),  # ModelConfig: what a model is, from HF config.json or GGUF metadata
@@ -35,7 +36,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("apps", ["edgellm.bench", "edgellm.llama_cpp_peer", "edgellm.quantize", "edgellm.perplexity", "edgellm.serve", "edgellm.serve_worker",
               "edgellm.openai_schema", "edgellm.serve_cli", "edgellm.tui.*"]),
     ("cli", ["edgellm.cli"]),
-    ("entry", ["edgellm.entry"]),  # the console script: the prefetch and the early repack, then the CLI
+    ("entry", ["edgellm.entry"]),  # the console script: the prefetch and the early repack, then the CLI (and torch)
 ]
 
 # ------------------------------------------------------------------------------------------------
