@@ -7,8 +7,9 @@ busy and leaves the other idle. The `edgellm` command starts that work first, on
 of the same code (kernels/early_repack.cpp, through ctypes: the GIL is released), so the idle core does it during the
 import. The loader then takes each result whose sources, types, shapes (and Q/K row order) are the ones it would
 use itself, with the extension build the library came from; it helps finish the rest and does anything else as
-before (the grid i-quants' recoding, the r8 tails). A head start only: a file, build or setting this module does
-not foresee loads as it always did.
+before (the r8 tails, the rows past a multiple of 8). The grid i-quants (IQ1_S ... IQ3_S) are recoded as their L4
+forms straight into those forms' x8 layout, as the loader's recoding does. A head start only: a file, build or
+setting this module does not foresee loads as it always did.
 
 Imports nothing heavy (numpy, through gguf_file; torch imports it anyway).
 """
@@ -25,7 +26,7 @@ import platform
 import threading
 from pathlib import Path
 
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, grid_codebook
 from .kernels.ext_cache import cache_root, python_tag, repack_pointer
 from .prefetch import bundled_files
 from .torch_import import torch_build
@@ -37,12 +38,15 @@ COMMANDS = ("run", "chat", "serve", "bench")
 
 class RepackJob(ctypes.Structure):  # kernels/early_repack.cpp's
     _fields_ = [("src", ctypes.c_void_p), ("dst", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("mins", ctypes.c_void_p), ("type", ctypes.c_int64), ("rows", ctypes.c_int64), ("k", ctypes.c_int64),
-                ("heads", ctypes.c_int64), ("src_bytes", ctypes.c_int64), ("done", ctypes.c_int64)]
+                ("mins", ctypes.c_void_p), ("grid", ctypes.c_void_p), ("ksigns", ctypes.c_void_p),
+                ("type", ctypes.c_int64), ("rows", ctypes.c_int64), ("k", ctypes.c_int64), ("heads", ctypes.c_int64),
+                ("src_bytes", ctypes.c_int64), ("done", ctypes.c_int64)]
 
 
 # The GGUF types that are edgellm's own int8 / int4 layout (quant/groups.GGUF_BLOCKS): type id -> (bits, fp16 fields)
 EXACT_TYPES = {2: (4, 1), 3: (4, 2), 8: (8, 1)}  # Q4_0, Q4_1, Q8_0
+# The grid i-quants whose L4 recoding takes their codebook (quant/gguf_grid.l4_tables): type id -> gguf.quants name
+L4_TABLES = {19: "IQ1_S", 17: "IQ2_XS", 22: "IQ2_S", 29: "IQ1_M"}
 
 
 class EarlyRepack:
@@ -54,8 +58,9 @@ class EarlyRepack:
     def __init__(self, library: str, build: str, path: Path):
         self.build = build
         lib = ctypes.CDLL(library)
-        lib.edgellm_x8_row_bytes.restype = ctypes.c_int64
-        lib.edgellm_x8_row_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        for fn in (lib.edgellm_x8_row_bytes, lib.edgellm_l4_x8_row_bytes):
+            fn.restype = ctypes.c_int64
+            fn.argtypes = [ctypes.c_int64, ctypes.c_int64]
         lib.edgellm_repack_run.restype = None
         lib.edgellm_repack_run.argtypes = [ctypes.POINTER(RepackJob), ctypes.c_int64,
                                            ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
@@ -65,6 +70,7 @@ class EarlyRepack:
         self._specs: list[tuple] = []
         self._outputs: list[mmap.mmap] = []
         self._x8: dict[tuple, tuple[int, int]] = {}  # (address, type, rows, k) -> (job, output)
+        self._codebooks: dict[int, tuple] = {}  # type id -> (grid, ksigns) arrays its jobs point at
         self._exact: dict[tuple, tuple[list[int], list[int | None]]] = {}  # parts' keys -> (jobs, outputs)
         self._plan_x8(lib)
         self._plan_exact()
@@ -80,17 +86,31 @@ class EarlyRepack:
         return len(self._outputs) - 1, _address(self._outputs[-1])
 
     def _plan_x8(self, lib: ctypes.CDLL) -> None:
+        """The first rows // 8 * 8 rows of each matrix in the x8 layout of its type, or of a grid i-quant's L4 form
+        (quant/gguf_linear._repack_part's)."""
         tied = "output.weight" not in self.file.tensors  # then the embedding is the LM head too, else only looked up
         for name, t in self.file.tensors.items():
             if len(t.shape) != 2 or (name == "token_embd.weight" and not tied):
                 continue
             rows, k = t.shape
-            n8, row_bytes = rows // 8 * 8, lib.edgellm_x8_row_bytes(t.type_id, k)
+            n8 = rows // 8 * 8
+            row_bytes = lib.edgellm_x8_row_bytes(t.type_id, k) or lib.edgellm_l4_x8_row_bytes(t.type_id, k)
             if n8 and row_bytes:
+                grid, ksigns = self._codebook(t.type_id)
                 src = self.file.data(name).ctypes.data
                 out, dst = self._output(n8 * row_bytes)
                 self._x8[(src, t.type_id, n8, k)] = (len(self._specs), out)
-                self._specs.append((src, dst, None, None, t.type_id, n8, k, 0, n8 * (t.n_bytes // rows), 0))
+                self._specs.append((src, dst, None, None, grid, ksigns, t.type_id, n8, k, 0,
+                                    n8 * (t.n_bytes // rows), 0))
+
+    def _codebook(self, type_id: int) -> tuple[int | None, int | None]:
+        """(grid, ksigns) addresses for a type's jobs: the recoding's tables where it takes them, else (None, None)."""
+        if type_id not in L4_TABLES:
+            return None, None
+        if type_id not in self._codebooks:
+            self._codebooks[type_id] = grid_codebook(L4_TABLES[type_id])  # (kept alive as long as the jobs)
+        grid, ksigns = self._codebooks[type_id]
+        return grid.ctypes.data, ksigns.ctypes.data
 
     def _plan_exact(self) -> None:
         """Our matrices of Q4_0 / Q4_1 / Q8_0 blocks as loading.weight_plan makes them of a GGUF: Q/K/V and gate/up
@@ -127,8 +147,8 @@ class EarlyRepack:
                 key.append((src, type_id, n, k, h))
                 jobs.append(len(self._specs))
                 self._specs.append((src, codes_at + row0 * k * bits // 8, scales_at + row0 * k // 32 * 2,
-                                    None if mins_at is None else mins_at + row0 * k // 32 * 2, type_id, n, k, h,
-                                    t.n_bytes, 0))
+                                    None if mins_at is None else mins_at + row0 * k // 32 * 2, None, None, type_id,
+                                    n, k, h, t.n_bytes, 0))
                 row0 += n
             self._exact[tuple(key)] = (jobs, [codes, scales, mins])
 
@@ -147,12 +167,13 @@ class EarlyRepack:
                 self._thread.join()
 
     def take(self, address: int, type_id: int, rows: int, k: int) -> mmap.mmap | None:
-        """The x8 copy of the `rows` x `k` matrix of `type_id` at `address` (in `file`'s map), or None."""
+        """The x8 copy (a grid i-quant's: of its L4 form) of the `rows` x `k` matrix of `type_id` at `address` (in
+        `file`'s map), or None."""
         found = self._x8.get((address, type_id, rows, k))
         if found is None:
             return None
         self._all_done()
-        if not self._jobs[found[0]].done:
+        if self._jobs[found[0]].done != 1:  # (-1: the recoding refused the blocks; the loader's own says why)
             return None
         self._taken.add(found[1])
         return self._outputs[found[1]]
@@ -165,7 +186,7 @@ class EarlyRepack:
             return None
         self._all_done()
         jobs, outputs = found
-        if not all(self._jobs[j].done for j in jobs):
+        if not all(self._jobs[j].done == 1 for j in jobs):
             return None
         self._taken.update(o for o in outputs if o is not None)
         return [None if o is None else self._outputs[o] for o in outputs]

@@ -49,7 +49,7 @@ _HEADERS = ("amx_tiles.h", "cpu_decode.h", "cpu_gguf.h", "gguf_grids.h", "gguf_l
             "simde_avx512.h")
 # The x8 repack alone as a plain C library (no torch), built beside the extension from the same flags, and the file
 # that tells the `edgellm` command where it is before torch is imported (edgellm/early_repack.py).
-_REPACK_SOURCES = ("cpu_gguf_x8.cpp", "early_repack.cpp")
+_REPACK_SOURCES = ("cpu_gguf_x8.cpp", "cpu_gguf_grid.cpp", "early_repack.cpp")
 _REPACK_LIBRARY = "edgellm_repack.so"
 _ISAS = ("avx2", "scalar", "avx512vnni-emulated")
 _BUILD_VERSION = "1"  # bump to force a rebuild when the flags logic changes

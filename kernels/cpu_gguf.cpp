@@ -2066,8 +2066,8 @@ int64_t gguf_block_values(int type) {
 int64_t gguf_block_bytes(int type) {
   if (type > GGUF_R8) return gguf_r8_supported(type - GGUF_R8) ? gguf_block_bytes(type - GGUF_R8) : 0;
   if (type > GGUF_X8) return gguf_x8_supported(type - GGUF_X8) ? gguf_x8_bytes(type - GGUF_X8) / 8 : 0;
-  if (type > GGUF_L4)
-    return !gguf_l4_base(type - GGUF_L4) ? 0 : gguf_l4_16(type) ? GGUF_L4_16_BYTES : Fmt<GGUF_IQ4_XS>::BYTES;
+  static_assert(Fmt<GGUF_IQ4_XS>::BYTES == GGUF_L4_BYTES, "an L4 block is an IQ4_XS block");
+  if (type > GGUF_L4) return gguf_l4_base(type - GGUF_L4) ? gguf_l4_block_bytes(type) : 0;
   switch (type) {
     case GGUF_Q4_0: return Fmt<GGUF_Q4_0>::BYTES;
     case GGUF_Q4_1: return Fmt<GGUF_Q4_1>::BYTES;

@@ -63,6 +63,10 @@ constexpr bool gguf_l4_16(int type) {
   return type == GGUF_IQ2_XS_L4 || type == GGUF_IQ2_S_L4 || type == GGUF_IQ1_M_L4;
 }
 constexpr int64_t GGUF_L4_16_BYTES = 146;  // per 256 values (the IQ4_XS-shaped L4 blocks: 136)
+constexpr int64_t GGUF_L4_BYTES = 136;     // IQ4_XS's block
+// An L4 type's block bytes (256 values), here so that the early repack library (early_repack.cpp), built without
+// cpu_gguf.cpp, has it.
+constexpr int64_t gguf_l4_block_bytes(int l4_type) { return gguf_l4_16(l4_type) ? GGUF_L4_16_BYTES : GGUF_L4_BYTES; }
 // The GGML types that have an L4 form (IQ2_XS, IQ2_S, IQ1_M: the per-16 one)
 constexpr bool gguf_l4_base(int type) {
   return type == 16 || type == 18 || type == 21 || type == 19 || type == 17 || type == 22 || type == 29;

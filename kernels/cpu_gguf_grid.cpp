@@ -293,7 +293,7 @@ void block_to_l4(const uint8_t* src, const GridTables& t, const L4Codes& codes, 
 void rows_to_l4(const uint8_t* blocks, int type, const GridTables& t, int64_t n0, int64_t n1, int64_t nb,
                 uint8_t* out) {
   static const L4Codes iq2xxs(GGUF_L4_IQ2XXS), iq3xxs(GGUF_L4_IQ3XXS), iq3s(GGUF_L4_IQ3S), iq1s(GGUF_L4_IQ1S);
-  const int64_t bytes = format_of(type).bytes, out_bytes = gguf_block_bytes(type + GGUF_L4);
+  const int64_t bytes = format_of(type).bytes, out_bytes = gguf_l4_block_bytes(type + GGUF_L4);
   for (int64_t i = n0 * nb; i < n1 * nb; ++i) {
     const uint8_t* src = blocks + i * bytes;
     uint8_t* dst = out + (i - n0 * nb) * out_bytes;
@@ -322,7 +322,7 @@ bool gguf_grid_to_l4(const uint8_t* blocks, int type, int64_t N, int64_t K, cons
   if (!l4_convertible(type, tables)) return false;
   const int64_t nb = K / 256;
   parallel_run(0, N, std::max<int64_t>(1, 65536 / std::max<int64_t>(K, 1)), [&](int64_t n0, int64_t n1) {
-    rows_to_l4(blocks, type, tables, n0, n1, nb, out + n0 * nb * gguf_block_bytes(type + GGUF_L4));
+    rows_to_l4(blocks, type, tables, n0, n1, nb, out + n0 * nb * gguf_l4_block_bytes(type + GGUF_L4));
   });
   return true;
 }
@@ -330,10 +330,10 @@ bool gguf_grid_to_l4(const uint8_t* blocks, int type, int64_t N, int64_t K, cons
 bool gguf_grid_to_l4_x8(const uint8_t* blocks, int type, int64_t N, int64_t K, const GridTables& tables,
                         uint8_t* x8) {
   if (!l4_convertible(type, tables) || N % 8 || !gguf_x8_supported(type + GGUF_L4)) return false;
-  const int64_t nb = K / 256, group_bytes = 8 * gguf_row_bytes(type + GGUF_L4 + GGUF_X8, K);
+  const int64_t nb = K / 256, group_bytes = nb * gguf_x8_bytes(type + GGUF_L4);
   parallel_run(0, N / 8, 1, [&](int64_t g0, int64_t g1) {
     // one group's rows as L4 (not the whole tensor at once)
-    std::vector<uint8_t> l4((size_t)(8 * nb * gguf_block_bytes(type + GGUF_L4)));
+    std::vector<uint8_t> l4((size_t)(8 * nb * gguf_l4_block_bytes(type + GGUF_L4)));
     for (int64_t g = g0; g < g1; ++g) {
       rows_to_l4(blocks, type, tables, 8 * g, 8 * g + 8, nb, l4.data());
       gguf_repack_x8(l4.data(), type + GGUF_L4, 8, K, x8 + g * group_bytes);

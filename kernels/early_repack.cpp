@@ -2,7 +2,8 @@
 // and repacks a GGUF's matrices on a second core while the first imports torch (edgellm/early_repack.py).
 // Built beside the extension from the same source and flags (kernels/cpu_ext.py), so its bytes are the
 // extension's gguf_repack's; each caller of edgellm_repack_run is one worker thread. It also splits Q4_0 / Q4_1 /
-// Q8_0 blocks into edgellm's own int4 / int8 layout, as quant/groups.gguf_into does.
+// Q8_0 blocks into edgellm's own int4 / int8 layout, as quant/groups.gguf_into does, and recodes the grid i-quants
+// as their L4 forms straight into those forms' x8 layout, as the extension's gguf_to_l4(x8=True) (cpu_gguf_grid.cpp).
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -22,10 +23,14 @@ int max_threads() { return 1; }
 // One matrix of `rows` rows of `k` values (src_bytes of stored blocks). A type with an x8 layout: its rows (a multiple
 // of 8) into dst in that layout. Q4_0 / Q4_1 / Q8_0: its blocks split into codes (dst), fp16 scales (scales) and
 // mins (Q4_1: mins), rows of each as edgellm's QuantizedTensor holds them; heads > 0: llama.cpp's Q/K row order
-// undone on the way (edgellm.gguf_file.unpermute_rope_rows).
+// undone on the way (edgellm.gguf_file.unpermute_rope_rows). A grid i-quant (gguf_l4_base): its rows (a multiple of
+// 8) recoded into dst in its L4 form's x8 layout, grid / ksigns the tables gguf_to_l4 takes for it (or null). done:
+// 1 once made, -1 where the recoding refused the blocks.
 struct RepackJob {
   const uint8_t* src;
   uint8_t *dst, *scales, *mins;
+  const int8_t* grid;
+  const uint8_t* ksigns;
   int64_t type, rows, k, heads, src_bytes, done;
 };
 
@@ -66,6 +71,14 @@ int64_t edgellm_x8_row_bytes(int64_t type, int64_t k) {
   return k / values * gguf_x8_bytes((int)type) / 8;
 }
 
+// Bytes per row of a grid i-quant's L4 form in its x8 layout at k values a row; 0 where this build has none.
+int64_t edgellm_l4_x8_row_bytes(int64_t type, int64_t k) {
+  using namespace edgellm;
+  const int l4 = (int)type + GGUF_L4;
+  if (!gguf_l4_base((int)type) || !gguf_x8_supported(l4) || k <= 0 || k % 256) return 0;
+  return k / 256 * gguf_x8_bytes(l4) / 8;
+}
+
 // Takes jobs from *next until none are left or *stop is set; each done one has done = 1 and its source's whole pages
 // dropped from this process's memory (they are a read-only map of the file: only the copy is used from here on).
 void edgellm_repack_run(RepackJob* jobs, int64_t n, int64_t* next, const int64_t* stop) {
@@ -75,10 +88,19 @@ void edgellm_repack_run(RepackJob* jobs, int64_t n, int64_t* next, const int64_t
     const int64_t i = __atomic_fetch_add(next, 1, __ATOMIC_ACQ_REL);
     if (i >= n) return;
     RepackJob& j = jobs[i];
-    if (j.type == edgellm::GGUF_Q4_0 || j.type == edgellm::GGUF_Q4_1 || j.type == edgellm::GGUF_Q8_0)
+    if (edgellm::gguf_l4_base((int)j.type)) {
+      edgellm::GridTables tables;
+      tables.grid = j.grid;
+      tables.ksigns = j.ksigns;
+      if (!edgellm::gguf_grid_to_l4_x8(j.src, (int)j.type, j.rows, j.k, tables, j.dst)) {
+        __atomic_store_n(&j.done, -1, __ATOMIC_RELEASE);
+        continue;  // (the loader recodes it, and reports what is wrong with it)
+      }
+    } else if (j.type == edgellm::GGUF_Q4_0 || j.type == edgellm::GGUF_Q4_1 || j.type == edgellm::GGUF_Q8_0) {
       split_blocks(j);
-    else
+    } else {
       edgellm::gguf_repack_x8(j.src, (int)j.type, j.rows, j.k, j.dst);
+    }
     const uintptr_t begin = ((uintptr_t)j.src + page - 1) / page * page;
     const uintptr_t end = ((uintptr_t)j.src + (uintptr_t)j.src_bytes) / page * page;
     if (end > begin) madvise((void*)begin, end - begin, MADV_DONTNEED);

@@ -19,7 +19,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from .gguf_tensor import grid_tables
+from ..gguf_file import grid_codebook
 
 __all__ = ["GRID_TYPES", "TERNARY_TYPES", "IQ1_TYPES", "convert", "grid_of", "l4_tables", "ternary_as_q2_k",
            "iq1_as_q6_k"]
@@ -37,13 +37,13 @@ _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 @lru_cache(maxsize=None)
 def _tables(type_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grid int8 [entries, width] or empty, ksigns uint8 [128] or empty) of a type, from gguf.quants (the torch
-    dequantizer's tables, quant/gguf_tensor.grid_tables)."""
+    """(grid int8 [entries, width] or empty, ksigns uint8 [128] or empty) of a type, from gguf.quants (the arrays
+    edgellm/early_repack.py gives its recoding: gguf_file.grid_codebook)."""
     name = GRID_TYPES[type_id]
     if name.startswith("TQ"):  # the ternary types: no codebook
         return _EMPTY, _EMPTY
-    grid, ksigns = grid_tables(name, torch.device("cpu"))
-    return grid.to(torch.int8).contiguous(), ksigns
+    grid, ksigns = grid_codebook(name)
+    return torch.from_numpy(grid), torch.from_numpy(ksigns)
 
 
 def grid_of(type_id: int) -> torch.Tensor:

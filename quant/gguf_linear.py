@@ -343,8 +343,10 @@ def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int
         out = []
         tables = gguf_grid.l4_tables(p.type)
         if n8:
-            out.append(GGUFPart(ext.gguf_to_l4(p.raw[:n8].contiguous(), p.type, n8, k, x8=True, **tables),
-                                p.type + L4 + X8, n8, None if index is None else index[:n8].contiguous()))
+            head = p.raw[:n8].contiguous()
+            x8 = _made_early_or(ext, head, p.type, n8, k,
+                                lambda: ext.gguf_to_l4(head, p.type, n8, k, x8=True, **tables))
+            out.append(GGUFPart(x8, p.type + L4 + X8, n8, None if index is None else index[:n8].contiguous()))
         if n8 < p.rows:
             tail_index = index if index is None or not n8 else index[n8:].contiguous()
             out.append(GGUFPart(ext.gguf_to_l4(p.raw[n8:].contiguous(), p.type, p.rows - n8, k, **tables),
@@ -354,9 +356,7 @@ def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int
     out = []
     if n8:
         head = p.raw[:n8].contiguous()
-        early = early_repack.take(build_id(ext), head.data_ptr(), p.type, n8, k)  # made while torch was imported
-        x8 = (torch.frombuffer(early, dtype=torch.uint8).view(n8, -1) if early is not None
-              else ext.gguf_repack(head, p.type, n8, k))
+        x8 = _made_early_or(ext, head, p.type, n8, k, lambda: ext.gguf_repack(head, p.type, n8, k))
         out.append(GGUFPart(x8, p.type + X8, n8, None if index is None else index[:n8].contiguous()))
     if n8 < p.rows:
         tail, rows = p.raw[n8:], p.rows - n8
@@ -366,6 +366,14 @@ def _repack_part(ext, p: GGUFPart, k: int, x8_types: set[int], r8_types: set[int
         else:
             out.append(GGUFPart(tail, p.type, rows, tail_index))
     return out
+
+
+def _made_early_or(ext, head: torch.Tensor, type_id: int, rows: int, k: int,
+                   make: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The x8 rows `make()` would give, as the `edgellm` command's head start made them while torch was imported
+    (edgellm/early_repack.py: the same bytes), or make()'s where it did not."""
+    early = early_repack.take(build_id(ext), head.data_ptr(), type_id, rows, k)
+    return torch.frombuffer(early, dtype=torch.uint8).view(rows, -1) if early is not None else make()
 
 
 def repack_for_cpu(parts: list[GGUFPart], k: int,
