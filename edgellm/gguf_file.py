@@ -501,13 +501,10 @@ def _check_metadata(path: Path, fields: dict[str, Any], types: dict[str, tuple[i
             raise file_error(path, f"tokenizer.ggml.{name}_token_id {value} is not one of the {n_tokens} tokens")
 
 
-# ------------------------------------------------------------------------------------------------
-# The row layout of Q/K in llama-architecture GGUFs (any array with reshape/swapaxes: torch or numpy)
-# ------------------------------------------------------------------------------------------------
 def grid_codebook(name: str) -> tuple[np.ndarray, np.ndarray]:
-    """A grid i-quant's codebook as the C++ recoding takes it (IQ1_S, IQ1_M, IQ2_XS, IQ2_S): (its grid as gguf.quants
-    decodes llama.cpp's tables, int8 [entries, 8], the 128 sign bytes, uint8). Without torch (edgellm/early_repack.py
-    recodes before torch is imported; quant/gguf_grid.py takes the same arrays)."""
+    """A grid i-quant's codebook as the C++ converters take it: (its grid as gguf.quants decodes llama.cpp's tables,
+    int8 [entries, 8 or 4], the 128 sign bytes, uint8). Without torch (edgellm/early_repack.py recodes before torch is
+    imported; quant/gguf_grid.py takes the same arrays)."""
     import gguf.quants
 
     cls = getattr(gguf.quants, name)
@@ -516,6 +513,9 @@ def grid_codebook(name: str) -> tuple[np.ndarray, np.ndarray]:
     return grid, np.frombuffer(bytes(gguf.quants.IQ2_XXS.ksigns), dtype=np.uint8).copy()
 
 
+# ------------------------------------------------------------------------------------------------
+# The row layout of Q/K in llama-architecture GGUFs (any array with reshape/swapaxes: torch or numpy)
+# ------------------------------------------------------------------------------------------------
 def unpermute_rope_rows(w, n_heads: int):
     """Undo llama.cpp's convert-time permutation of Q/K rows (interleaved → rotate-half pairs)."""
     rows = w.shape[0]

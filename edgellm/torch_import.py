@@ -69,16 +69,19 @@ def deferred_meta_kernels() -> Iterator[None]:
     sys.modules[META_KERNELS] = _Placeholder(META_KERNELS)
     try:
         yield
-    finally:
-        if isinstance(sys.modules.get(META_KERNELS), _Placeholder):  # (not loaded by a name asked of it)
-            _drop_placeholder()
-            if "torch" in sys.modules:
-                for name in STILL_IMPORTED:
-                    importlib.import_module(name)
-            if any(m in sys.modules for m in NEEDS_META_KERNELS):  # a torch whose import uses the compiler stack
-                load_meta_kernels()
-            else:
-                sys.meta_path.insert(0, _LoadBeforeCompiler())
+    except BaseException:  # (a failed import: its own error, the placeholder gone)
+        _drop_placeholder()
+        raise
+    if not isinstance(sys.modules.get(META_KERNELS), _Placeholder):
+        return  # loaded already, by a name asked of the placeholder
+    _drop_placeholder()
+    if "torch" in sys.modules:
+        for name in STILL_IMPORTED:
+            importlib.import_module(name)
+    if any(m in sys.modules for m in NEEDS_META_KERNELS):  # a torch whose own import uses the compiler stack
+        load_meta_kernels()
+    else:
+        sys.meta_path.insert(0, _LoadBeforeCompiler())
 
 
 def meta_kernels_loaded() -> bool:

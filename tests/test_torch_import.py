@@ -102,3 +102,17 @@ def test_the_command_answers_the_same_without_them(tiny_llama):
         runs[defer] = (json.loads(next(ln for ln in lines if ln.startswith("{")))["tokens"], lines[-1])
     assert runs["1"][0] == runs["0"][0] and len(runs["1"][0]) == 6
     assert runs["1"][1] == "META False" and runs["0"][1] == "META True"
+
+
+def test_a_failed_import_leaves_no_placeholder():
+    """An import that fails inside the deferral raises its own error and leaves no placeholder behind (a later
+    import of the module would otherwise get it)."""
+    out = python("import sys\n"
+                 "from edgellm.torch_import import META_KERNELS, deferred_meta_kernels\n"
+                 "try:\n"
+                 "    with deferred_meta_kernels():\n"
+                 "        raise ImportError('a broken install')\n"
+                 "except ImportError as e:\n"
+                 "    print('RAISED', e)\n"
+                 "print('LEFT', META_KERNELS in sys.modules)\n")
+    assert "RAISED a broken install" in out and "LEFT False" in out
