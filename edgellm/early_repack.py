@@ -58,9 +58,8 @@ class EarlyRepack:
     def __init__(self, library: str, build: str, path: Path):
         self.build = build
         lib = ctypes.CDLL(library)
-        for fn in (lib.edgellm_x8_row_bytes, lib.edgellm_l4_x8_row_bytes):
-            fn.restype = ctypes.c_int64
-            fn.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        lib.edgellm_x8_row_bytes.restype = ctypes.c_int64
+        lib.edgellm_x8_row_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
         lib.edgellm_repack_run.restype = None
         lib.edgellm_repack_run.argtypes = [ctypes.POINTER(RepackJob), ctypes.c_int64,
                                            ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
@@ -93,8 +92,7 @@ class EarlyRepack:
             if len(t.shape) != 2 or (name == "token_embd.weight" and not tied):
                 continue
             rows, k = t.shape
-            n8 = rows // 8 * 8
-            row_bytes = lib.edgellm_x8_row_bytes(t.type_id, k) or lib.edgellm_l4_x8_row_bytes(t.type_id, k)
+            n8, row_bytes = rows // 8 * 8, lib.edgellm_x8_row_bytes(t.type_id, k)
             if n8 and row_bytes:
                 grid, ksigns = self._codebook(t.type_id)
                 src = self.file.data(name).ctypes.data

@@ -60,23 +60,17 @@ void split_blocks(const RepackJob& j) {
 
 extern "C" {
 
-// Bytes per row of a type's x8 layout at k values a row (the K-quants and IQ4_XS per 256 values; Q5_0, Q5_1 and
-// IQ4_NL per 32, the loader's default layouts for them); 0 where this build has none or k does not fit it.
+// Bytes per row of the x8 layout a matrix of `type` is copied into at k values a row: the K-quants' and IQ4_XS' per
+// 256 values; Q5_0's, Q5_1's and IQ4_NL's per 32 (the loader's default layouts for them); a grid i-quant's L4 form's
+// per 256. 0 where this build has none or k does not fit it.
 int64_t edgellm_x8_row_bytes(int64_t type, int64_t k) {
   using namespace edgellm;
   const bool per_256 = (type >= GGUF_Q2_K && type <= GGUF_Q6_K) || type == GGUF_IQ4_XS;
   const bool per_32 = type == GGUF_Q5_0 || type == GGUF_Q5_1 || type == GGUF_IQ4_NL;
-  const int64_t values = per_256 ? 256 : per_32 ? 32 : 0;
-  if (!values || !gguf_x8_supported((int)type) || k <= 0 || k % values) return 0;
-  return k / values * gguf_x8_bytes((int)type) / 8;
-}
-
-// Bytes per row of a grid i-quant's L4 form in its x8 layout at k values a row; 0 where this build has none.
-int64_t edgellm_l4_x8_row_bytes(int64_t type, int64_t k) {
-  using namespace edgellm;
-  const int l4 = (int)type + GGUF_L4;
-  if (!gguf_l4_base((int)type) || !gguf_x8_supported(l4) || k <= 0 || k % 256) return 0;
-  return k / 256 * gguf_x8_bytes(l4) / 8;
+  const int layout = gguf_l4_base((int)type) ? (int)type + GGUF_L4 : (int)type;
+  const int64_t values = per_256 || layout != type ? 256 : per_32 ? 32 : 0;
+  if (!values || !gguf_x8_supported(layout) || k <= 0 || k % values) return 0;
+  return k / values * gguf_x8_bytes(layout) / 8;
 }
 
 // Takes jobs from *next until none are left or *stop is set; each done one has done = 1 and its source's whole pages

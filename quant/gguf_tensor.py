@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..gguf_file import GGUF_TYPES, gguf_type
+from ..gguf_file import GGUF_TYPES, grid_codebook, gguf_type
 from ..kernels.gguf_ops import GGUF_NATIVE_TYPES, iq4_levels
 from ..kernels.int4_layout import unpack_halves
 
@@ -55,13 +55,8 @@ _GRIDS: dict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = {}
 def grid_tables(name: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     key = (name, str(device))
     if key not in _GRIDS:
-        import gguf.quants
-
-        cls = getattr(gguf.quants, name)
-        cls.init_grid()
-        grid = torch.from_numpy(cls.grid.reshape(cls.grid_shape).copy()).to(device)
-        signs = torch.frombuffer(bytearray(gguf.quants.IQ2_XXS.ksigns), dtype=torch.uint8).to(device)
-        _GRIDS[key] = grid, signs
+        grid, signs = grid_codebook(name)  # (int8: the grids' values are small integers, exact as float32)
+        _GRIDS[key] = torch.from_numpy(grid).to(device, torch.float32), torch.from_numpy(signs).to(device)
     return _GRIDS[key]
 
 
