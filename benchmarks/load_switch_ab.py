@@ -22,13 +22,14 @@ from run_record import CHILD_ENV, run_child, write_run  # benchmarks/, this scri
 HERE = Path(__file__).resolve().parent
 
 
-def load_once(path: str, switch: str, on: bool) -> dict:
+def load_once(path: str, switch: str, on: bool, mode: str = "load") -> dict:
     env = {k: v for k, v in CHILD_ENV.items() if k != switch} if on else {**CHILD_ENV, switch: "0"}
     rc, out, err, rss = run_child([sys.executable, str(HERE / "gguf_vs_llamacpp.py"), "--child", "edgellm", path,
-                                   "--mode", "load"], env)
+                                   "--mode", mode], env)
     if rc != 0:
         raise SystemExit(f"child failed on {path}: {err[-2000:]}")
-    return {"load_s": json.loads(out.strip().splitlines()[-1])["load_s"], "peak_rss_mib": rss / 2**20}
+    result = json.loads(out.strip().splitlines()[-1])
+    return {**{k: result[k] for k in ("load_s", "decode_tok_s") if k in result}, "peak_rss_mib": rss / 2**20}
 
 
 def main() -> None:
@@ -36,19 +37,24 @@ def main() -> None:
     ap.add_argument("files", nargs="+")
     ap.add_argument("--switch", default="EDGELLM_EARLY_REPACK", help="the environment variable that turns it off")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--decode", action="store_true", help="also decode (128 greedy tokens, median of 3 runs)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
+    mode = "decode" if args.decode else "load"
+    metrics = ("load_s", "decode_tok_s", "peak_rss_mib") if args.decode else ("load_s", "peak_rss_mib")
     load_once(args.files[0], args.switch, True)  # bytecode caches and the page cache warm, the kernels built
     rows = []
     for f in args.files:
         runs: dict[str, list[dict]] = {"on": [], "off": []}
         for r in range(args.rounds):
             for on in ((True, False) if r % 2 == 0 else (False, True)):
-                runs["on" if on else "off"].append(load_once(f, args.switch, on))
-        med = {k: {m: statistics.median(x[m] for x in v) for m in ("load_s", "peak_rss_mib")} for k, v in runs.items()}
+                runs["on" if on else "off"].append(load_once(f, args.switch, on, mode))
+        med = {k: {m: statistics.median(x[m] for x in v) for m in metrics} for k, v in runs.items()}
         row = {"file": Path(f).name, "switch": args.switch, "median": med,
                "load_ratio": med["on"]["load_s"] / med["off"]["load_s"], "runs": runs}
-        print(json.dumps({k: row[k] for k in ("file", "median", "load_ratio")}), flush=True)
+        if args.decode:
+            row["decode_ratio"] = med["on"]["decode_tok_s"] / med["off"]["decode_tok_s"]
+        print(json.dumps({k: row[k] for k in ("file", "median", "load_ratio", "decode_ratio") if k in row}), flush=True)
         rows.append(row)
     if args.json:
         write_run(args.json, rows, threads=2)

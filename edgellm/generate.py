@@ -134,6 +134,7 @@ class Engine:
         self.cache.prepare(model)  # a quantized cache's K/V centres now, not inside the first answer's TTFT
         self.cached_ids: list[int] = []  # the tokens whose K/V the cache holds, in order
         self.device = model.device
+        self.idle_work = None  # chat / serve: hugepages.when_idle(model), told when each generation starts and ends
         # the decode step as one unit (decode_step.py: fused C++ on CPU, a CUDA graph on CUDA) where it
         # applies: "auto", "inductor" (CUDA: torch.compile inside the graph) or "off" (op by op)
         self.compile_mode = self.options.decode.compile
@@ -230,6 +231,17 @@ class Engine:
         over [last token + guesses] verifies them (speculative.py) and the cache is rolled back to the
         accepted ones. Either way the cache ends holding exactly what plain decoding of the emitted tokens
         leaves (every emitted token but the last; all of them after EOS)."""
+        if self.idle_work is None:
+            yield from self._generate(prompt, settings, stop)
+            return
+        self.idle_work.busy()  # (hugepages.IdleCollapser: its copies wait until the engine has been idle a while)
+        try:
+            yield from self._generate(prompt, settings, stop)
+        finally:
+            self.idle_work.idle()
+
+    def _generate(self, prompt: list[int], settings: GenerationSettings | None,
+                  stop: threading.Event | None) -> Iterator[Event]:
         settings = settings or GenerationSettings()
         self.check_fits(len(prompt))
         s = settings.sampling

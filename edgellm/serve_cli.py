@@ -36,6 +36,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from . import hugepages
     from .args import engine_from_args, load_from_args, options_from_args, sampling_from_args, show_decode_path
     from .serve import Server
     from .tui.session import ChatSettings
@@ -49,6 +50,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     defaults = ChatSettings.from_args(args)  # what a request that sets no sampling field gets
     loaded = load_from_args(args)
     engine = engine_from_args(args, loaded)
+    engine.idle_work = hugepages.when_idle(engine.model)  # weights onto 2 MiB pages between requests
     show_decode_path(options_from_args(args), engine)
     if args.warmup:
         warm_up(engine)

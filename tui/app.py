@@ -469,6 +469,7 @@ class ChatApp(App):
 
     @work(thread=True, group="load", exit_on_error=False)
     def _load(self) -> None:
+        from edgellm import hugepages
         from edgellm.args import engine_from_args, load_from_args
 
         count = 0
@@ -491,6 +492,8 @@ class ChatApp(App):
             loaded = (self._loader or load_from_args)(self.args, on_tensor=on_tensor)
             self.post_message(self.LoadProgress(stage="allocating the KV cache …"))
             engine = (self._engine_factory or engine_from_args)(self.args, loaded)
+            if hasattr(engine, "idle_work"):  # (an Engine; tests hand in stand-ins)
+                engine.idle_work = hugepages.when_idle(engine.model)  # weights onto 2 MiB pages while the user types
             self.post_message(self.LoadProgress(stage="warming up (the first run also builds the CPU kernels) …"))
             warm_up(engine, loaded.tokenizer, self._stop_all)
         except _Cancelled:
