@@ -29,6 +29,7 @@ Dispatch (`int8_linear` / `int4_linear`):
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import threading
 from dataclasses import dataclass
@@ -56,13 +57,21 @@ PREFILL_MODES = ("auto", "fp32", "bf16")
 _NO_MINS = torch.empty(0, dtype=torch.float16, device="cpu")  # the C++ kernel takes an empty tensor for "no mins"
 
 
+ONEDNN_ISAS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX512_CORE", "AVX512_CORE_VNNI")
+
+
 @functools.lru_cache(maxsize=1)
 def native_bf16_gemm() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16, AMX; aarch64's BF16 extension): there a bf16 GEMM
     measured 2-4x the fp32 GEMM's speed at 512 tokens on a 2-core Zen 4 (benchmarks/results/decode-cpu.md);
     without it bf16 is several times slower than fp32. On x86 the CPU's own flags decide: oneDNN reports bf16
     support on any AVX-512 CPU, where it emulates it (an Ice Lake Xeon: a 512 x 1536 x 576 bf16 GEMM 17.6 ms, fp32
-    5.1 ms), and taking that for native made every long prefill of int4 weights 3.5x slower there."""
+    5.1 ms), and taking that for native made every long prefill of int4 weights 3.5x slower there. oneDNN capped
+    below bf16 by ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA emulates it too (AVX2 capped on an AMX host: a 512-token
+    SmolLM2 Q4_0 TTFT 3.1 s against 0.25 s), so such a cap counts as no bf16."""
+    isa_cap = (os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA") or "").upper()
+    if isa_cap in ONEDNN_ISAS_WITHOUT_BF16:
+        return False
     if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
         flags = (getattr(torch.cpu, "_is_avx512_bf16_supported", None), getattr(torch.cpu, "_is_amx_tile_supported", None))
         return any(bool(f()) for f in flags if f is not None)

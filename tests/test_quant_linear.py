@@ -296,3 +296,24 @@ def test_native_bf16_gemm_follows_the_cpu_flags():
     if platform.machine() == "x86_64" and cpuinfo.exists():
         flags = set(next(ln for ln in cpuinfo.read_text().splitlines() if ln.startswith("flags")).split(":")[1].split())
         assert got == bool({"avx512_bf16", "amx_bf16"} & flags)
+
+
+@pytest.mark.parametrize("var", ["DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA"])
+def test_native_bf16_gemm_is_off_where_onednn_is_capped_below_bf16(monkeypatch, var):
+    """oneDNN capped at an ISA without bf16 instructions emulates the bf16 GEMM, whatever the CPU has."""
+    for name in ("DNNL_MAX_CPU_ISA", "ONEDNN_MAX_CPU_ISA"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(var, "avx2")
+    matmul.native_bf16_gemm.cache_clear()
+    try:
+        assert matmul.native_bf16_gemm() is False
+        monkeypatch.setenv(var, "AVX512_CORE_BF16")  # a cap that keeps bf16: the CPU's flags decide again
+        matmul.native_bf16_gemm.cache_clear()
+        monkeypatch.delenv(var)
+        expected = matmul.native_bf16_gemm()
+        monkeypatch.setenv(var, "AVX512_CORE_BF16")
+        matmul.native_bf16_gemm.cache_clear()
+        assert matmul.native_bf16_gemm() == expected
+    finally:
+        monkeypatch.undo()
+        matmul.native_bf16_gemm.cache_clear()
