@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, list[str]]] = [
     ("foundation", ["edgellm.errors", "edgellm.atomic", "edgellm.rss", "edgellm.device",
                     "edgellm.prefetch",  # (prefetch, torch_import: the standard library only, imported before torch)
-                    "edgellm.torch_import"]),
+                    "edgellm.torch_import",
+                    "edgellm.hugepages"]),  # a model's weights onto 2 MiB pages while the engine is idle
     ("kernels", ["edgellm.kernels.*"]),  # the hot loops: import nothing of ours above the foundation
     ("options", ["edgellm.options"]),  # the frozen run options: the kernels' option types, composed
     ("config", ["edgellm.config"]),  # ModelConfig: what a model is, from HF config.json or GGUF metadata
