@@ -2,8 +2,9 @@
 
 A decode step streams every weight once per token, and on 4 KiB pages each page of that stream costs a TLB miss and a
 page walk (the software prefetch that runs ahead of the kernels crosses into a new page every 4 KiB). With the
-weights on 2 MiB pages the same kernels decoded the 1B-shaped Q4_K_M at 1.11x the tokens/s and the 3B-shaped one at
-1.07x (AVX-512 host, 2 threads; benchmarks/results/hugepages-ab.json). Where the pages come from matters:
+weights on 2 MiB pages a chat's second answer decoded the 1B-shaped Q4_K_M at 1.13x the tokens/s, the 3B-shaped one
+at 1.05x and SmolLM2 Q4_K_M at 1.10x (AVX-512 host, 2 threads; benchmarks/hugepages_ab.py,
+benchmarks/results/hugepages-ab.json). Where the pages come from matters:
 - asked for before the weights are written (MADV_HUGEPAGE on the repack's buffers), they cost the load: on a
   virtual machine a fresh 2 MiB page took 0.15-2.4 s per GiB to fault in against 0.4 s for 4 KiB pages, and the
   1B's load went from 0.77 to 1.3 s whenever the run before had freed its memory on 4 KiB pages;
