@@ -1,8 +1,10 @@
 """Load-time A/B of one of the `edgellm` command's start-up steps, on (its environment switch unset) against off
 (=0): fresh processes started as the command starts (gguf_vs_llamacpp.py's edgellm child, process start to a loaded
-model and tokenizer), rounds alternating which goes first. Peak RSS of each child beside its load time.
+model and tokenizer), rounds alternating which goes first. Peak RSS of each child beside its load time; with --decode
+also its decode tok/s (gguf_vs_llamacpp.py's decode mode).
 
-    python benchmarks/load_switch_ab.py FILES... [--switch EDGELLM_EARLY_REPACK] [--rounds 8] [--json OUT.json]
+    python benchmarks/load_switch_ab.py FILES... [--switch EDGELLM_EARLY_REPACK] [--rounds 8] [--decode]
+                                        [--json OUT.json]
 
 Switches: EDGELLM_EARLY_REPACK (edgellm/early_repack.py: a GGUF's K-quants repacked on the second core while torch
 is imported; results/early-repack-ab.json, made under this script's earlier name early_repack_ab.py),

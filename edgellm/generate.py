@@ -231,14 +231,14 @@ class Engine:
         over [last token + guesses] verifies them (speculative.py) and the cache is rolled back to the
         accepted ones. Either way the cache ends holding exactly what plain decoding of the emitted tokens
         leaves (every emitted token but the last; all of them after EOS)."""
-        if self.idle_work is None:
-            yield from self._generate(prompt, settings, stop)
-            return
-        self.idle_work.busy()  # (hugepages.IdleCollapser: its copies wait until the engine has been idle a while)
+        work = self.idle_work  # (hugepages.IdleCollapser: its copies wait until the engine has been idle a while)
+        if work is not None:
+            work.busy()
         try:
             yield from self._generate(prompt, settings, stop)
         finally:
-            self.idle_work.idle()
+            if work is not None:
+                work.idle()
 
     def _generate(self, prompt: list[int], settings: GenerationSettings | None,
                   stop: threading.Event | None) -> Iterator[Event]:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import errno
+import functools
 import os
 import platform
 import threading
@@ -50,16 +51,8 @@ def enabled() -> bool:
 
 def huge_windows(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     """The whole 2 MiB pages inside each [start, end) byte range, as [start, end) windows, adjacent ones merged."""
-    out: list[tuple[int, int]] = []
-    for start, end in sorted(ranges):
-        lo, hi = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
-        if hi <= lo:
-            continue
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        else:
-            out.append((lo, hi))
-    return out
+    aligned = ((-(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE) for start, end in ranges)
+    return joined(((lo, hi) for lo, hi in aligned if hi > lo), gap=1)
 
 
 def anonymous_ranges(maps: str = "/proc/self/maps") -> list[tuple[int, int]]:
@@ -115,12 +108,18 @@ def weight_windows(module: torch.nn.Module) -> list[tuple[int, int]]:
     return intersect(windows, anonymous_ranges()) if windows else []
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return libc
+
+
 def collapse(windows: list[tuple[int, int]]) -> int:
     """madvise(MADV_COLLAPSE) over the windows → the bytes the kernel collapsed, or -1 where it does not know the call
     (EINVAL: a kernel older than 6.1). A window it cannot collapse now (EAGAIN, ENOMEM: no free huge page) stays on
     4 KiB pages."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc = _libc()
     done = 0
     for lo, hi in windows:
         if libc.madvise(lo, hi - lo, MADV_COLLAPSE) == 0:
