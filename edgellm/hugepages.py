@@ -95,8 +95,10 @@ def joined(ranges: Iterable[tuple[int, int]], gap: int = 4096) -> list[tuple[int
     return out
 
 
-def weight_windows(module: torch.nn.Module) -> list[tuple[int, int]]:
-    """The 2 MiB pages wholly inside the anonymous memory of `module`'s CPU parameters and buffers."""
+def weight_windows(module: torch.nn.Module, maps: str = "/proc/self/maps") -> list[tuple[int, int]]:
+    """The 2 MiB pages wholly inside the anonymous memory of `module`'s CPU parameters and buffers, each inside one
+    mapping (a huge page cannot straddle two: where a weight's memory spans mappings that meet mid-page, that page
+    stays out)."""
     spans = {}
     for t in list(module.parameters()) + list(module.buffers()):
         if t.device.type != "cpu" or t.is_meta:
@@ -105,7 +107,7 @@ def weight_windows(module: torch.nn.Module) -> list[tuple[int, int]]:
         if storage.nbytes():
             spans[storage.data_ptr()] = max(spans.get(storage.data_ptr(), 0), storage.data_ptr() + storage.nbytes())
     windows = huge_windows(joined(spans.items()))
-    return intersect(windows, anonymous_ranges()) if windows else []
+    return huge_windows(intersect(windows, anonymous_ranges(maps))) if windows else []
 
 
 @functools.cache
