@@ -87,6 +87,7 @@ void gguf_x8_panel_sb(const uint8_t*, int, uint8_t*, int64_t, float*, float*, in
 void gguf_gemm_x8(const GgufActs&, const uint8_t*, int, int64_t, float*, int64_t, const int32_t*) {}
 void gguf_repack_x8(const uint8_t*, int, int64_t, int64_t, uint8_t*) {}
 void gguf_unrepack_x8(const uint8_t*, int, int64_t, int64_t, uint8_t*) {}
+void gguf_unrepack_x8_group(const uint8_t*, int, int64_t, uint8_t*) {}
 void parallel_run(int64_t begin, int64_t end, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
   edgellm::parallel_run(begin, end, grain, f);
 }

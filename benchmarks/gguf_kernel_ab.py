@@ -1,7 +1,7 @@
 """Old against new GGUF kernels (kernels/cpu_gguf.cpp) in one process, on a real GGUF file's tensors.
 
     python benchmarks/gguf_kernel_ab.py [--old REV] [--gguf /work/ggufs/random1b.Q4_K_M.gguf] [--threads 2]
-                                        [--rounds 9] [--m 1] [--json benchmarks/results/gguf-kernel-ab.json]
+                                        [--rounds 9] [--m 1] [--prompt] [--isa avx2] [--json FILE]
 
 Builds benchmarks/gguf_kernel_ab.cpp with two copies of cpu_gguf.cpp: git revision REV's (its namespace renamed
 edgellm_old) and the working tree's, then multiplies every quantized tensor of the file (the linears and the output
@@ -59,18 +59,19 @@ def tensor_list(path: str) -> list[tuple[int, int, int, int, str]]:
 def build(old_rev: str, folder: Path, flags: list[str]) -> Path:
     old = folder / "old"
     old.mkdir()
-    for name in ("cpu_gguf.cpp", "cpu_gguf.h", "half.h", "simd_transpose.h", "gguf_low_k_codes.h"):
-        shown = subprocess.run(["git", "show", f"{old_rev}:kernels/{name}"], cwd=ROOT, capture_output=True, text=True)
-        if shown.returncode != 0 and name == "gguf_low_k_codes.h":
-            continue  # (a revision before that header)
-        shown.check_returncode()
+    listed = [Path(p).name for p in subprocess.run(["git", "ls-tree", "--name-only", old_rev, "kernels/"], cwd=ROOT,
+                                                      capture_output=True, text=True, check=True).stdout.split()]
+    # cpu_gguf.cpp and its companions (the grid kernels; the new side's x8 kernels too: the old side's are stubs in
+    # gguf_kernel_ab.cpp), with every header
+    parts = lambda names: [n for n in names if n.startswith("cpu_gguf") and n.endswith(".cpp")]  # noqa: E731
+    for name in parts(listed) + [n for n in listed if n.endswith(".h")]:
+        shown = subprocess.run(["git", "show", f"{old_rev}:kernels/{name}"], cwd=ROOT, capture_output=True, text=True,
+                               check=True)
         (old / name).write_text(shown.stdout + (OLD_ENTRY if name == "cpu_gguf.cpp" else ""))
     objs = []
-    for src, inc, extra in ((old / "cpu_gguf.cpp", old, ["-Dedgellm=edgellm_old"]),
-                            (KERNELS / "cpu_gguf.cpp", KERNELS, []),
-                            *(((KERNELS / "cpu_gguf_x8.cpp", KERNELS, []),) if (KERNELS / "cpu_gguf_x8.cpp").exists()
-                              else ()),
-                            (ROOT / "benchmarks" / "gguf_kernel_ab.cpp", KERNELS, [])):
+    sources = [(old / n, old, ["-Dedgellm=edgellm_old"]) for n in parts(listed) if n != "cpu_gguf_x8.cpp"]
+    sources += [(KERNELS / n, KERNELS, []) for n in parts(sorted(p.name for p in KERNELS.iterdir()))]
+    for src, inc, extra in sources + [(ROOT / "benchmarks" / "gguf_kernel_ab.cpp", KERNELS, [])]:
         obj = folder / (src.stem + ("_old" if extra else "") + ".o")
         subprocess.run(["g++", "-O3", "-std=c++17", *flags, f"-I{inc}", *extra, "-c", str(src), "-o", str(obj)],
                        check=True)
@@ -80,10 +81,11 @@ def build(old_rev: str, folder: Path, flags: list[str]) -> Path:
     return exe
 
 
-def isa_flags() -> list[str]:
+def isa_flags(isa: str | None = None) -> list[str]:
+    """The compiler flags of the best build this CPU runs (isa "avx2": the AVX2 one on an AVX-512 VNNI machine)."""
     flags = open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split()
     out = ["-mavx2", "-mfma", "-mf16c"] if {"avx2", "fma", "f16c"} <= set(flags) else []
-    if out and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags):
+    if out and isa != "avx2" and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= set(flags):
         out += ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
     return out
 
@@ -98,6 +100,8 @@ def main() -> None:
     ap.add_argument("--hot", action="store_true", help="L2-resident slices, repeated (compute speed)")
     ap.add_argument("--prompt", action="store_true", help="the prompt GEMM (gguf_gemm_prompt) instead of the row "
                     "kernel: for prompt-sized M, e.g. --m 512 --threads 1")
+    ap.add_argument("--isa", default=None, choices=[None, "avx2"], help="avx2: both builds AVX2-only (on an "
+                    "AVX-512 machine, as an AVX2 one runs them)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     tensors = tensor_list(args.gguf)
@@ -116,7 +120,7 @@ def main() -> None:
     nbytes: dict[str, int] = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        flags = isa_flags()
+        flags = isa_flags(args.isa)
         exe = build(args.old, folder, flags)
         lst = folder / "tensors.txt"
         with open(lst, "w") as f:

@@ -1559,6 +1559,40 @@ inline void dot_4groups(const uint8_t* wc, const int8_t* xq, __m256i* ia) {
   }
 }
 
+// A value the compiler takes as changed here: keeps a chain of adds in the order written.  Left to itself GCC
+// reassociates dot_8groups' sums into trees, computes all 32 products of a sub-block first and spills them to the
+// stack; kept in order they stay in registers (Q4_K prompt GEMM 1.04x, benchmarks/gguf_kernel_ab.py --prompt --isa
+// avx2 --m 512 --threads 1 on the 3B-shaped file).
+inline __m256i in_order(__m256i v) {
+#if defined(__GNUC__) || defined(__clang__)
+  __asm__("" : "+x"(v));
+#endif
+  return v;
+}
+
+// ia[i] += the int sums of a whole sub-block (8 groups, 32 values of each panel row) of 4-bit codes (<= 15) at wc
+// against activation row i: the 8 groups' pair sums added in int16 (16 products: |.| <= 16 * 15 * 127 = 30480), one
+// widening madd per row where 4-group steps take two and an int32 add.
+template <int RT>
+inline void dot_8groups(const uint8_t* wc, const int8_t* xq, __m256i* ia) {
+  constexpr int MR = P_MR;
+  const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
+  __m256i p[MR];
+  {
+    const __m256i w = _mm256_load_si256((const __m256i*)wc);
+    for (int i = 0; i < RT; ++i) p[i] = _mm256_maddubs_epi16(w, _mm256_set1_epi32(ld32(x0 + 4 * i)));
+  }
+  for (int g = 1; g < 8; ++g) {
+    const __m256i w = _mm256_load_si256((const __m256i*)(wc + 32 * g));
+    for (int i = 0; i < RT; ++i)
+      p[i] = in_order(_mm256_add_epi16(p[i], _mm256_maddubs_epi16(w, _mm256_set1_epi32(ld32(x0 + 4 * (g * MR + i))))));
+  }
+  for (int i = 0; i < RT; ++i) ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(p[i], _mm256_set1_epi16(1)));
+}
+
+// 4-bit codes: the types whose panel holds codes <= 15 (dot_8groups)
+constexpr bool codes4(int type) { return type == GGUF_Q4_0 || type == GGUF_Q4_1 || type == GGUF_Q4_K; }
+
 template <int TYPE, int RT>
 void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, int64_t kc, float* out) {
   using F = Fmt<TYPE>;
@@ -1634,6 +1668,10 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
           wn += 32;
           xq += 4 * MR;
         }
+      } else if (codes4(TYPE)) {
+        dot_8groups<RT>(wc, xq, ia);
+        wc += 256;
+        xq += 32 * MR;
       } else {
         for (int g = 0; g < 8; g += 4) {
           dot_4groups<RT>(wc, xq, ia);
