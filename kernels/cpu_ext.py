@@ -22,6 +22,7 @@ This module imports nothing from the rest of edgellm.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -45,14 +46,14 @@ _NAME = "edgellm_cpu_kernels"
 _SOURCES = ("cpu_kernels.cpp", "cpu_decode.cpp", "cpu_gguf.cpp", "cpu_gguf_x8.cpp", "cpu_gguf_grid.cpp", "cpu_attention.cpp",
             "cpu_pointwise.cpp", "cpu_bindings.cpp")
 # hashed with the sources: a change rebuilds
-_HEADERS = ("amx_tiles.h", "cpu_decode.h", "cpu_gguf.h", "gguf_grids.h", "gguf_low_k_codes.h", "half.h", "simd_math.h", "simd_transpose.h",
+_HEADERS = ("amx_tiles.h", "cpu_decode.h", "cpu_gguf.h", "dpbusd256.h", "gguf_grids.h", "gguf_low_k_codes.h", "half.h", "simd_math.h", "simd_transpose.h",
             "simde_avx512.h")
 # The x8 repack and the grid i-quants' L4 recoding alone as a plain C library (no torch), built beside the extension
 # from the same flags, and the file
 # that tells the `edgellm` command where it is before torch is imported (edgellm/early_repack.py).
 _REPACK_SOURCES = ("cpu_gguf_x8.cpp", "cpu_gguf_grid.cpp", "early_repack.cpp")
 _REPACK_LIBRARY = "edgellm_repack.so"
-_ISAS = ("avx2", "scalar", "avx512vnni-emulated")
+_ISAS = ("avx2", "avx2vnni", "scalar", "avx512vnni-emulated")
 _BUILD_VERSION = "1"  # bump to force a rebuild when the flags logic changes
 
 _state: dict[str, object] = {"tried": False, "ext": None}
@@ -62,7 +63,8 @@ _state: dict[str, object] = {"tried": False, "ext": None}
 class ExtensionSettings:
     """How the kernels are built and found. One build serves a process: the first `get_extension` call's settings
     decide it. enabled: False = no extension (the torch paths); isa: None = the best this CPU runs, "avx2" = the
-    AVX2 build on an AVX-512 VNNI machine, "scalar" = the portable C++ path (for testing and A/B runs); openmp:
+    AVX2 build on a machine with more, "avx2vnni" = the AVX2 + AVX-VNNI build on an AVX-512 machine that also has
+    AVX-VNNI, "scalar" = the portable C++ path (for testing and A/B runs); openmp:
     False = the kernels' own thread pool instead of torch's OpenMP (the macOS build, tested elsewhere); cache_dir:
     where builds are kept (None: the user cache folder; the app reads $EDGELLM_EXT_CACHE).
 
@@ -135,9 +137,10 @@ def _cpu_flags() -> set[str]:
 
 
 def _isa_and_flags(forced: str | None = None) -> tuple[str, list[str]]:
-    """(tag, compiler flags) for the best kernel path this CPU runs. forced "scalar": the portable C++ path,
-    "avx2": the AVX2 one on an AVX-512 VNNI machine, "avx512vnni-emulated": the AVX-512 VNNI one on an AVX2 machine
-    through SIMDe (for testing them)."""
+    """(tag, compiler flags) for the best kernel path this CPU runs: "avx512vnni", "avx2vnni" (AVX2 with AVX-VNNI's
+    ymm integer dots), "avx2", "neon-dotprod", "neon" or "scalar". forced "scalar": the portable C++ path, "avx2": the
+    AVX2 one on a machine with more, "avx2vnni": the AVX-VNNI one on an AVX-512 machine that has AVX-VNNI too,
+    "avx512vnni-emulated": the AVX-512 VNNI one on an AVX2 machine through SIMDe (for testing them)."""
     machine = platform.machine().lower()
     msvc = sys.platform == "win32"
     if forced == "scalar":
@@ -153,8 +156,13 @@ def _isa_and_flags(forced: str | None = None) -> tuple[str, list[str]]:
     if machine in ("x86_64", "amd64", "i686", "x86"):
         if x86_avx2:
             avx2 = ["/arch:AVX2"] if msvc else ["-mavx2", "-mfma", "-mf16c"]
-            if forced != "avx2" and not msvc and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+            if forced is None and not msvc and {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
                 return "avx512vnni", avx2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"]
+            if forced in (None, "avx2vnni") and not msvc and "avx_vnni" in flags and _compiler_takes("-mavxvnni"):
+                return "avx2vnni", avx2 + ["-mavxvnni"]  # AVX-VNNI: Intel Alder Lake and later client chips
+            if forced == "avx2vnni":
+                raise RuntimeError("the AVX-VNNI build needs a CPU with AVX-VNNI and a compiler that takes -mavxvnni "
+                                   "(GCC 11, clang 12)")
             return "avx2", avx2
         return "scalar", []
     if machine in ("arm64", "aarch64"):
@@ -162,6 +170,17 @@ def _isa_and_flags(forced: str | None = None) -> tuple[str, list[str]]:
             return "neon-dotprod", ["-march=armv8.2-a+dotprod"]
         return "neon", []
     return "scalar", []
+
+
+@functools.cache
+def _compiler_takes(flag: str) -> bool:
+    """Whether the C++ compiler accepts `flag` (a GCC before 11 does not know -mavxvnni)."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        return subprocess.run([cxx, flag, "-x", "c++", "-E", "-o", os.devnull, os.devnull], capture_output=True,
+                              timeout=20).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def _openmp_flags(openmp: bool = True) -> tuple[list[str], list[str]]:
@@ -272,7 +291,7 @@ def _load(settings: ExtensionSettings) -> ModuleType:
             else:
                 module = _build(folder, sources, isa, cflags, omp_ldflags)
                 done.write_text(f"{isa} {' '.join(cflags)}\n", encoding="utf-8")
-    if isa in ("avx2", "avx512vnni"):  # the builds with an x8 layout
+    if isa in ("avx2", "avx2vnni", "avx512vnni"):  # the builds with an x8 layout
         _publish_repack_library(folder, isa_flags, settings)
     _register_fakes()
     return module

@@ -64,7 +64,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#include "dpbusd256.h"
+#ifdef EDGELLM_DPBUSD256  // AVX-512 VNNI, or AVX-VNNI on an AVX2 machine: the ymm paths' integer dots
 #define EDGELLM_G_VNNI 1
 #endif
 #elif !defined(EDGELLM_FORCE_SCALAR) && (defined(__aarch64__) || defined(_M_ARM64))
@@ -430,7 +431,7 @@ void row_portable(const GgufActs& a, int64_t m0, int64_t T, const uint8_t* row, 
 
 inline __m256i dot_u8s8(__m256i u, __m256i x) {  // int32 lanes, 4 products each (exact)
 #ifdef EDGELLM_G_VNNI
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+  return EDGELLM_DPBUSD256(_mm256_setzero_si256(), u, x);
 #else
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
 #endif
@@ -741,7 +742,7 @@ inline __m256i chunk_isums(const Chunk& ch, const GgufActs& a, int64_t m, int64_
       const __m256i x0 = _mm256_load_si256((const __m256i*)(xp + 64 * k));
       const __m256i x1 = _mm256_load_si256((const __m256i*)(xp + 64 * k + 32));
 #ifdef EDGELLM_G_VNNI  // int32 lanes [blk 2k: 4 sums of 8 products | blk 2k+1: 4]
-      s4[k] = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), ch.u[2 * k], x0), ch.u[2 * k + 1], x1);
+      s4[k] = EDGELLM_DPBUSD256(EDGELLM_DPBUSD256(_mm256_setzero_si256(), ch.u[2 * k], x0), ch.u[2 * k + 1], x1);
 #else  // int16 lanes of 4 products (|.| <= 4 * 15 * 127)
       s4[k] = _mm256_add_epi16(_mm256_maddubs_epi16(ch.u[2 * k], x0), _mm256_maddubs_epi16(ch.u[2 * k + 1], x1));
 #endif
@@ -1542,6 +1543,33 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
   PROMPT_UNROLL for (int i = 0; i < RT; ++i) _mm512_store_ps(out + i * 16, acc[i]);
 }
 #elif defined(EDGELLM_G_AVX2)
+// acc + the int32 sums of 4 products per lane (u8 codes against int8 x: each pair sum exact in int16 here)
+inline __m256i dot4_acc(__m256i acc, __m256i u, __m256i x) {
+#ifdef EDGELLM_G_VNNI
+  return EDGELLM_DPBUSD256(acc, u, x);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+#ifdef EDGELLM_G_VNNI
+// ia[i] += the int sums of G groups of codes w[g] against activation row i of the block at x0, by vpdpbusd: each
+// row's sum in two chains (even and odd groups) added at the end, so that a row waits for G / 2 dependent vpdpbusd
+// (latency 5) rather than G
+template <int RT, int G>
+inline void dpbusd_groups(const __m256i* w, const uint8_t* x0, __m256i* ia) {
+  constexpr int MR = P_MR;
+  __m256i ib[MR];
+  for (int i = 0; i < RT; ++i) ib[i] = _mm256_setzero_si256();
+  for (int g = 0; g < G; g += 2)
+    for (int i = 0; i < RT; ++i) {
+      ia[i] = EDGELLM_DPBUSD256(ia[i], w[g], _mm256_set1_epi32(ld32(x0 + 4 * (g * MR + i))));
+      ib[i] = EDGELLM_DPBUSD256(ib[i], w[g + 1], _mm256_set1_epi32(ld32(x0 + 4 * ((g + 1) * MR + i))));
+    }
+  for (int i = 0; i < RT; ++i) ia[i] = _mm256_add_epi32(ia[i], ib[i]);
+}
+#endif
+
 // ia[i] += the int sums of 4 groups (16 values of each panel row) of codes <= 31 at wc against activation row i of
 // the block at xq, the 4 groups' maddubs pair sums added in int16 first (8 products: |.| <= 8 * 31 * 127 = 31496).
 template <int RT>
@@ -1550,6 +1578,11 @@ inline void dot_4groups(const uint8_t* wc, const int8_t* xq, __m256i* ia) {
   const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
   const __m256i w2 = _mm256_load_si256((const __m256i*)(wc + 64)), w3 = _mm256_load_si256((const __m256i*)(wc + 96));
   const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
+#ifdef EDGELLM_G_VNNI  // (AVX-VNNI: the AVX-512 builds run the zmm micro-kernel)
+  const __m256i w[4] = {w0, w1, w2, w3};
+  dpbusd_groups<RT, 4>(w, x0, ia);
+  return;
+#endif
   for (int i = 0; i < RT; ++i) {
     const __m256i p01 = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
                                          _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x0 + 4 * (MR + i)))));
@@ -1577,6 +1610,12 @@ template <int RT>
 inline void dot_8groups(const uint8_t* wc, const int8_t* xq, __m256i* ia) {
   constexpr int MR = P_MR;
   const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
+#ifdef EDGELLM_G_VNNI
+  __m256i w[8];
+  for (int g = 0; g < 8; ++g) w[g] = _mm256_load_si256((const __m256i*)(wc + 32 * g));
+  dpbusd_groups<RT, 8>(w, x0, ia);
+  return;
+#endif
   __m256i p[MR];
   {
     const __m256i w = _mm256_load_si256((const __m256i*)wc);
@@ -1618,9 +1657,14 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
             const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
             const uint8_t* x1 = x0 + 4 * MR;
             for (int i = 0; i < RT; ++i) {
+#ifdef EDGELLM_G_VNNI
+              ia[i] = EDGELLM_DPBUSD256(EDGELLM_DPBUSD256(ia[i], w0, _mm256_set1_epi32(ld32(x0 + 4 * i))), w1,
+                                        _mm256_set1_epi32(ld32(x1 + 4 * i)));
+#else
               const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
                                                  _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x1 + 4 * i))));
               ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+#endif
             }
             wc += 64;
             xq += 8 * MR;
@@ -1630,8 +1674,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
             const __m256i w = _mm256_load_si256((const __m256i*)wc);
             const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
             for (int i = 0; i < RT; ++i)
-              ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_set1_epi32(ld32(x0 + 4 * i))),
-                                                                _mm256_set1_epi16(1)));
+              ia[i] = dot4_acc(ia[i], w, _mm256_set1_epi32(ld32(x0 + 4 * i)));
             wc += 32;
             xq += 4 * MR;
           }
@@ -1662,7 +1705,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
           const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
           for (int i = 0; i < RT; ++i) {
             const __m256i fx = _mm256_xor_si256(_mm256_set1_epi32(ld32(x0 + 4 * i)), m);
-            ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, fx), _mm256_set1_epi16(1)));
+            ia[i] = dot4_acc(ia[i], aw, fx);
           }
           wc += 32;
           wn += 32;

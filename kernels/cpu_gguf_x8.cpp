@@ -52,7 +52,8 @@
 #endif
 #if !defined(EDGELLM_FORCE_SCALAR) && defined(__AVX2__) && (defined(_MSC_VER) || (defined(__FMA__) && defined(__F16C__)))
 #define EDGELLM_X8 1
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#include "dpbusd256.h"
+#ifdef EDGELLM_DPBUSD256  // AVX-512 VNNI, or AVX-VNNI on an AVX2 machine
 #define EDGELLM_X8_VNNI 1
 #endif
 #endif
@@ -366,7 +367,7 @@ inline __m256 u8x8_ps(const uint8_t* p) {
 // acc += the int32 dot of 4 u8 codes (<= 127: each pair sum widened on its own) and 4 int8 values, per lane
 inline __m256i dot4(__m256i acc, __m256i u, __m256i x) {
 #ifdef EDGELLM_X8_VNNI
-  return _mm256_dpbusd_epi32(acc, u, x);
+  return EDGELLM_DPBUSD256(acc, u, x);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
 #endif

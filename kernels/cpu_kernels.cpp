@@ -1620,6 +1620,8 @@ int max_threads() {
 const char* isa_name() {
 #if defined(EDGELLM_VNNI)
   return "avx512vnni";
+#elif defined(EDGELLM_AVX2) && defined(__AVXVNNI__)
+  return "avx2vnni";  // (the GGUF kernels' integer dots take AVX-VNNI: cpu_gguf.cpp, dpbusd256.h)
 #elif defined(EDGELLM_AVX2)
   return "avx2";
 #elif defined(EDGELLM_NEON) && defined(__ARM_FEATURE_DOTPROD)

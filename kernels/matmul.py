@@ -142,14 +142,17 @@ DEFAULT_OPTIONS = KernelOptions()
 # TTFT (the two rules alternating by process) 1.5-1.9x at 24-64 tokens and level at 96-128, where the bf16
 # GEMM's rounding (smaller than int8 activations') decides. int8x2 (two kernel rows per token) wins over fewer
 # rows. Combinations not listed (the float-FMA variant, scalar and NEON builds, an AVX2 build beside a
-# native bf16 GEMM) keep the GEMM above CPU_KERNEL_MAX_M.
+# native bf16 GEMM) keep the GEMM above CPU_KERNEL_MAX_M. The AVX-VNNI build ("avx2vnni") runs the AVX2 int kernels
+# (its VNNI serves the GGUF kernels): the AVX2 rows.
 PREFILL_KERNEL_MAX_M = {
     ("avx512vnni", _INT_DOT_OR_AUTO, "bf16"): 64,
     ("avx512vnni", _INT_DOT_OR_AUTO, "fp32"): 512,
     ("avx2", _INT_DOT_OR_AUTO, "fp32"): 512,
+    ("avx2vnni", _INT_DOT_OR_AUTO, "fp32"): 512,
     ("avx512vnni", _INT_DOT_RESIDUAL, "bf16"): 32,
     ("avx512vnni", _INT_DOT_RESIDUAL, "fp32"): 256,
     ("avx2", _INT_DOT_RESIDUAL, "fp32"): 24,
+    ("avx2vnni", _INT_DOT_RESIDUAL, "fp32"): 24,
 }
 
 

@@ -504,6 +504,7 @@ def _cross() -> tuple[str | None, str | None]:
 ISA_FLAGS = {
     "scalar": ["-DEDGELLM_FORCE_SCALAR"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],
+    "avx2vnni": ["-mavx2", "-mfma", "-mf16c", "-mavxvnni"],
     "avx512vnni": ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni"],
     "neon": [],
     "neon-dotprod": ["-march=armv8.2-a+dotprod"],
@@ -527,7 +528,7 @@ def simde_flags(cxx: str) -> list[str] | None:
 
 def standalone_plan() -> dict[str, tuple[str, list[str], list[str]]]:
     """{build: (compiler, ISA flags, runner prefix)} for every standalone build this machine can make and run:
-    the portable one, AVX2 where the CPU has it, AVX-512 VNNI where the CPU has it or else emulated through SIMDe
+    the portable one, AVX2 where the CPU has it (and with AVX-VNNI where it has that too), AVX-512 VNNI where the CPU has it or else emulated through SIMDe
     on an AVX2 CPU, NEON under qemu where a cross toolchain is."""
     plan = {}
     cxx = _cxx()
@@ -536,6 +537,8 @@ def standalone_plan() -> dict[str, tuple[str, list[str], list[str]]]:
         flags = cpu_ext._cpu_flags()
         if {"avx2", "fma", "f16c"} <= flags:
             plan["avx2"] = (cxx, ISA_FLAGS["avx2"], [])
+            if "avx_vnni" in flags and cpu_ext._compiler_takes("-mavxvnni"):
+                plan["avx2vnni"] = (cxx, ISA_FLAGS["avx2vnni"], [])
             if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
                 plan["avx512vnni"] = (cxx, ISA_FLAGS["avx512vnni"], [])
             elif emulated := simde_flags(cxx):  # the same paths, the AVX-512 intrinsics emulated

@@ -47,6 +47,7 @@ K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS} | GRID_IQUANTS | s
 X8_K_QUANTS = {Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS} | set(L4_TYPES)
 # every type with an x8 layout (cpu_gguf_x8.cpp) in the AVX2 / AVX-512 VNNI builds, and in no other
 X8_ANY = X8_K_QUANTS | {Q.Q5_0, Q.Q5_1, Q.IQ4_NL}
+X8_BUILDS = ("avx2", "avx2vnni", "avx512vnni")  # the builds with the x8 layout (cpu_gguf_x8.cpp)
 TOL_EMULATED = 1e-5
 TOL_EXACT = 1e-2
 
@@ -452,11 +453,12 @@ def run_isa(folder, jobs, name: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni", "neon", "neon-dotprod"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx2vnni", "avx512vnni", "neon", "neon-dotprod"])
 def test_isa_builds_match_reference(isa_builds, isa):
     folder, jobs = isa_builds
     if isa not in jobs:
-        pytest.skip(f"no {isa} build here (AVX2: the CPU; AVX-512 VNNI: the CPU or SIMDe; NEON: aarch64-linux-gnu-g++ and qemu-aarch64)")
+        pytest.skip(f"no {isa} build here (AVX2, AVX-VNNI: the CPU; AVX-512 VNNI: the CPU or SIMDe; NEON: "
+                    "aarch64-linux-gnu-g++ and qemu-aarch64)")
     for (t, m, n, k), result in run_isa(folder, jobs, isa).items():
         raw, x, w, y, y1, y8 = result
         want = dequant_ref(raw, t)
@@ -465,17 +467,19 @@ def test_isa_builds_match_reference(isa_builds, isa):
         e_q = rel_err(y, ref)
         assert e_q <= TOL_EMULATED, (isa, t.name, m, n, k, e_q)
         assert np.array_equal(y.view(np.uint32), y1.view(np.uint32)), (isa, t.name, m, "rows differ from M = 1")
-        assert y8.shape[1] == (n // 8 * 8 if isa in ("avx2", "avx512vnni") and t in X8_ANY else 0), (isa, t.name)
+        assert y8.shape[1] == (n // 8 * 8 if isa in X8_BUILDS and t in X8_ANY else 0), (isa, t.name)
         if y8.shape[1]:
             assert rel_err(y8, ref[:, :y8.shape[1]]) <= TOL_EMULATED, (isa, t.name, m, n, k, "x8")
 
 
 @pytest.mark.slow
-def test_vnni_build_bit_identical_to_avx2(isa_builds):
+@pytest.mark.parametrize("vnni", ["avx512vnni", "avx2vnni"])
+def test_vnni_build_bit_identical_to_avx2(isa_builds, vnni):
+    """vpdpbusd's int32 sums are maddubs + madd's where nothing saturates: the same integers, the same bits."""
     folder, jobs = isa_builds
-    if "avx512vnni" not in jobs:
-        pytest.skip(VNNI_MISSING)
-    a, v = run_isa(folder, jobs, "avx2"), run_isa(folder, jobs, "avx512vnni")
+    if vnni not in jobs:
+        pytest.skip(VNNI_MISSING if vnni == "avx512vnni" else "no AVX-VNNI on this CPU (Intel since Alder Lake)")
+    a, v = run_isa(folder, jobs, "avx2"), run_isa(folder, jobs, vnni)
     for key in a:
         assert np.array_equal(a[key][3].view(np.uint32), v[key][3].view(np.uint32)), key
         assert np.array_equal(a[key][5].view(np.uint32), v[key][5].view(np.uint32)), (key, "x8")

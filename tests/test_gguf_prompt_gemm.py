@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as Q
 
 from edgellm.kernels import gguf_ops, matmul
 from tests.test_cpu_kernels import ext, start_builds, stop_builds  # noqa: F401  (ext: the extension fixture)
-from tests.test_gguf_kernels import (GRID_IQUANTS, K_QUANTS, KERNELS, L4_TYPES, TYPES, X8_ANY, dequant_ref,
+from tests.test_gguf_kernels import (GRID_IQUANTS, K_QUANTS, KERNELS, L4_TYPES, TYPES, X8_ANY, X8_BUILDS, dequant_ref,
                                      make_weights)
 
 ROW_TOL = 1e-5
@@ -398,13 +398,14 @@ def prompt_builds(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512vnni", "neon", "neon-dotprod"])
+@pytest.mark.parametrize("isa", ["scalar", "avx2", "avx2vnni", "avx512vnni", "neon", "neon-dotprod"])
 def test_isa_builds_prompt_gemm_match_reference(prompt_builds, isa):
     import subprocess
 
     folder, jobs = prompt_builds
     if isa not in jobs:
-        pytest.skip(f"no {isa} build here (AVX2: the CPU; AVX-512 VNNI: the CPU or SIMDe; NEON: aarch64-linux-gnu-g++ and qemu-aarch64)")
+        pytest.skip(f"no {isa} build here (AVX2, AVX-VNNI: the CPU; AVX-512 VNNI: the CPU or SIMDe; NEON: "
+                    "aarch64-linux-gnu-g++ and qemu-aarch64)")
     proc, exe, runner = jobs[isa]
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
@@ -422,7 +423,7 @@ def test_isa_builds_prompt_gemm_match_reference(prompt_builds, isa):
     run = subprocess.run([*runner, str(exe), str(folder / f"cases-{isa}.bin"), str(res)], capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0 and run.stdout.startswith(f"isa {isa} fast "), run.stdout[-2000:] + run.stderr[-2000:]
-    assert run.stdout.split()[3] == ("1" if isa in ("avx2", "avx512vnni") else "0")
+    assert run.stdout.split()[3] == ("1" if isa in X8_BUILDS else "0")
     data, pos = np.fromfile(res, dtype=np.float32), 0
     for t, m, n, k, raw, x, idx in cases:
         y, pos = data[pos:pos + m * n].reshape(m, n), pos + m * n
@@ -431,7 +432,7 @@ def test_isa_builds_prompt_gemm_match_reference(prompt_builds, isa):
         n8, pos = int(data[pos]), pos + 1
         y8, pos = data[pos:pos + m * n].reshape(m, n), pos + m * n
         # the x8 layout's panels, built from 8-row groups
-        assert n8 == (n // 8 * 8 if isa in ("avx2", "avx512vnni") and t in X8_ANY else 0)
+        assert n8 == (n // 8 * 8 if isa in X8_BUILDS and t in X8_ANY else 0)
         if n8:
             cols = (idx if idx is not None else np.arange(n))[:n8]
             assert_rows_close(y8[:, cols], ref[:, cols], (isa, t.name, m, n, k, "x8"))

@@ -134,7 +134,7 @@ def test_quant_linear_takes_each_path(ext, monkeypatch):
         y = lin(x)
     # (an AVX2 build beside a native bf16 GEMM, as EDGELLM_EXT_ISA=avx2 on an AMX host, keeps prefills on
     # dequantize + the bf16 GEMM: PREFILL_KERNEL_MAX_M has no row for it; no AVX2-only CPU has such a GEMM)
-    avx2_beside_bf16 = ext.isa() == "avx2" and matmul.DEFAULT_OPTIONS.dense_bf16(4)
+    avx2_beside_bf16 = ext.isa() in ("avx2", "avx2vnni") and matmul.DEFAULT_OPTIONS.dense_bf16(4)
     if ext.gguf_prompt_gemm_fast() and not matmul.DEFAULT_OPTIONS.dense_bf16(4):
         assert torch.equal(y, _run(ext, x, qt))
     if avx2_beside_bf16:  # its rounding is bf16's, not int8 activations'
@@ -148,6 +148,6 @@ def test_quant_linear_takes_each_path(ext, monkeypatch):
             assert torch.equal(lin(x70), ext.quant_linear_prompt(x70, qt.codes, qt.scales, qt.mins, 32, 4, True))
     monkeypatch.setattr(gguf_ops, "AMX_GEMM", False)
     monkeypatch.setattr(matmul, "QUANT_PROMPT_GEMM", False)
-    if ext.isa() in ("avx2", "avx512vnni") and not avx2_beside_bf16:
+    if ext.isa() in ("avx2", "avx2vnni", "avx512vnni") and not avx2_beside_bf16:
         with torch.no_grad():
             assert torch.equal(lin(x), ext.int4_gemm_variant(x, qt.codes, qt.scales, qt.mins, 32, 0))
