@@ -1543,15 +1543,6 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
   PROMPT_UNROLL for (int i = 0; i < RT; ++i) _mm512_store_ps(out + i * 16, acc[i]);
 }
 #elif defined(EDGELLM_G_AVX2)
-// acc + the int32 sums of 4 products per lane (u8 codes against int8 x: each pair sum exact in int16 here)
-inline __m256i dot4_acc(__m256i acc, __m256i u, __m256i x) {
-#ifdef EDGELLM_G_VNNI
-  return EDGELLM_DPBUSD256(acc, u, x);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
-#endif
-}
-
 #ifdef EDGELLM_G_VNNI
 // ia[i] += the int sums of G groups of codes w[g] against activation row i of the block at x0, by vpdpbusd: each
 // row's sum in two chains (even and odd groups) added at the end, so that a row waits for G / 2 dependent vpdpbusd
@@ -1674,7 +1665,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
             const __m256i w = _mm256_load_si256((const __m256i*)wc);
             const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
             for (int i = 0; i < RT; ++i)
-              ia[i] = dot4_acc(ia[i], w, _mm256_set1_epi32(ld32(x0 + 4 * i)));
+              ia[i] = dot4_u8s8(ia[i], w, _mm256_set1_epi32(ld32(x0 + 4 * i)));
             wc += 32;
             xq += 4 * MR;
           }
@@ -1705,7 +1696,7 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
           const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
           for (int i = 0; i < RT; ++i) {
             const __m256i fx = _mm256_xor_si256(_mm256_set1_epi32(ld32(x0 + 4 * i)), m);
-            ia[i] = dot4_acc(ia[i], aw, fx);
+            ia[i] = dot4_u8s8(ia[i], aw, fx);
           }
           wc += 32;
           wn += 32;

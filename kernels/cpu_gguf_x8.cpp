@@ -365,13 +365,7 @@ inline __m256 u8x8_ps(const uint8_t* p) {
 }
 
 // acc += the int32 dot of 4 u8 codes (<= 127: each pair sum widened on its own) and 4 int8 values, per lane
-inline __m256i dot4(__m256i acc, __m256i u, __m256i x) {
-#ifdef EDGELLM_X8_VNNI
-  return EDGELLM_DPBUSD256(acc, u, x);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1)));
-#endif
-}
+inline __m256i dot4(__m256i acc, __m256i u, __m256i x) { return dot4_u8s8(acc, u, x); }
 
 // Codes of the sub-block pair (2k, 2k+1), group g, of a Q4_K / Q5_K x8 super-block.
 template <int TYPE>
