@@ -1545,8 +1545,8 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
 #elif defined(EDGELLM_G_AVX2)
 #ifdef EDGELLM_G_VNNI
 // ia[i] += the int sums of G groups of codes w[g] against activation row i of the block at x0, by vpdpbusd: each
-// row's sum in two chains (even and odd groups) added at the end, so that a row waits for G / 2 dependent vpdpbusd
-// (latency 5) rather than G
+// row's sum in two chains (even and odd groups) added at the end, a row's wait G / 2 dependent vpdpbusd (latency 5)
+// rather than G (on the Sapphire Rapids host, where the multiplies' ports bound the kernel, one chain measured alike)
 template <int RT, int G>
 inline void dpbusd_groups(const __m256i* w, const uint8_t* x0, __m256i* ia) {
   constexpr int MR = P_MR;
