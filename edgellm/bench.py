@@ -440,9 +440,18 @@ def cpu_flags() -> list[str]:
     for line in text.splitlines():
         if line.startswith(("flags", "Features")):
             have = set(line.split(":", 1)[1].split())
-            return [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "asimd", "sve")
-                    if f in have]
+            return [f for f in ("avx2", "fma", "avx_vnni", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "asimd",
+                                "sve") if f in have]
     return []
+
+
+def cpu_kernel_build() -> str | None:
+    """The C++ kernels' build this process runs ("avx512vnni", "avx2vnni", "avx2", "neon-dotprod", ...; None without
+    them): what a CPU row measured, beside the CPU's own flags (EDGELLM_EXT_ISA can pick a lesser build)."""
+    from .kernels import matmul
+
+    ext = matmul.cpu_extension()
+    return ext.isa() if ext is not None and hasattr(ext, "isa") else None
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
@@ -461,7 +470,8 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     elif device.type == "mps":
         gpu = "Apple Metal (MPS)"
     return {
-        "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cores_logical": os.cpu_count(),
+        "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cpu_kernels": cpu_kernel_build() if device.type == "cpu" else None,
+        "cores_logical": os.cpu_count(),
         "cores_physical": psutil.cpu_count(logical=False), "threads": torch.get_num_threads(),
         "ram_bytes": psutil.virtual_memory().total, "gpu": gpu, "device": str(device),
         "os": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,

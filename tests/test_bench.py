@@ -27,7 +27,7 @@ POSITIVE_STATS = {"ttft_s", "ttft_s_min", "ttft_s_max", "prefill_tok_s", "decode
                   "peak_memory_bytes", "load_s", "weight_bytes", "weight_bytes_read_per_token", "kv_bytes_per_token",
                   "kv_cache_bytes", "mean_decode_context", "bytes_per_decoded_token", "bandwidth_gbs",
                   "roofline_tok_s", "roofline_pct", "achieved_gbs"}
-MACHINE_FIELDS = {"cpu", "cpu_flags", "cores_logical", "cores_physical", "threads", "ram_bytes", "gpu", "device",
+MACHINE_FIELDS = {"cpu", "cpu_flags", "cpu_kernels", "cores_logical", "cores_physical", "threads", "ram_bytes", "gpu", "device",
                   "os", "python", "torch", "edgellm", "date", "load_average"}
 
 
@@ -53,6 +53,10 @@ def test_json_schema_and_consistency(tiny_llama, tmp_path, monkeypatch, capsys):
     assert doc["note"] == "shared machine"
     assert MACHINE_FIELDS <= set(doc["machine"])
     assert doc["machine"]["threads"] == 2 and doc["machine"]["ram_bytes"] > 0 and doc["machine"]["torch"]
+    from edgellm.kernels import matmul
+
+    ext = matmul.cpu_extension()  # the build the rows ran on, by name (None where the kernels are off)
+    assert doc["machine"]["cpu_kernels"] == (ext.isa() if ext is not None else None)
     bw = doc["bandwidth"]
     assert bw["copy_gbs"] > 0 and bw["triad_gbs"] > 0 and bw["bandwidth_gbs"] == max(bw["copy_gbs"], bw["triad_gbs"])
 
