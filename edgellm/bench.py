@@ -445,17 +445,10 @@ def cpu_flags() -> list[str]:
     return []
 
 
-def cpu_kernel_build() -> str | None:
-    """The C++ kernels' build this process runs ("avx512vnni", "avx2vnni", "avx2", "neon-dotprod", ...; None without
-    them): what a CPU row measured, beside the CPU's own flags (EDGELLM_EXT_ISA can pick a lesser build)."""
-    from .kernels import matmul
-
-    ext = matmul.cpu_extension()
-    return ext.isa() if ext is not None and hasattr(ext, "isa") else None
-
-
 def machine_info(device: torch.device) -> dict[str, Any]:
     import psutil
+
+    from .kernels import matmul
 
     try:
         from importlib.metadata import version
@@ -470,7 +463,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     elif device.type == "mps":
         gpu = "Apple Metal (MPS)"
     return {
-        "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cpu_kernels": cpu_kernel_build() if device.type == "cpu" else None,
+        "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cpu_kernels": matmul.cpu_kernel_build() if device.type == "cpu" else None,
         "cores_logical": os.cpu_count(),
         "cores_physical": psutil.cpu_count(logical=False), "threads": torch.get_num_threads(),
         "ram_bytes": psutil.virtual_memory().total, "gpu": gpu, "device": str(device),

@@ -144,6 +144,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("memory needed", _mib(weight_bytes + kv_per_token * ctx)),
         ("chat template", "yes" if loaded.tokenizer.chat_template else "no"),
         ("device", str(model.device)),
+        *([("CPU kernels", _cpu_kernels_text())] if model.device.type == "cpu" else []),
         ("decode path", str(decode_path)),
         ("prefill path", str(prefill_path(model, fused_rows=fused_prefill_rows(step)))),
     ]
@@ -155,6 +156,14 @@ def cmd_info(args: argparse.Namespace) -> int:
         table.add_row(f"[bold]{k}[/]", v)
     Console().print(table)
     return 0
+
+
+def _cpu_kernels_text() -> str:
+    """The C++ kernels' build (kernels/matmul.cpu_kernel_build), or why there are none."""
+    from .kernels import matmul
+
+    build = matmul.cpu_kernel_build()
+    return build if build else "off (torch's own ops: --no-ext, no compiler, or a failed build)"
 
 
 def probe_decode_path(loaded, options, kv: str):

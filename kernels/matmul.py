@@ -275,6 +275,14 @@ def cpu_extension():
     return _cpu_ext_state["ext"]
 
 
+def cpu_kernel_build() -> str | None:
+    """The C++ kernels' build this process runs ("avx512vnni", "avx2vnni", "avx2", "neon-dotprod", ...; None without
+    them): what `edgellm info` and a bench row's machine name beside the CPU's flags (EDGELLM_EXT_ISA can pick a
+    lesser build than the flags allow)."""
+    ext = cpu_extension()
+    return ext.isa() if ext is not None and hasattr(ext, "isa") else None
+
+
 def configure_cpu_extension(settings) -> None:
     """How `cpu_extension()` finds the kernels (a `cpu_ext.ExtensionSettings`: disabled, a forced ISA, the cache
     folder). The app sets it once from its options, before the first matmul."""

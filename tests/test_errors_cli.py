@@ -115,6 +115,12 @@ def test_info(tiny_llama):
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     assert info["architecture"] == "llama" and info["layers"] == "2" and info["format"] == "gguf"
+    from edgellm.kernels import matmul
+
+    build = matmul.cpu_kernel_build()  # the build this CPU gets (the CLI's process picks the same)
+    assert info["CPU kernels"] == build if build else info["CPU kernels"].startswith("off")
+    proc = run_cli("info", "-m", str(tiny_llama[1]), "--json", "--no-ext")
+    assert proc.returncode == 0 and json.loads(proc.stdout)["CPU kernels"].startswith("off"), proc.stderr
 
 
 def test_hub_id_resolves_from_local_cache(tiny_llama, tmp_path):
