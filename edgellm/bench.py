@@ -463,8 +463,8 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     elif device.type == "mps":
         gpu = "Apple Metal (MPS)"
     return {
-        "cpu": cpu_model(), "cpu_flags": cpu_flags(), "cpu_kernels": matmul.cpu_kernel_build() if device.type == "cpu" else None,
-        "cores_logical": os.cpu_count(),
+        "cpu": cpu_model(), "cpu_flags": cpu_flags(),
+        "cpu_kernels": matmul.cpu_kernel_build() if device.type == "cpu" else None, "cores_logical": os.cpu_count(),
         "cores_physical": psutil.cpu_count(logical=False), "threads": torch.get_num_threads(),
         "ram_bytes": psutil.virtual_memory().total, "gpu": gpu, "device": str(device),
         "os": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,

@@ -46,8 +46,8 @@ _NAME = "edgellm_cpu_kernels"
 _SOURCES = ("cpu_kernels.cpp", "cpu_decode.cpp", "cpu_gguf.cpp", "cpu_gguf_x8.cpp", "cpu_gguf_grid.cpp", "cpu_attention.cpp",
             "cpu_pointwise.cpp", "cpu_bindings.cpp")
 # hashed with the sources: a change rebuilds
-_HEADERS = ("amx_tiles.h", "cpu_decode.h", "cpu_gguf.h", "dpbusd256.h", "gguf_grids.h", "gguf_low_k_codes.h", "half.h", "simd_math.h", "simd_transpose.h",
-            "simde_avx512.h")
+_HEADERS = ("amx_tiles.h", "cpu_decode.h", "cpu_gguf.h", "dpbusd256.h", "gguf_grids.h", "gguf_low_k_codes.h", "half.h",
+            "simd_math.h", "simd_transpose.h", "simde_avx512.h")
 # The x8 repack and the grid i-quants' L4 recoding alone as a plain C library (no torch), built beside the extension
 # from the same flags, and the file
 # that tells the `edgellm` command where it is before torch is imported (edgellm/early_repack.py).

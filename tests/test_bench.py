@@ -27,8 +27,8 @@ POSITIVE_STATS = {"ttft_s", "ttft_s_min", "ttft_s_max", "prefill_tok_s", "decode
                   "peak_memory_bytes", "load_s", "weight_bytes", "weight_bytes_read_per_token", "kv_bytes_per_token",
                   "kv_cache_bytes", "mean_decode_context", "bytes_per_decoded_token", "bandwidth_gbs",
                   "roofline_tok_s", "roofline_pct", "achieved_gbs"}
-MACHINE_FIELDS = {"cpu", "cpu_flags", "cpu_kernels", "cores_logical", "cores_physical", "threads", "ram_bytes", "gpu", "device",
-                  "os", "python", "torch", "edgellm", "date", "load_average"}
+MACHINE_FIELDS = {"cpu", "cpu_flags", "cpu_kernels", "cores_logical", "cores_physical", "threads", "ram_bytes", "gpu",
+                  "device", "os", "python", "torch", "edgellm", "date", "load_average"}
 
 
 def run_bench(monkeypatch, *argv) -> int:

@@ -528,8 +528,8 @@ def simde_flags(cxx: str) -> list[str] | None:
 
 def standalone_plan() -> dict[str, tuple[str, list[str], list[str]]]:
     """{build: (compiler, ISA flags, runner prefix)} for every standalone build this machine can make and run:
-    the portable one, AVX2 where the CPU has it (and with AVX-VNNI where it has that too), AVX-512 VNNI where the CPU has it or else emulated through SIMDe
-    on an AVX2 CPU, NEON under qemu where a cross toolchain is."""
+    the portable one, AVX2 where the CPU has it (and with AVX-VNNI where it has that too), AVX-512 VNNI where the CPU
+    has it or else emulated through SIMDe on an AVX2 CPU, NEON under qemu where a cross toolchain is."""
     plan = {}
     cxx = _cxx()
     if cxx:

@@ -17,8 +17,8 @@ from gguf import GGMLQuantizationType as Q
 
 from edgellm.kernels import gguf_ops, matmul
 from tests.test_cpu_kernels import ext, start_builds, stop_builds  # noqa: F401  (ext: the extension fixture)
-from tests.test_gguf_kernels import (GRID_IQUANTS, K_QUANTS, KERNELS, L4_TYPES, TYPES, X8_ANY, X8_BUILDS, dequant_ref,
-                                     make_weights)
+from tests.test_gguf_kernels import (GRID_IQUANTS, K_QUANTS, KERNELS, L4_TYPES, TYPES, X8_ANY, X8_BUILDS,
+                                     dequant_ref, make_weights)
 
 ROW_TOL = 1e-5
 

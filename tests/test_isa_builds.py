@@ -1,7 +1,7 @@
 """Every C++ kernel source compiles for every build the extension makes (portable, AVX2, AVX-512 VNNI, NEON, NEON
-dot-product, AVX2 with AVX-VNNI), on any machine with the compilers: the other tests run the builds this CPU can execute, so without
-this a change could break, say, the AVX-512 build unseen on an AVX2-only machine (as one did: a static_assert on
-the AVX2 panel width)."""
+dot-product, AVX2 with AVX-VNNI), on any machine with the compilers: the other tests run the builds this CPU can
+execute, so without this a change could break, say, the AVX-512 build unseen on an AVX2-only machine (as one did: a
+static_assert on the AVX2 panel width)."""
 from __future__ import annotations
 
 import platform
@@ -19,7 +19,8 @@ KERNELS = Path(cpu_ext.__file__).resolve().parent
 # EDGELLM_STANDALONE's stand-ins, as the standalone harnesses build it
 SOURCES = [s for s in cpu_ext._SOURCES if s != "cpu_bindings.cpp"]
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-TARGETS = {"scalar": None, "avx2": "x86", "avx2vnni": "x86", "avx512vnni": "x86", "neon": "aarch64", "neon-dotprod": "aarch64"}
+TARGETS = {"scalar": None, "avx2": "x86", "avx2vnni": "x86", "avx512vnni": "x86", "neon": "aarch64",
+           "neon-dotprod": "aarch64"}
 
 
 def _compiler(target: str | None) -> str | None:
