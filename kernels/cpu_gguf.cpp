@@ -1544,20 +1544,12 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
 }
 #elif defined(EDGELLM_G_AVX2)
 #ifdef EDGELLM_G_VNNI
-// ia[i] += the int sums of G groups of codes w[g] against activation row i of the block at x0, by vpdpbusd: each
-// row's sum in two chains (even and odd groups) added at the end, a row's wait G / 2 dependent vpdpbusd (latency 5)
-// rather than G (on the Sapphire Rapids host, where the multiplies' ports bound the kernel, one chain measured alike)
+// ia[i] += the int sums of G groups of codes w[g] against activation row i of the block at x0, by vpdpbusd
 template <int RT, int G>
 inline void dpbusd_groups(const __m256i* w, const uint8_t* x0, __m256i* ia) {
   constexpr int MR = P_MR;
-  __m256i ib[MR];
-  for (int i = 0; i < RT; ++i) ib[i] = _mm256_setzero_si256();
-  for (int g = 0; g < G; g += 2)
-    for (int i = 0; i < RT; ++i) {
-      ia[i] = EDGELLM_DPBUSD256(ia[i], w[g], _mm256_set1_epi32(ld32(x0 + 4 * (g * MR + i))));
-      ib[i] = EDGELLM_DPBUSD256(ib[i], w[g + 1], _mm256_set1_epi32(ld32(x0 + 4 * ((g + 1) * MR + i))));
-    }
-  for (int i = 0; i < RT; ++i) ia[i] = _mm256_add_epi32(ia[i], ib[i]);
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < RT; ++i) ia[i] = EDGELLM_DPBUSD256(ia[i], w[g], _mm256_set1_epi32(ld32(x0 + 4 * (g * MR + i))));
 }
 #endif
 

@@ -364,9 +364,6 @@ inline __m256 u8x8_ps(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
 
-// acc += the int32 dot of 4 u8 codes (<= 127: each pair sum widened on its own) and 4 int8 values, per lane
-inline __m256i dot4(__m256i acc, __m256i u, __m256i x) { return dot4_u8s8(acc, u, x); }
-
 // Codes of the sub-block pair (2k, 2k+1), group g, of a Q4_K / Q5_K x8 super-block.
 template <int TYPE>
 inline void codes_k(const uint8_t* o, int k, int g, __m256i& lo, __m256i& hi) {
@@ -405,8 +402,8 @@ void group_k(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
         codes_k<TYPE>(o, k, g, lo, hi);
         for (int t = 0; t < T; ++t) {
           const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 64 * k + 4 * g;
-          iA[t] = dot4(iA[t], lo, bcast4(xq));
-          iB[t] = dot4(iB[t], hi, bcast4(xq + 32));
+          iA[t] = dot4_u8s8(iA[t], lo, bcast4(xq));
+          iB[t] = dot4_u8s8(iB[t], hi, bcast4(xq + 32));
         }
       }
 #else
@@ -478,7 +475,7 @@ void group_q6k(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
                                  _mm256_and_si256(_mm256_srli_epi16(hq, 2), m3));
           for (int t = 0; t < T; ++t) {
             const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 128 * h + 4 * g;
-            for (int j = 0; j < 4; ++j) is[t][j] = dot4(is[t][j], u[j], bcast4(xq + 32 * j));
+            for (int j = 0; j < 4; ++j) is[t][j] = dot4_u8s8(is[t][j], u[j], bcast4(xq + 32 * j));
           }
         }
         for (int j = 0; j < 4; ++j) {
@@ -633,15 +630,15 @@ void group_iq4xs(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T])
         if constexpr (U8) {
           for (int t = 0; t < T; ++t) {
             const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 32 * j + 4 * g;
-            ilo[t] = dot4(ilo[t], lo, bcast4(xq));
-            ihi[t] = dot4(ihi[t], hi, bcast4(xq + 16));
+            ilo[t] = dot4_u8s8(ilo[t], lo, bcast4(xq));
+            ihi[t] = dot4_u8s8(ihi[t], hi, bcast4(xq + 16));
           }
         } else {
           const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
           for (int t = 0; t < T; ++t) {
             const int8_t* xq = a.q + (m0 + t) * a.K + s * 256 + 32 * j + 4 * g;
-            ilo[t] = dot4(ilo[t], alo, _mm256_sign_epi8(bcast4(xq), lo));
-            ihi[t] = dot4(ihi[t], ahi, _mm256_sign_epi8(bcast4(xq + 16), hi));
+            ilo[t] = dot4_u8s8(ilo[t], alo, _mm256_sign_epi8(bcast4(xq), lo));
+            ihi[t] = dot4_u8s8(ihi[t], ahi, _mm256_sign_epi8(bcast4(xq + 16), hi));
           }
         }
       }
@@ -699,7 +696,7 @@ void group_q5(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T]) {
 #ifdef EDGELLM_X8_VNNI
     for (int g = 0; g < 8; ++g) {
       const __m256i u = codes_q5<TYPE>(o, qh, g);
-      for (int t = 0; t < T; ++t) is[t] = dot4(is[t], u, bcast4(a.q + (m0 + t) * a.K + b * 32 + 4 * g));
+      for (int t = 0; t < T; ++t) is[t] = dot4_u8s8(is[t], u, bcast4(a.q + (m0 + t) * a.K + b * 32 + 4 * g));
     }
 #else
     // maddubs pair sums in int16: 4 groups of codes <= 31 stay below 4 * 2 * 31 * 127 = 31496
@@ -745,8 +742,8 @@ void group_iq4nl(const GgufActs& a, int64_t m0, const uint8_t* w, __m256 out[T])
       const __m256i alo = _mm256_sign_epi8(lo, lo), ahi = _mm256_sign_epi8(hi, hi);
       for (int t = 0; t < T; ++t) {
         const int8_t* xq = a.q + (m0 + t) * a.K + b * 32 + 4 * g;
-        is[t] = dot4(is[t], alo, _mm256_sign_epi8(bcast4(xq), lo));
-        is[t] = dot4(is[t], ahi, _mm256_sign_epi8(bcast4(xq + 16), hi));
+        is[t] = dot4_u8s8(is[t], alo, _mm256_sign_epi8(bcast4(xq), lo));
+        is[t] = dot4_u8s8(is[t], ahi, _mm256_sign_epi8(bcast4(xq + 16), hi));
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)o));
