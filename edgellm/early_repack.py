@@ -11,7 +11,13 @@ before (the r8 tails, the rows past a multiple of 8). The grid i-quants (IQ1_S .
 forms straight into those forms' x8 layout, as the loader's recoding does. A head start only: a file, build or
 setting this module does not foresee loads as it always did.
 
-Imports nothing heavy (numpy, through gguf_file; torch imports it anyway).
+With the repack begun, the command also builds the file's tokenizer while the dynamic loader maps torch's native
+library on another thread (torch_import.preload_native_library): the tokenizer is Python and Rust work that holds
+the GIL and loads no library, the preload loads a library and holds no GIL, so each has a core (0.07 s for
+SmolLM2's 49k tokens, 0.2 s for Qwen2's 152k; the library 0.13-0.15 s). Neither can overlap torch's import itself:
+that holds the GIL, and its own loads of libraries wait for the loader's lock.
+
+Imports nothing heavy (numpy, through gguf_file; torch imports it anyway; tokenizers, which the loader would).
 """
 from __future__ import annotations
 
@@ -24,12 +30,13 @@ import mmap
 import os
 import platform
 import threading
+import warnings
 from pathlib import Path
 
 from .gguf_file import GGUFFile, grid_codebook
 from .kernels.ext_cache import cache_root, python_tag, repack_pointer
 from .prefetch import bundled_files
-from .torch_import import torch_build
+from .torch_import import preload_native_library, torch_build
 
 # The commands that load one model with the settings below; `quantize`, `info` and `perplexity` (which loads the
 # model twice, as stored and as fp) are left to the loader.
@@ -43,6 +50,8 @@ class RepackJob(ctypes.Structure):  # kernels/early_repack.cpp's
                 ("src_bytes", ctypes.c_int64), ("done", ctypes.c_int64)]
 
 
+# The most of the file one job reads (its pages dropped when it is done): _row_chunks.
+CHUNK_BYTES = 8 << 20
 # The GGUF types that are edgellm's own int8 / int4 layout (quant/groups.GGUF_BLOCKS): type id -> (bits, fp16 fields)
 EXACT_TYPES = {2: (4, 1), 3: (4, 2), 8: (8, 1)}  # Q4_0, Q4_1, Q8_0
 # The grid i-quants whose L4 recoding takes their codebook (quant/gguf_grid.l4_tables): type id -> gguf.quants name
@@ -55,20 +64,15 @@ class EarlyRepack:
     Q4_0 / Q4_1 / Q8_0 (fused and unpermuted as the loader's plan has them). `file` is the parsed, mapped GGUF, for
     the loader to use rather than map the file again."""
 
-    def __init__(self, library: str, build: str, path: Path):
+    def __init__(self, lib: ctypes.CDLL, build: str, path: Path):
+        """`lib`: kernels/early_repack.cpp's build, from `repack_library`."""
         self.build = build
-        lib = ctypes.CDLL(library)
-        lib.edgellm_x8_row_bytes.restype = ctypes.c_int64
-        lib.edgellm_x8_row_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
-        lib.edgellm_repack_run.restype = None
-        lib.edgellm_repack_run.argtypes = [ctypes.POINTER(RepackJob), ctypes.c_int64,
-                                           ctypes.POINTER(ctypes.c_int64), ctypes.POINTER(ctypes.c_int64)]
         self._run = lib.edgellm_repack_run
         self.file = GGUFFile(path)
         self._adopted = False
         self._specs: list[tuple] = []
         self._outputs: list[mmap.mmap] = []
-        self._x8: dict[tuple, tuple[int, int]] = {}  # (address, type, rows, k) -> (job, output)
+        self._x8: dict[tuple, tuple[list[int], int]] = {}  # (address, type, rows, k) -> (jobs, output)
         self._codebooks: dict[int, tuple] = {}  # type id -> (grid, ksigns) arrays its jobs point at
         self._exact: dict[tuple, tuple[list[int], list[int | None]]] = {}  # parts' keys -> (jobs, outputs)
         self._plan_x8(lib)
@@ -78,6 +82,8 @@ class EarlyRepack:
         self._thread: threading.Thread | None = None
         self._finished = False
         self._taken: set[int] = set()
+        self.tokenizer = None
+        self._go = threading.Event()
 
     def _output(self, nbytes: int) -> tuple[int, int]:
         """(index, address) of a new output of nbytes."""
@@ -95,11 +101,16 @@ class EarlyRepack:
             n8, row_bytes = rows // 8 * 8, lib.edgellm_x8_row_bytes(t.type_id, k)
             if n8 and row_bytes:
                 grid, ksigns = self._codebook(t.type_id)
-                src = self.file.data(name).ctypes.data
+                src, src_row = self.file.data(name).ctypes.data, t.n_bytes // rows
                 out, dst = self._output(n8 * row_bytes)
-                self._x8[(src, t.type_id, n8, k)] = (len(self._specs), out)
-                self._specs.append((src, dst, None, None, grid, ksigns, t.type_id, n8, k, 0,
-                                    n8 * (t.n_bytes // rows), 0))
+                jobs = [self._job(src + r * src_row, dst + r * row_bytes, None, None, grid, ksigns, t.type_id, n, k,
+                                  0, n * src_row) for r, n in _row_chunks(n8, 8, src_row)]  # (8 rows: one x8 group)
+                self._x8[(src, t.type_id, n8, k)] = (jobs, out)
+
+    def _job(self, *spec) -> int:
+        """The index of a new job: RepackJob's fields but `done`."""
+        self._specs.append((*spec, 0))
+        return len(self._specs) - 1
 
     def _codebook(self, type_id: int) -> tuple[int | None, int | None]:
         """(grid, ksigns) addresses for a type's jobs: the recoding's tables where it takes them, else (None, None)."""
@@ -141,18 +152,32 @@ class EarlyRepack:
             mins, mins_at = self._output(rows * k // 32 * 2) if fp16_fields == 2 else (None, None)
             key, jobs, row0 = [], [], 0
             for name, t, h in zip(names, ts, heads):
-                src, n = self.file.data(name).ctypes.data, t.shape[0]
+                src, n, src_row = self.file.data(name).ctypes.data, t.shape[0], t.n_bytes // t.shape[0]
                 key.append((src, type_id, n, k, h))
-                jobs.append(len(self._specs))
-                self._specs.append((src, codes_at + row0 * k * bits // 8, scales_at + row0 * k // 32 * 2,
-                                    None if mins_at is None else mins_at + row0 * k // 32 * 2, None, None, type_id,
-                                    n, k, h, t.n_bytes, 0))
+                # (rows unpermuted within each head's: chunks of whole heads)
+                for r, m in _row_chunks(n, n // h if h else 1, src_row):
+                    at = row0 + r
+                    scale_at = at * k // 32 * 2
+                    jobs.append(self._job(src + r * src_row, codes_at + at * k * bits // 8, scales_at + scale_at,
+                                          None if mins_at is None else mins_at + scale_at, None, None, type_id, m, k,
+                                          m // (n // h) if h else 0, m * src_row))
                 row0 += n
             self._exact[tuple(key)] = (jobs, [codes, scales, mins])
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._work, name="edgellm-early-repack", daemon=True)
+    def start(self, held: bool = False) -> None:
+        """Repack on a thread of its own; `held`: once `release()` is called."""
+        if not held:
+            self._go.set()
+
+        def work() -> None:
+            self._go.wait()
+            self._work()
+
+        self._thread = threading.Thread(target=work, name="edgellm-early-repack", daemon=True)
         self._thread.start()
+
+    def release(self) -> None:
+        self._go.set()
 
     def _work(self) -> None:
         self._run(self._jobs, len(self._jobs), ctypes.byref(self._next), ctypes.byref(self._stop))
@@ -160,6 +185,7 @@ class EarlyRepack:
     def _all_done(self) -> None:
         if not self._finished:  # the loader's first ask: this thread takes the jobs left, then waits for the last
             self._finished = True
+            self.release()
             self._work()
             if self._thread is not None:
                 self._thread.join()
@@ -171,8 +197,8 @@ class EarlyRepack:
         if found is None:
             return None
         self._all_done()
-        if self._jobs[found[0]].done != 1:  # (-1: the recoding refused the blocks; the loader's own says why)
-            return None
+        if not all(self._jobs[j].done == 1 for j in found[0]):  # (-1: the recoding refused the blocks; the loader's
+            return None                                           # own says why)
         self._taken.add(found[1])
         return self._outputs[found[1]]
 
@@ -189,6 +215,20 @@ class EarlyRepack:
         self._taken.update(o for o in outputs if o is not None)
         return [None if o is None else self._outputs[o] for o in outputs]
 
+    def build_tokenizer(self) -> None:
+        """The file's tokenizer, as the loader would build it, made while torch's library loads (see the docstring).
+        One that fails or warns is left to the loader, which reports it as it always does."""
+        from .tokenizer import tokenizer_from_gguf
+
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            try:
+                tokenizer = tokenizer_from_gguf(self.file)
+            except Exception:  # noqa: BLE001 - the loader's own build says what is wrong
+                return
+        if not seen:
+            self.tokenizer = tokenizer
+
     def adopt_file(self, path: Path) -> GGUFFile | None:
         if self._adopted or Path(path).resolve() != self.file.path.resolve():
             return None
@@ -199,6 +239,7 @@ class EarlyRepack:
         """Stop the thread (after its current matrix) and unmap what the loader did not take (its tensors keep
         theirs alive) and the file, unless the loader adopted it."""
         self._stop.value = 1
+        self.release()
         if self._thread is not None:
             self._thread.join()
         for i, out in enumerate(self._outputs):
@@ -225,14 +266,44 @@ def start(argv: list[str]) -> None:
     try:
         plan = _plan(argv)
         if plan is not None:
-            _active = EarlyRepack(*plan)
-            _active.start()
+            library, build, path = plan
+            _active = EarlyRepack(repack_library(library), build, path)
             atexit.register(close)
+            _ready_tokenizers()
+            # The other core loads torch's library while this one builds the tokenizer (this thread loads no library
+            # until torch's import), then repacks; or repacks as soon as torch's import begins here, which then
+            # waits for the library, and the core it leaves is the repack's.
+            preloading = preload_native_library(then=_active.release)
+            _active.start(held=preloading is not None)
+            _active.build_tokenizer()
+            _active.release()
     except Exception:  # noqa: BLE001 - only a head start
         _active = None
     finally:
         if collecting:
             gc.enable()
+
+
+def repack_library(path: str) -> ctypes.CDLL:
+    """kernels/early_repack.cpp's build, its functions looked up."""
+    lib = ctypes.CDLL(path)
+    lib.edgellm_x8_row_bytes.restype = ctypes.c_int64
+    lib.edgellm_x8_row_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.edgellm_repack_run.restype = None
+    lib.edgellm_repack_run.argtypes = [ctypes.POINTER(RepackJob), ctypes.c_int64, ctypes.POINTER(ctypes.c_int64),
+                                       ctypes.POINTER(ctypes.c_int64)]
+    return lib
+
+
+def _ready_tokenizers() -> None:
+    """Import the tokenizer's modules (loading the tokenizers library) and make a first BPE on this thread: that
+    registers the Rust library's thread-local destructors, which takes the dynamic loader's lock, so the tokenizer
+    built while the preload holds that lock does not wait for the whole load."""
+    from tokenizers import Tokenizer, models
+
+    from . import tokenizer  # noqa: F401 - (its imports)
+
+    Tokenizer(models.BPE(vocab={"a": 0, "b": 1, "ab": 2}, merges=[("a", "b")])).encode("ab")
 
 
 def started() -> bool:
@@ -242,6 +313,14 @@ def started() -> bool:
 def adopt_file(path: Path) -> GGUFFile | None:
     """The GGUF at `path` already mapped and parsed, for the loader (once), or None."""
     return _active.adopt_file(path) if _active is not None else None
+
+
+def adopt_tokenizer(file: GGUFFile) -> object | None:
+    """The tokenizer built from `file` (the adopted header) before torch's import, for the loader (once), or None."""
+    if _active is None or _active.file is not file:
+        return None
+    tokenizer, _active.tokenizer = _active.tokenizer, None
+    return tokenizer
 
 
 def take(build: str, address: int, type_id: int, rows: int, k: int) -> mmap.mmap | None:
@@ -267,6 +346,14 @@ def close(loaded: GGUFFile | None = None) -> None:
     if _active is not None and (loaded is None or loaded is _active.file):
         _active.close()
         _active = None
+
+
+def _row_chunks(rows: int, unit: int, row_bytes: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each job a matrix is cut into: whole `unit`s of rows, about CHUNK_BYTES of the file each.
+    A job drops its source's pages from memory when it is done, so a large matrix (a 150k-token embedding: 100+ MiB)
+    in one job would hold all of its pages at once, while torch's import adds its own."""
+    step = max(unit, CHUNK_BYTES // max(row_bytes * unit, 1) * unit)
+    return [(r, min(step, rows - r)) for r in range(0, rows, step)]
 
 
 def _anonymous(nbytes: int) -> mmap.mmap:

@@ -320,6 +320,9 @@ class GGUFFile:
             buf.close()
             raise
 
+    def field(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
     def _read_header(self) -> None:
         buf, path = self._map, self.path
         if buf[:4] != b"GGUF":

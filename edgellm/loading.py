@@ -157,7 +157,7 @@ class GGUFSource(TensorSource):
         self.tensors = self.file.tensors
 
     def field(self, key: str, default: Any = None) -> Any:
-        return self.file.fields.get(key, default)
+        return self.file.field(key, default)
 
     def names(self) -> list[str]:
         return list(self.tensors)
@@ -771,11 +771,13 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
     except (RuntimeError, ValueError) as e:  # a tensor whose shape the config does not describe
         raise ModelFormatError(f"{path}: the tensors do not fit the model the config describes "
                                f"({_first_line(e)})") from e
+    tokenizer = None
     if fmt == "gguf":
+        tokenizer = early_repack.adopt_tokenizer(src.file)  # built from this file's header before torch's import
         early_repack.close(src.file)  # what the head start made for this file that was not taken
     model.eval().requires_grad_(False)
     _setup_context(model, cfg, max_seq_len)
-    tokenizer = load_tokenizer(path if path.is_dir() else src)
+    tokenizer = tokenizer or load_tokenizer(path if path.is_dir() else src)
     check_tokenizer(tokenizer, cfg, path)
     model.calibration_ids = calibration_ids(tokenizer)  # for a quantized KV cache's centres, on first use
     types = Counter(src.tensor_type(n) for n in src.names())

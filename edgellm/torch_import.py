@@ -15,6 +15,12 @@ load of a GGUF 0.85-0.90x as long, peak RSS 12 MiB lower (benchmarks/results/def
 Only for the torch versions the test suite runs under this (DEFERRED_ON): torch's own modules lean on this import's
 side effects in ways that change between versions (2.13's torch.Generator() needs torch._prims.rng_prims imported,
 which the module did, so it is imported here); any other version imports torch whole.
+
+`preload_native_library()`: about a fifth of `import torch` is the dynamic loader mapping libtorch_cpu and running
+its static constructors (registering some thousands of operators): 0.13-0.15 s of a ~0.65 s import on a 2-core
+Xeon. None of it needs Python, so the `edgellm` command starts it first, on a thread that calls the C library's
+dlopen (a ctypes foreign call, which releases the GIL; ctypes.CDLL's own dlopen holds it): the other core does it
+while Python imports numpy and reads the model file's header, and torch's import then finds the library loaded.
 """
 from __future__ import annotations
 
@@ -26,8 +32,9 @@ import importlib.util
 import os
 import re
 import sys
+import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 META_KERNELS = "torch._meta_registrations"
@@ -82,6 +89,44 @@ def deferred_meta_kernels() -> Iterator[None]:
         load_meta_kernels()
     else:
         sys.meta_path.insert(0, _LoadBeforeCompiler())
+
+
+def native_library() -> Path | None:
+    """The path of torch's libtorch_cpu (in every build, CPU or CUDA), found without importing torch."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    suffix = {"linux": ".so", "darwin": ".dylib"}.get(sys.platform)
+    path = Path(list(spec.submodule_search_locations)[0]) / "lib" / f"libtorch_cpu{suffix}"
+    return path if suffix and path.is_file() else None
+
+
+def preload_native_library(then: Callable[[], None] | None = None) -> threading.Thread | None:
+    """Start loading libtorch_cpu on a thread of its own (see the docstring), which calls `then` when it is done, or
+    None: torch imported already, no such library, a platform without dlopen, or EDGELLM_PRELOAD_TORCH=0 (an A/B
+    switch). A library that fails to load (NULL handle) is left to torch's import, which reports it; the handle is
+    never closed."""
+    if "torch" in sys.modules or os.environ.get("EDGELLM_PRELOAD_TORCH") == "0":
+        return None
+    path = native_library()
+    if path is None:
+        return None
+    import ctypes
+
+    dlopen = ctypes.CDLL(None).dlopen
+    dlopen.restype, dlopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_int]
+    def load() -> None:
+        try:
+            dlopen(os.fsencode(path), os.RTLD_NOW)
+        finally:
+            if then is not None:
+                then()
+
+    # Not a daemon: Python's exit waits for it. A process ending while the library's static constructors run (Ctrl-C
+    # or an error before torch's import) crashes in the exit's own destructors.
+    thread = threading.Thread(target=load, name="edgellm-preload-torch")
+    thread.start()
+    return thread
 
 
 def meta_kernels_loaded() -> bool:

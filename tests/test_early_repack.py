@@ -91,13 +91,21 @@ def test_the_library_is_the_extensions_build(x8_ext):
     assert pointer["torch"] == torch.__version__
 
 
+# Each matrix in one job (these files' are far below CHUNK_BYTES), or cut into the smallest jobs: 8 rows (one x8
+# group), one row, or one head's rows where they are unpermuted.
+CHUNKS = [None, 1]
+
+
+@pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("name", ["kmix", "lowmix", "iq4mix", "legacy", "iq3mix", "iq2mix", "iq1mix"])
-def test_early_copies_are_the_extensions_bytes(x8_ext, files, name):
+def test_early_copies_are_the_extensions_bytes(x8_ext, files, name, chunk, monkeypatch):
     """Every matrix of a type the build has an x8 layout for (and only those; the embedding only where it is the LM
     head too; its first rows // 8 * 8 rows) is copied, as ext.gguf_repack copies it; a grid i-quant's (IQ1_S ...
     IQ3_S) recoded as ext.gguf_to_l4(x8=True) recodes it, with the codebook the loader gives it."""
     from edgellm.quant.gguf_grid import l4_tables
 
+    if chunk is not None:
+        monkeypatch.setattr(early_repack, "CHUNK_BYTES", chunk)
     early_repack.start(run_line(files[name]))
     active = early_repack._active
     assert active is not None, "the command line loads a GGUF on the CPU: the head start should run"
@@ -111,6 +119,8 @@ def test_early_copies_are_the_extensions_bytes(x8_ext, files, name):
     for n, kind in expected.items():
         src, t = active.file.data(n), active.file.tensors[n]
         rows, k = t.shape[0] // 8 * 8, t.shape[1]
+        jobs = active._x8[(src.ctypes.data, t.type_id, rows, k)][0]
+        assert len(jobs) == (1 if chunk is None else rows // 8), n
         out = early_repack.take(cpu_ext.build_id(x8_ext), src.ctypes.data, t.type_id, rows, k)
         assert out is not None, n
         blocks = torch.from_numpy(np.array(src[:rows]))
@@ -131,13 +141,16 @@ def test_another_build_or_matrix_gets_nothing(x8_ext, files):
     assert early_repack.take(cpu_ext.build_id(x8_ext), src, 12, rows, k) is not None
 
 
+@pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("name", ["q4_0", "q8_0", "q4_1"])
-def test_q4_0_q4_1_q8_0_are_split_as_gguf_into_splits_them(x8_ext, files, name):
+def test_q4_0_q4_1_q8_0_are_split_as_gguf_into_splits_them(x8_ext, files, name, chunk, monkeypatch):
     """Each of our matrices of Q4_0 / Q4_1 / Q8_0 blocks (the embedding, Q/K/V and gate/up fused, Q/K rows unpermuted
     in the llama file) is edgellm's int8 / int4 layout exactly as quant/groups.gguf_into makes it."""
     from edgellm.loading import open_source, weight_plan, source_names
     from edgellm.quant.groups import empty_gguf_exact, gguf_into
 
+    if chunk is not None:
+        monkeypatch.setattr(early_repack, "CHUNK_BYTES", chunk)
     early_repack.start(run_line(files[name]))
     assert early_repack._active is not None and early_repack._active._exact
     src, cfg, fmt = open_source(files[name])
@@ -149,6 +162,9 @@ def test_q4_0_q4_1_q8_0_are_split_as_gguf_into_splits_them(x8_ext, files, name):
         raws = [src.raw(p) for p in plan.parts[ours]]
         heads = [plan.permute.get(p) for p in plan.parts[ours]]
         key = tuple((raw.ctypes.data, t, shape[0], shape[1], h or 0) for (raw, t, shape), h in zip(raws, heads))
+        jobs = early_repack._active._exact[key][0]
+        per_part = [1 if chunk is None else h or shape[0] for (_, _, shape), h in zip(raws, heads)]
+        assert len(jobs) == sum(per_part), ours
         made = early_repack.take_exact(cpu_ext.build_id(x8_ext), key)
         assert made is not None, ours
         want = empty_gguf_exact(raws[0][1], sum(r[2][0] for r in raws), raws[0][2][1])
@@ -164,11 +180,14 @@ def test_q4_0_q4_1_q8_0_are_split_as_gguf_into_splits_them(x8_ext, files, name):
 
 
 @pytest.mark.parametrize("name", ["kmix", "tied", "lowmix", "legacy", "q4_0", "q8_0", "q4_1", "iq3mix", "iq2mix",
-                                  "iq1mix"])
+                                  "iq1mix", "q4_0-chunked", "kmix-chunked"])
 def test_a_load_with_the_head_start_computes_the_same_bits(x8_ext, files, name, monkeypatch):
     """The loader takes every early copy (a tied model's LM head too; the grid i-quants' L4 recodings) and the
     model's logits, prefill and a cached decode step, are those of the same file loaded without the head start, bit
     for bit."""
+    name, chunked = name.removesuffix("-chunked"), name.endswith("-chunked")
+    if chunked:
+        monkeypatch.setattr(early_repack, "CHUNK_BYTES", 1)
     ids = list(range(3, 40))
     plain = _logits(load_model(files[name], weights="auto"), ids)
     taken = []
@@ -253,10 +272,58 @@ def test_another_model_loaded_first_leaves_the_head_start_alone(x8_ext, files, m
     monkeypatch.setattr(early_repack, "take", lambda *a: taken.append(original(*a)) or taken[-1])
     early_repack.start(run_line(files["kmix"], "--draft", str(files["lowmix"])))
     active = early_repack._active
-    load_model(files["lowmix"], weights="auto")
+    draft = load_model(files["lowmix"], weights="auto")
     assert early_repack._active is active and not any(x is not None for x in taken)
+    assert active.tokenizer is not None and draft.tokenizer is not active.tokenizer  # (the main model's, kept)
     load_model(files["tied"].with_suffix(""), weights="auto")  # a safetensors folder: not a GGUF, nothing ended
     assert early_repack._active is active
     taken.clear()
     load_model(files["kmix"], weights="auto")
     assert early_repack._active is None and len(taken) == len(active._jobs) and all(x is not None for x in taken)
+
+
+def test_the_tokenizer_is_built_before_torch_and_taken(x8_ext, files):
+    """The head start builds the file's tokenizer (while torch's library loads) and the loader takes that one: the
+    loader's own build of it, to the serialized tokenizer and every setting."""
+    import dataclasses
+
+    early_repack.start(run_line(files["kmix"]))
+    early = early_repack._active.tokenizer
+    assert early is not None
+    assert load_model(files["kmix"], weights="auto").tokenizer is early
+    own = load_model(files["kmix"], weights="auto").tokenizer  # no head start now: the loader builds it
+    assert own is not early
+    assert early.backend.to_str() == own.backend.to_str()
+    for f in dataclasses.fields(own):
+        if f.name != "backend":
+            assert getattr(early, f.name) == getattr(own, f.name), f.name
+    text = "Hello world, 12345!  spaces\tand\nnewlines ünïcödé"
+    assert early.encode(text) == own.encode(text) and early.decode(early.encode(text)) == own.decode(own.encode(text))
+
+
+@pytest.mark.parametrize("trouble", ["warns", "fails"])
+def test_a_tokenizer_that_warns_or_fails_is_left_to_the_loader(x8_ext, files, monkeypatch, trouble):
+    """Built early, a tokenizer that warns (an unknown pre-tokenizer) or fails (malformed metadata) is dropped: the
+    loader builds it again, so the warning or the error comes where it always did, from the load."""
+    import warnings
+
+    from edgellm import tokenizer as tokenizer_module
+    from edgellm.errors import ModelFormatError
+
+    real = tokenizer_module.tokenizer_from_gguf
+
+    def troubled(src):
+        if trouble == "fails":
+            raise ModelFormatError(f"{src.path}: the tokenizer in the GGUF metadata is malformed (test)")
+        warnings.warn("GGUF pre-tokenizer 'test' is not known; using GPT-2's split")
+        return real(src)
+
+    monkeypatch.setattr(tokenizer_module, "tokenizer_from_gguf", troubled)
+    early_repack.start(run_line(files["kmix"]))
+    assert early_repack._active is not None and early_repack._active.tokenizer is None
+    if trouble == "fails":
+        with pytest.raises(ModelFormatError, match="malformed"):
+            load_model(files["kmix"], weights="auto")
+    else:
+        with pytest.warns(UserWarning, match="not known"):
+            assert load_model(files["kmix"], weights="auto").tokenizer is not None
