@@ -278,7 +278,7 @@ def start(argv: list[str]) -> None:
             _active.build_tokenizer()
             _active.release()
     except Exception:  # noqa: BLE001 - only a head start
-        _active = None
+        close()
     finally:
         if collecting:
             gc.enable()

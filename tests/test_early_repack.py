@@ -327,3 +327,16 @@ def test_a_tokenizer_that_warns_or_fails_is_left_to_the_loader(x8_ext, files, mo
     else:
         with pytest.warns(UserWarning, match="not known"):
             assert load_model(files["kmix"], weights="auto").tokenizer is not None
+
+
+def test_a_failure_after_the_plan_ends_the_head_start(x8_ext, files, monkeypatch):
+    """Anything failing once the head start is set up (here the tokenizer's import) ends it, its thread and memory
+    with it, and the loader loads as it would have without it."""
+    made = []
+    original = early_repack.EarlyRepack.close
+    monkeypatch.setattr(early_repack.EarlyRepack, "close", lambda self: made.append(self) or original(self))
+    monkeypatch.setattr(early_repack, "_ready_tokenizers", lambda: (_ for _ in ()).throw(ImportError("test")))
+    early_repack.start(run_line(files["kmix"]))
+    assert early_repack._active is None and len(made) == 1 and made[0]._outputs == []
+    assert made[0]._thread is None or not made[0]._thread.is_alive()
+    assert load_model(files["kmix"], weights="auto").tokenizer is not None

@@ -26,10 +26,12 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("config", ["edgellm.config"]),  # ModelConfig: what a model is, from HF config.json or GGUF metadata
     ("formats", ["edgellm.gguf_file",  # the one checked GGUF reader, GGUF type tables and row layout
                  "edgellm.file_checks",  # safetensors header checks; a file's config/tensors/tokenizer checked
-                 "edgellm.early_repack"]),  # a GGUF's K-quants repacked while torch is imported (no torch)
+                 "edgellm.early_repack",  # a GGUF's K-quants repacked while torch is imported (no torch)
+                 # text <-> ids from a file's vocabulary (no torch): early_repack builds a GGUF's before torch's import
+                 "edgellm.tokenizer", "edgellm.spm_merges", "edgellm.chat_template"]),
     ("quant", ["edgellm.quant.*"]),  # quantization math and the quantized modules (no whole model)
     ("model", ["edgellm.model", "edgellm.cache", "edgellm.kv_calibration", "edgellm.decode_step", "edgellm.prefill_path",
-               "edgellm.sampling", "edgellm.tokenizer", "edgellm.spm_merges", "edgellm.chat_template"]),
+               "edgellm.sampling"]),
     ("loading", ["edgellm.loading", "edgellm.quantized_format", "edgellm.gguf_export",
                  "edgellm.weight_calibration"]),  # whole models from files, and back to files
     ("generate", ["edgellm.generate", "edgellm.speculative"]),
