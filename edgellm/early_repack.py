@@ -50,6 +50,9 @@ class RepackJob(ctypes.Structure):  # kernels/early_repack.cpp's
                 ("src_bytes", ctypes.c_int64), ("done", ctypes.c_int64)]
 
 
+# The warnings Python's default filters do not show (a library's deprecations): recorded while the tokenizer is built
+# early, they keep it; any other makes the loader build it again, and show it.
+QUIET_WARNINGS = (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning)
 # The most of the file one job reads (its pages dropped when it is done): _row_chunks.
 CHUNK_BYTES = 8 << 20
 # The GGUF types that are edgellm's own int8 / int4 layout (quant/groups.GGUF_BLOCKS): type id -> (bits, fp16 fields)
@@ -226,7 +229,7 @@ class EarlyRepack:
                 tokenizer = tokenizer_from_gguf(self.file)
             except Exception:  # noqa: BLE001 - the loader's own build says what is wrong
                 return
-        if not seen:
+        if not any(not issubclass(w.category, QUIET_WARNINGS) for w in seen):
             self.tokenizer = tokenizer
 
     def adopt_file(self, path: Path) -> GGUFFile | None:
