@@ -18,9 +18,10 @@ which the module did, so it is imported here); any other version imports torch w
 
 `preload_native_library()`: about a fifth of `import torch` is the dynamic loader mapping libtorch_cpu and running
 its static constructors (registering some thousands of operators): 0.13-0.15 s of a ~0.65 s import on a 2-core
-Xeon. None of it needs Python, so the `edgellm` command starts it first, on a thread that calls the C library's
-dlopen (a ctypes foreign call, which releases the GIL; ctypes.CDLL's own dlopen holds it): the other core does it
-while Python imports numpy and reads the model file's header, and torch's import then finds the library loaded.
+Xeon. None of it needs Python, so the `edgellm` command's head start (edgellm/early_repack.py) has a thread call
+the C library's dlopen (a ctypes foreign call, which releases the GIL; ctypes.CDLL's own dlopen holds it) while this
+one builds the model's tokenizer, and torch's import then finds the library loaded. This thread must load no library
+meanwhile: the loader's lock is held for the whole load, static constructors included.
 """
 from __future__ import annotations
 
@@ -115,6 +116,7 @@ def preload_native_library(then: Callable[[], None] | None = None) -> threading.
 
     dlopen = ctypes.CDLL(None).dlopen
     dlopen.restype, dlopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_int]
+
     def load() -> None:
         try:
             dlopen(os.fsencode(path), os.RTLD_NOW)
@@ -122,8 +124,8 @@ def preload_native_library(then: Callable[[], None] | None = None) -> threading.
             if then is not None:
                 then()
 
-    # Not a daemon: Python's exit waits for it. A process ending while the library's static constructors run (Ctrl-C
-    # or an error before torch's import) crashes in the exit's own destructors.
+    # Not a daemon: Python's exit waits for it. A process exiting while the library's static constructors run (an
+    # error or sys.exit before torch's import) crashed in the exit's own destructors (tests/test_torch_preload.py).
     thread = threading.Thread(target=load, name="edgellm-preload-torch")
     thread.start()
     return thread
