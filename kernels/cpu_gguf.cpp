@@ -430,11 +430,7 @@ void row_portable(const GgufActs& a, int64_t m0, int64_t T, const uint8_t* row, 
 // j), then one convert and one FMA with [w_scale_j * d_x_j] for all 8 (and one for the mins).
 
 inline __m256i dot_u8s8(__m256i u, __m256i x) {  // int32 lanes, 4 products each (exact)
-#ifdef EDGELLM_G_VNNI
-  return EDGELLM_DPBUSD256(_mm256_setzero_si256(), u, x);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
-#endif
+  return dot4_u8s8(_mm256_setzero_si256(), u, x);
 }
 
 // lane j = the sum of p[j]'s 8 lanes
@@ -1638,17 +1634,17 @@ void prompt_micro(const Panel& P, const PromptActs& A, int64_t mb, int64_t k0, i
           for (int g = 0; g < 4; g += 2) {  // two groups' pair sums added in int16 (4 products, |.| <= 4 * 63 * 127)
             const __m256i w0 = _mm256_load_si256((const __m256i*)wc), w1 = _mm256_load_si256((const __m256i*)(wc + 32));
             const uint8_t* x0 = reinterpret_cast<const uint8_t*>(xq);
+#ifdef EDGELLM_G_VNNI
+            const __m256i w[2] = {w0, w1};
+            dpbusd_groups<RT, 2>(w, x0, ia);
+#else
             const uint8_t* x1 = x0 + 4 * MR;
             for (int i = 0; i < RT; ++i) {
-#ifdef EDGELLM_G_VNNI
-              ia[i] = EDGELLM_DPBUSD256(EDGELLM_DPBUSD256(ia[i], w0, _mm256_set1_epi32(ld32(x0 + 4 * i))), w1,
-                                        _mm256_set1_epi32(ld32(x1 + 4 * i)));
-#else
               const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(ld32(x0 + 4 * i))),
                                                  _mm256_maddubs_epi16(w1, _mm256_set1_epi32(ld32(x1 + 4 * i))));
               ia[i] = _mm256_add_epi32(ia[i], _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-#endif
             }
+#endif
             wc += 64;
             xq += 8 * MR;
           }
