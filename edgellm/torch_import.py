@@ -13,8 +13,11 @@ real one. Measured on a 2-core Xeon, fresh processes: `import torch` 1.07 -> 0.9
 load of a GGUF 0.85-0.90x as long, peak RSS 12 MiB lower (benchmarks/results/defer-meta-ab.json).
 
 Only for the torch versions the test suite runs under this (DEFERRED_ON): torch's own modules lean on this import's
-side effects in ways that change between versions (2.13's torch.Generator() needs torch._prims.rng_prims imported,
-which the module did, so it is imported here); any other version imports torch whole.
+side effects in ways that change between versions; any other version imports torch whole. 2.13's torch.Generator()
+raises until torch._prims.rng_prims has late-bound the Generator type's metaclass (the module imported it, through
+torch._prims). `_late_bind_generator` makes that one call: importing rng_prims for it would define all of torch._prims
+(0.10-0.13 s of the import here, and 6 MiB). rng_prims binds the same metaclass again when the compiler stack imports
+it, as it did before, and registers Generator for tracing there.
 
 `preload_native_library()`: about a fifth of `import torch` is the dynamic loader mapping libtorch_cpu and running
 its static constructors (registering some thousands of operators): 0.13-0.15 s of a ~0.65 s import on a 2-core
@@ -41,8 +44,6 @@ from pathlib import Path
 META_KERNELS = "torch._meta_registrations"
 # torch major.minor versions the whole test suite has run on with the meta kernels deferred (tests/conftest.py).
 DEFERRED_ON = ("2.13",)
-# What the deferred import itself still needs of the module's side effects (see the docstring).
-STILL_IMPORTED = ("torch._prims.rng_prims",)
 # The compiler stack's entry points, none imported by the deferred `import torch`: the first import of any of them
 # loads the meta kernels before it. (torch._decomp and torch._refs must come after them: imported first, torch's own
 # modules import each other in a circle that fails.)
@@ -84,12 +85,21 @@ def deferred_meta_kernels() -> Iterator[None]:
         return  # loaded already, by a name asked of the placeholder
     _drop_placeholder()
     if "torch" in sys.modules:
-        for name in STILL_IMPORTED:
-            importlib.import_module(name)
+        _late_bind_generator(sys.modules["torch"])
     if any(m in sys.modules for m in NEEDS_META_KERNELS):  # a torch whose own import uses the compiler stack
         load_meta_kernels()
     else:
         sys.meta_path.insert(0, _LoadBeforeCompiler())
+
+
+def _late_bind_generator(torch: types.ModuleType) -> None:
+    """What the deferred import still needs of the module's side effects (see the docstring): torch.Generator's
+    metaclass, where this torch late-binds it."""
+    bind = getattr(torch._C, "_set_generator_metaclass", None)
+    if bind is not None:
+        from torch._opaque_base import OpaqueBaseMeta
+
+        bind(OpaqueBaseMeta)
 
 
 def native_library() -> Path | None:

@@ -28,12 +28,12 @@ def python(code: str, **env: str) -> str:
 
 
 def test_deferred_then_loaded_by_the_compiler():
-    """Deferred: no meta kernels and no compiler-stack module imported, so a meta op with only a Python meta kernel
-    fails (the deferral is real), while eager CPU ops and torch.Generator work. torch.compile (aot_eager traces with
-    fake tensors, which need that kernel) loads them first and gives eager's result."""
+    """Deferred: no meta kernels and no compiler-stack module imported (nor torch._prims), so a meta op with only a
+    Python meta kernel fails (the deferral is real), while eager CPU ops and torch.Generator work. torch.compile
+    (aot_eager traces with fake tensors, which need that kernel) loads them first and gives eager's result."""
     out = python(PRELUDE + (
         "assert not meta_kernels_loaded() and not hasattr(torch, '_meta_registrations')\n"
-        "assert not [m for m in NEEDS_META_KERNELS if m in sys.modules]\n"
+        "assert not [m for m in NEEDS_META_KERNELS + ('torch._prims',) if m in sys.modules]\n"
         "g = torch.Generator().manual_seed(0)\n"
         "x = torch.randn(7, 5, generator=g)\n"
         "try:\n"
@@ -43,9 +43,14 @@ def test_deferred_then_loaded_by_the_compiler():
         "    print('META-OP missing')\n"
         "f = torch.compile(lambda a: torch.median(a, dim=0).values * 2 + a.sum(0), backend='aot_eager')\n"
         "same = torch.equal(f(x), torch.median(x, dim=0).values * 2 + x.sum(0))\n"
-        "print('COMPILED', same, meta_kernels_loaded(), torch.median(torch.empty(9, device='meta')).shape)\n"))
+        "print('COMPILED', same, meta_kernels_loaded(), torch.median(torch.empty(9, device='meta')).shape)\n"
+        "from torch._library.opaque_object import is_opaque_type\n"
+        "again = torch.randn(7, 5, generator=torch.Generator().manual_seed(0))\n"
+        "print('GENERATOR', torch.equal(again, x), 'torch._prims.rng_prims' in sys.modules,"
+        " is_opaque_type(torch._C.Generator))\n"))
     assert "META-OP missing" in out
     assert "COMPILED True True torch.Size([])" in out
+    assert "GENERATOR True True True" in out  # rng_prims, imported by the compiler stack, bound it again
 
 
 @pytest.mark.parametrize("first", ["torch._decomp", "torch._refs", "torch.distributed.tensor"])
