@@ -15,8 +15,9 @@ load of a GGUF 0.85-0.90x as long, peak RSS 12 MiB lower (benchmarks/results/def
 Only for the torch versions the test suite runs under this (DEFERRED_ON): torch's own modules lean on this import's
 side effects in ways that change between versions; any other version imports torch whole. 2.13's torch.Generator()
 raises until torch._prims.rng_prims has late-bound the Generator type's metaclass (the module imported it, through
-torch._prims). `_late_bind_generator` makes that one call: importing rng_prims for it would define all of torch._prims
-(0.10-0.13 s of the import here, and 6 MiB). rng_prims binds the same metaclass again when the compiler stack imports
+torch._prims). `_late_bind_generator` makes that one call. Importing rng_prims for it defines all of torch._prims:
+0.10-0.13 s of the import here and 6 MiB (the command's load 0.87-0.93x as long without it, same peak RSS less 6 MiB:
+benchmarks/results/bind-generator-ab.json). rng_prims binds the same metaclass again when the compiler stack imports
 it, as it did before, and registers Generator for tracing there.
 
 `preload_native_library()`: about a fifth of `import torch` is the dynamic loader mapping libtorch_cpu and running
