@@ -89,12 +89,13 @@ def test_left_whole(how):
 
 
 def test_the_command_answers_the_same_without_them(tiny_llama):
-    """`edgellm run` (entry.main, which defers them) on a GGUF: the same tokens as with torch imported whole, and
-    the meta kernels never loaded (its loader's skeleton on the meta device needs none)."""
+    """`edgellm run` (entry.main, which defers them) on a GGUF, sampling with a seed (a torch.Generator, which the
+    deferral late-binds): the same tokens as with torch imported whole, and the meta kernels never loaded (its
+    loader's skeleton on the meta device needs none)."""
     code = ("import sys\n"
             "from edgellm import entry, torch_import\n"
             "sys.argv = ['edgellm', 'run', 'hello there', '-m', sys.argv[1], '-n', '6', '--raw', '--json',"
-            " '--temperature', '0']\n"
+            " '--temperature', '0.9', '--seed', '7']\n"
             "rc = entry.main()\n"
             "print('META', torch_import.meta_kernels_loaded())\n"
             "sys.exit(rc)\n")
