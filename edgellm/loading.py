@@ -777,7 +777,8 @@ def load_model(arg: str | os.PathLike | None = None, device: str | torch.device 
         early_repack.close(src.file)  # what the head start made for this file that was not taken
     model.eval().requires_grad_(False)
     _setup_context(model, cfg, max_seq_len)
-    tokenizer = tokenizer or load_tokenizer(path if path.is_dir() else src)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(path if path.is_dir() else src)
     check_tokenizer(tokenizer, cfg, path)
     model.calibration_ids = calibration_ids(tokenizer)  # for a quantized KV cache's centres, on first use
     types = Counter(src.tensor_type(n) for n in src.names())

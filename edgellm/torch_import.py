@@ -52,13 +52,21 @@ NEEDS_META_KERNELS = ("torch._dynamo", "torch._inductor", "torch._functorch.aot_
                       "torch._decomp", "torch._refs")
 
 
-def torch_build() -> dict[str, str | None] | None:
-    """torch's version.py values (__version__, cuda, hip) read as text: without importing torch."""
+def _torch_folder() -> Path | None:
+    """The installed torch package's folder, found without importing it."""
     spec = importlib.util.find_spec("torch")
     if spec is None or not spec.submodule_search_locations:
         return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def torch_build() -> dict[str, str | None] | None:
+    """torch's version.py values (__version__, cuda, hip) read as text: without importing torch."""
+    folder = _torch_folder()
+    if folder is None:
+        return None
     try:
-        text = (Path(list(spec.submodule_search_locations)[0]) / "version.py").read_text(encoding="utf-8")
+        text = (folder / "version.py").read_text(encoding="utf-8")
     except OSError:
         return None
     values = {}
@@ -105,12 +113,12 @@ def _late_bind_generator(torch: types.ModuleType) -> None:
 
 def native_library() -> Path | None:
     """The path of torch's libtorch_cpu (in every build, CPU or CUDA), found without importing torch."""
-    spec = importlib.util.find_spec("torch")
-    if spec is None or not spec.submodule_search_locations:
-        return None
+    folder = _torch_folder()
     suffix = {"linux": ".so", "darwin": ".dylib"}.get(sys.platform)
-    path = Path(list(spec.submodule_search_locations)[0]) / "lib" / f"libtorch_cpu{suffix}"
-    return path if suffix and path.is_file() else None
+    if folder is None or suffix is None:
+        return None
+    path = folder / "lib" / f"libtorch_cpu{suffix}"
+    return path if path.is_file() else None
 
 
 def preload_native_library(then: Callable[[], None] | None = None) -> threading.Thread | None:
